@@ -1,0 +1,175 @@
+"""The ``atomtool`` command line (typer): one thin function per command.
+
+Each command parses flags and calls its stage's ``commands`` module; user errors
+(:class:`atomtool.errors.AtomtoolError`) print ``error: <message>`` on one line to stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from atomtool.errors import AtomtoolError
+
+app = typer.Typer(
+    name="atomtool",
+    help="Inspect, convert and serve LLM checkpoints (MLA + DSA + MoE, dense Llama/Qwen).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class DType(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+def _user_errors(fn):
+    """Turn AtomtoolError into a one-line message and exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except AtomtoolError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@app.command("inspect")
+@_user_errors
+def inspect_cmd(
+    source: Annotated[str, typer.Argument(help="Local checkpoint directory or Hugging Face Hub repo id.")],
+    revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor.")] = False,
+    gpu_memory: Annotated[float | None, typer.Option("--gpu-memory", help="GB of memory: report the longest context that fits.")] = None,
+) -> None:
+    """Classify a checkpoint from config.json and safetensors headers only (no tensor data is read)."""
+    from atomtool.inspect.commands import run_inspect
+
+    raise typer.Exit(run_inspect(source, revision=revision, json_out=json_out, show_tensors=tensors,
+                                 gpu_memory_gb=gpu_memory))
+
+
+@app.command("convert")
+@_user_errors
+def convert_cmd(
+    src: Annotated[str, typer.Argument(help="Source checkpoint directory (or Hub repo id, downloaded first).")],
+    out: Annotated[str, typer.Argument(help="Output layout directory (must not exist or be empty).")],
+    dtype: Annotated[DType, typer.Option(help="Target dtype for plain-float tensors.")] = DType.auto,
+    shard_size: Annotated[str, typer.Option(help="Maximum shard size, e.g. 5GB, 500MB.")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    revision: Annotated[str | None, typer.Option(help="Hub revision when SRC is a repo id.")] = None,
+) -> None:
+    """Stream a checkpoint into the atomtool layout (fused projections, stacked experts, a manifest)."""
+    from atomtool.convert.commands import run_convert
+
+    raise typer.Exit(run_convert(src, out, dtype=dtype.value, shard_size=shard_size, overwrite=overwrite,
+                                 dry_run=dry_run, json_out=json_out, revision=revision))
+
+
+@app.command("verify")
+@_user_errors
+def verify_cmd(
+    layout: Annotated[str, typer.Argument(help="An atomtool layout directory.")],
+    source: Annotated[str | None, typer.Option("--source", help="Check every part reproduces this source.")] = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Re-read a layout and check it against its manifest (and, with --source, against the source)."""
+    from atomtool.convert.commands import run_verify
+
+    raise typer.Exit(run_verify(layout, source=source, json_out=json_out))
+
+
+@app.command("generate")
+@_user_errors
+def generate_cmd(
+    model: Annotated[str, typer.Argument(help="atomtool layout or raw HF checkpoint directory.")],
+    prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch.")],
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    ignore_eos: Annotated[bool, typer.Option()] = False,
+    dtype: Annotated[DType, typer.Option()] = DType.auto,
+    device: Annotated[Device, typer.Option()] = Device.auto,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Generate completions for one batch of prompts with the engine (offline, no server)."""
+    from atomtool.serve.commands import run_generate
+
+    raise typer.Exit(run_generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
+                                  device=device.value, json_out=json_out))
+
+
+@app.command("serve")
+@_user_errors
+def serve_cmd(
+    model: Annotated[str | None, typer.Argument(help="Layout or raw HF checkpoint; default: the built-in demo model.")] = None,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    served_model_name: Annotated[str | None, typer.Option()] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="ATOMTOOL_API_KEY")] = None,
+    max_model_len: Annotated[int | None, typer.Option()] = None,
+    max_num_seqs: Annotated[int, typer.Option()] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option()] = 8192,
+    gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
+    kv_cache_memory: Annotated[int | None, typer.Option(help="KV cache bytes (CPU, or to override the GPU budget).")] = None,
+    dtype: Annotated[DType, typer.Option()] = DType.auto,
+    device: Annotated[Device, typer.Option()] = Device.auto,
+    enforce_eager: Annotated[bool, typer.Option(help="Disable CUDA graphs.")] = False,
+    chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file or string.")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option()] = 1,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API."""
+    from atomtool.serve.commands import run_serve
+
+    raise typer.Exit(run_serve(
+        model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory, dtype=dtype.value,
+        device=device.value, enforce_eager=enforce_eager, chat_template=chat_template,
+        tensor_parallel_size=tensor_parallel_size))
+
+
+@app.command("demo")
+@_user_errors
+def demo_cmd(
+    port: Annotated[int, typer.Option(help="Port for the temporary server (0 = any free port).")] = 0,
+) -> None:
+    """Inspect, convert, serve and query the built-in demo model end to end."""
+    from atomtool.serve.demo import run_demo
+
+    raise typer.Exit(run_demo(port=port))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

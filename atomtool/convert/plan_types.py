@@ -1,0 +1,55 @@
+"""The ConversionPlan data model: output tensors <- source tensors + one op.
+
+Shared by convert (which writes the plan to disk) and serve (which runs the same plan in memory to load a
+raw HF checkpoint, and reads the same structure back from ``atomtool.json`` for a layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """Where one source tensor sits inside an output tensor.
+
+    source: source tensor name. rows: (start, end) row range along dim 0 of the output (for ``stack``:
+    of the output's ``[stack_index]`` slice), excluding padding; None for ``copy``/``cast``.
+    stack_index: expert index for ``stack`` ops. pad_rows: zero rows appended after this part
+    (FP8 block alignment).
+    """
+
+    source: str
+    rows: tuple[int, int] | None = None
+    stack_index: int | None = None
+    pad_rows: int = 0
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the layout.
+
+    name: engine module name (``model.layers.3.self_attn.fused_qkv_a_proj.weight``); dtype:
+    safetensors tag; shape: output shape; scheme: storage scheme of the module it belongs to;
+    op: ``copy`` | ``cast`` | ``concat`` | ``stack``; parts: sources in order.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    scheme: str
+    op: str
+    parts: tuple[PartSpec, ...]
+
+
+@dataclass
+class ConversionPlan:
+    """Every output tensor of a conversion, plus the warnings its dtype policy raised.
+
+    config: the output config.json dict (source config + flattened index_* fields + indexer_types).
+    """
+
+    tensors: dict[str, OutputTensor]
+    config: dict
+    dtype_policy: str = "auto"
+    warnings: list[str] = field(default_factory=list)

@@ -1,0 +1,46 @@
+"""Typed errors shared by every stage.
+
+Every error a user can cause derives from :class:`AtomtoolError`; the CLI prints ``error: <message>``
+on one line and exits with ``exit_code`` (1) without a traceback. Messages name the file, tensor,
+layer or parameter at fault. Modelled on huggingface_hub's typed errors.
+"""
+
+from __future__ import annotations
+
+
+class AtomtoolError(Exception):
+    """Base class for every user-facing error. ``exit_code`` is what the CLI exits with."""
+
+    exit_code: int = 1
+
+
+class HeaderError(AtomtoolError):
+    """A safetensors header is corrupt, hostile or inconsistent (names the file and the problem)."""
+
+
+class SourceError(AtomtoolError):
+    """A checkpoint source cannot be read: missing directory/shard, bad index.json, Hub failure."""
+
+
+class ConfigError(AtomtoolError):
+    """config.json is missing, not JSON, or holds inconsistent values (e.g. a bad DSA schedule)."""
+
+
+class UnsupportedArchitectureError(AtomtoolError):
+    """The architecture is unknown to the registry; the message lists the supported ones."""
+
+
+class ConversionError(AtomtoolError):
+    """convert refused or failed (OUT inside SRC, non-empty OUT, no disk space, overflowing cast, ...)."""
+
+
+class LayoutError(AtomtoolError):
+    """An atomtool layout is missing, incomplete or does not match its manifest."""
+
+
+class EngineError(AtomtoolError):
+    """The serving engine cannot load or run a model (missing tensors, KV pool too small, ...)."""
+
+
+class InvalidRequestError(AtomtoolError):
+    """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ..."""

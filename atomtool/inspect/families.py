@@ -1,0 +1,107 @@
+"""Architecture registry: HF ``architectures`` -> family facts (fusions, FP32 keeps, servability).
+
+Fusion rules are data here and nowhere else; convert builds its plan from them and serve loads through
+that plan (DESIGN.md principle 1-2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from atomtool.errors import UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class FusionRule:
+    """Row-concatenate sibling linear modules of one layer into one output module.
+
+    output: module path relative to the layer (``self_attn.fused_qkv_a_proj``); parts: module paths
+    relative to the layer, in row order; full_only_parts: appended only on layers whose DSA schedule
+    role is ``full`` (``indexer.wk``, ``indexer.weights_proj``).
+    """
+
+    output: str
+    parts: tuple[str, ...]
+    full_only_parts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExpertRule:
+    """Stack per-expert modules of an MoE layer into ``[E, ...]`` tensors.
+
+    experts_prefix: path relative to the layer (``mlp.experts``); w13: (gate, up) module names inside
+    one expert, row-concatenated per expert into ``{experts_prefix}.w13``; w2: the down projection,
+    stacked into ``{experts_prefix}.w2``.
+    """
+
+    experts_prefix: str = "mlp.experts"
+    w13: tuple[str, str] = ("gate_proj", "up_proj")
+    w2: str = "down_proj"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Facts about one model family. attention: ``gqa`` | ``mla`` | ``other``."""
+
+    name: str
+    architectures: tuple[str, ...]
+    attention: str
+    servable: bool
+    fusions: tuple[FusionRule, ...] = ()
+    experts: ExpertRule | None = None
+    #: tensor-name suffixes kept in FP32 whatever --dtype says
+    fp32_keep: tuple[str, ...] = ()
+    notes: str = ""
+    extra_model_types: tuple[str, ...] = field(default=())
+
+
+_DENSE_FUSIONS = (
+    FusionRule("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    FusionRule("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+_MLA_FUSIONS = (
+    FusionRule(
+        "self_attn.fused_qkv_a_proj",
+        ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+        full_only_parts=("self_attn.indexer.wk", "self_attn.indexer.weights_proj"),
+    ),
+    FusionRule("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    FusionRule("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"),
+           "gqa", True, _DENSE_FUSIONS),
+    Family("deepseek_mla",
+           ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
+           "mla", True, _MLA_FUSIONS, ExpertRule(), fp32_keep=("mlp.gate.e_score_correction_bias",)),
+    # Recognised for inspect only (classification, totals); serve does not run them yet.
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "gqa", False, _DENSE_FUSIONS, ExpertRule()),
+    Family("qwen3_next", ("Qwen3NextForCausalLM",), "other", False),
+    Family("kimi", ("DeepseekV2ForCausalLM", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM",
+                    "KimiK25ForConditionalGeneration"), "mla", False,
+           fp32_keep=("mlp.gate.e_score_correction_bias",)),
+    Family("minimax", ("MiniMaxM3ForCausalLM", "MiniMaxM2ForCausalLM", "MiniMaxM3ForConditionalGeneration"),
+           "gqa", False),
+    Family("gpt_oss", ("GptOssForCausalLM",), "gqa", False),
+)
+
+_BY_ARCH = {arch: fam for fam in FAMILIES for arch in fam.architectures}
+
+
+def supported_architectures() -> list[str]:
+    """Architectures ``serve`` can run, sorted."""
+    return sorted(a for f in FAMILIES if f.servable for a in f.architectures)
+
+
+def family_for(architecture: str, *, strict: bool = False) -> Family | None:
+    """Look up the family of an HF architecture name.
+
+    Returns None for unknown architectures unless ``strict``, in which case
+    :class:`UnsupportedArchitectureError` lists the supported ones.
+    """
+    fam = _BY_ARCH.get(architecture)
+    if fam is None and strict:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}")
+    return fam
