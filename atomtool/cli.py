@@ -145,7 +145,7 @@ def serve_cmd(
     tensor_parallel_size: Annotated[int, typer.Option()] = 1,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
-    from atomtool.serve.commands import run_serve
+    from atomtool.serve.api.server import run_serve
 
     raise typer.Exit(run_serve(
         model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
