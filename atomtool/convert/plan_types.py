@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from atomtool.inspect.types import TensorInfo
+
 
 @dataclass(frozen=True)
 class PartSpec:
@@ -40,6 +42,8 @@ class OutputTensor:
     scheme: str
     op: str
     parts: tuple[PartSpec, ...]
+    #: quantization block (rows, cols) of an FP8 block output (weight and its ``weight_scale_inv``)
+    block_size: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -47,9 +51,14 @@ class ConversionPlan:
     """Every output tensor of a conversion, plus the warnings its dtype policy raised.
 
     config: the output config.json dict (source config + flattened index_* fields + indexer_types).
+    sources: source tensor name -> TensorInfo (file, dtype, shape, offsets) for every part's source, so the
+    plan can be materialized without re-inspecting. notes: how each fusion was decided (e.g. why the
+    indexer parts stayed separate), recorded in the manifest.
     """
 
     tensors: dict[str, OutputTensor]
     config: dict
     dtype_policy: str = "auto"
     warnings: list[str] = field(default_factory=list)
+    sources: dict[str, TensorInfo] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)

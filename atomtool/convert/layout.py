@@ -1,0 +1,159 @@
+"""The atomtool layout on disk: the ``atomtool.json`` manifest (schema, write, read, validate).
+
+Schema (docs/LAYOUT.md has the full description)::
+
+    {"format": "atomtool-layout", "version": 1,
+     "tool": {"name": "atomtool", "version": "0.1.0"}, "created": "2026-11-30T08:00:00Z",
+     "source": {"path", "repo_id", "revision", "architecture", "family", "fingerprint", "files"},
+     "dtype_policy": "auto", "warnings": [...], "notes": [...], "indexer_types": [...] | null,
+     "tensors": {"<output name>": {"dtype", "shape", "scheme", "op", "block_size", "file", "sha256",
+                                   "parts": [{"source", "source_dtype", "source_shape",
+                                              "rows", "stack_index", "pad_rows"}]}}}
+
+serve reads a layout back with :func:`load_layout_specs` (output specs with their parts, so it can split
+fused tensors by the parts' row ranges) and recognises one with :func:`is_layout`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from atomtool.convert.plan_types import OutputTensor, PartSpec
+from atomtool.errors import LayoutError
+
+MANIFEST_NAME = "atomtool.json"
+FORMAT = "atomtool-layout"
+VERSION = 1
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def spec_to_entry(spec: OutputTensor, sources: dict[str, Any] | None = None) -> dict[str, Any]:
+    """JSON form of one output tensor (without ``file``/``sha256``, which the writer adds).
+
+    ``sources``: source name -> TensorInfo, to record each part's source dtype and shape.
+    """
+    parts = []
+    for p in spec.parts:
+        entry: dict[str, Any] = {"source": p.source}
+        info = (sources or {}).get(p.source)
+        if info is not None:
+            entry["source_dtype"] = info.dtype
+            entry["source_shape"] = list(info.shape)
+        entry["rows"] = list(p.rows) if p.rows is not None else None
+        entry["stack_index"] = p.stack_index
+        entry["pad_rows"] = p.pad_rows
+        parts.append(entry)
+    return {"dtype": spec.dtype, "shape": list(spec.shape), "scheme": spec.scheme, "op": spec.op,
+            "block_size": list(spec.block_size) if spec.block_size is not None else None, "parts": parts}
+
+
+def entry_to_spec(name: str, entry: dict[str, Any]) -> OutputTensor:
+    """Inverse of :func:`spec_to_entry`.
+
+    Raises:
+        LayoutError: a required key is missing or has the wrong type.
+    """
+    try:
+        parts = tuple(
+            PartSpec(source=str(p["source"]), rows=tuple(p["rows"]) if p.get("rows") is not None else None,
+                     stack_index=p.get("stack_index"), pad_rows=int(p.get("pad_rows", 0)))
+            for p in entry["parts"])
+        block = entry.get("block_size")
+        return OutputTensor(name=name, dtype=str(entry["dtype"]), shape=tuple(int(d) for d in entry["shape"]),
+                            scheme=str(entry["scheme"]), op=str(entry["op"]), parts=parts,
+                            block_size=tuple(block) if block is not None else None)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LayoutError(f"{MANIFEST_NAME}: tensor {name}: malformed entry ({exc!r})") from None
+
+
+def read_manifest(layout_dir: str | Path) -> dict[str, Any]:
+    """Read and validate ``atomtool.json`` of a layout directory.
+
+    Raises:
+        LayoutError: missing file, not JSON, wrong ``format``, unsupported ``version``, no ``tensors``.
+    """
+    path = Path(layout_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise LayoutError(f"{layout_dir}: not an atomtool layout ({MANIFEST_NAME} missing)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LayoutError(f"{path}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise LayoutError(f"{path}: format is not {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise LayoutError(f"{path}: layout version {manifest.get('version')!r} is not supported (expected {VERSION})")
+    if not isinstance(manifest.get("tensors"), dict):
+        raise LayoutError(f"{path}: 'tensors' missing or not an object")
+    return manifest
+
+
+def is_layout(path: str | Path) -> bool:
+    """True when ``path`` is a directory holding a valid-looking atomtool layout manifest."""
+    try:
+        read_manifest(path)
+    except LayoutError:
+        return False
+    return True
+
+
+def load_layout_specs(layout_dir: str | Path) -> dict[str, OutputTensor]:
+    """Output tensor specs of a layout, by name, in manifest order (the engine's module names).
+
+    Fused tensors carry their parts with row ranges (padding excluded) and stack indices, so a loader can
+    split ``fused_qkv_a_proj`` back into q_a / kv_a / indexer rows.
+
+    Raises:
+        LayoutError: see :func:`read_manifest` / :func:`entry_to_spec`.
+    """
+    manifest = read_manifest(layout_dir)
+    return {name: entry_to_spec(name, entry) for name, entry in manifest["tensors"].items()}
+
+
+def tensor_files(layout_dir: str | Path) -> dict[str, str]:
+    """Output tensor name -> shard file, from ``model.safetensors.index.json``.
+
+    Raises:
+        LayoutError: the index is missing or malformed.
+    """
+    path = Path(layout_dir) / INDEX_NAME
+    try:
+        index = json.loads(path.read_text())
+        weight_map = index["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise LayoutError(f"{path}: missing or malformed index ({exc})") from None
+    if not isinstance(weight_map, dict):
+        raise LayoutError(f"{path}: weight_map is not an object")
+    return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
+    """Header of one safetensors file and the byte offset where its data section starts.
+
+    Written here rather than taken from ``safe_open`` because verify needs each tensor's byte range to
+    checksum exactly the bytes convert wrote; ``safe_open`` does not expose offsets.
+
+    Raises:
+        LayoutError: the file is too short or its header is not a JSON object.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise LayoutError(f"{path}: file too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            size = path.stat().st_size
+            if n <= 0 or 8 + n > size:
+                raise LayoutError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise LayoutError(f"{path}: cannot read ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LayoutError(f"{path}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise LayoutError(f"{path}: header is not a JSON object")
+    return header, 8 + n

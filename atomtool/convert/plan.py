@@ -1,0 +1,352 @@
+"""Build the pure :class:`ConversionPlan` of a checkpoint from its inspect report.
+
+One function, :func:`build_plan`, turns an :class:`~atomtool.inspect.types.InspectReport` into every output
+tensor of the atomtool layout with its sources and one op (``copy``, ``cast``, ``concat`` rows, ``stack``
+experts). It reads the fusion rules from :mod:`atomtool.inspect.families` (data, one place), the per-layer
+DSA schedule from ``report.dsa.roles`` and the storage scheme of each module from ``report.modules`` -- it
+re-derives none of them (DESIGN.md principle 1). Convert writes the plan to disk; serve runs the same
+plan in memory (:func:`atomtool.convert.materialize.iter_output_tensors`).
+
+Fusion facts (research/dsa.md §4): parts are row-concatenated only when they share a storage scheme.
+Plain-float parts concatenate freely. FP8 block parts (``weight`` F8_E4M3 + ``weight_scale_inv`` F32
+``[ceil(N/b0), ceil(K/b1)]``) are exact to concatenate only when every part but the last has a multiple of
+``b0`` rows, because one scale row covers ``b0`` fused rows; otherwise the part is followed by zero rows up
+to the next block boundary (``PartSpec.pad_rows``) -- its scale rows already cover the padded block, so the
+scale tensors concatenate unchanged and dequantizing any part gives exactly the dequantized source.
+On MLA layers whose schedule role is ``full`` the indexer's ``wk`` and ``weights_proj`` join
+``fused_qkv_a_proj`` only when they share the scheme of ``q_a_proj``/``kv_a_proj_with_mqa`` (all-BF16
+checkpoints); in FP8 releases ``weights_proj`` is BF16 and is never requantized, so the indexer parts
+stay separate tensors under their source names.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from atomtool.convert.cast import FLOAT_SCHEMES, cast_warnings, output_dtype, target_tag
+from atomtool.convert.plan_types import ConversionPlan, OutputTensor, PartSpec
+from atomtool.errors import ConversionError
+from atomtool.inspect.families import FAMILIES, Family, family_for
+from atomtool.inspect.types import InspectReport, ModuleInfo, TensorInfo
+
+_LAYER_RE = re.compile(r"^(?P<layer>(?:.*\.)?layers\.(?P<idx>\d+))\.(?P<rest>.+)$")
+_FLOAT_ROLES = frozenset({"weight", "bias"})
+_FP8_BLOCK_ROLES = frozenset({"weight", "weight_scale_inv"})
+_SCHEME_OF_TAG = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders ``layers.10`` after ``layers.9`` (digit runs compared as integers)."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+@dataclass
+class _Group:
+    """Row-concatenation of sibling modules, per tensor role: (parts, total rows, trailing dims)."""
+
+    scheme: str
+    block: tuple[int, ...] | None
+    roles: dict[str, tuple[list[PartSpec], int, tuple[int, ...]]]
+    dtypes: dict[str, str]
+    padded: list[tuple[str, int]]
+
+
+def _family(report: InspectReport) -> Family | None:
+    for fam in FAMILIES:
+        if fam.name == report.family:
+            return fam
+    return family_for(report.architecture)
+
+
+def _block_of(mod: ModuleInfo, report: InspectReport) -> tuple[int, int] | None:
+    if mod.block_size and len(mod.block_size) == 2:
+        return (int(mod.block_size[0]), int(mod.block_size[1]))
+    qc = report.config_flat.get("quantization_config") or report.config.get("quantization_config") or {}
+    wbs = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if isinstance(wbs, list | tuple) and len(wbs) == 2:
+        return (int(wbs[0]), int(wbs[1]))
+    return None
+
+
+def _why_not_fusable(mods: Sequence[ModuleInfo], report: InspectReport) -> str | None:
+    """None when ``mods`` can be row-concatenated exactly, else the reason."""
+    schemes = {m.scheme for m in mods}
+    if len(schemes) != 1:
+        return "storage schemes differ (" + ", ".join(f"{m.name.rsplit('.', 1)[-1]}={m.scheme}" for m in mods) + ")"
+    scheme = mods[0].scheme
+    allowed = _FLOAT_ROLES if scheme in FLOAT_SCHEMES else _FP8_BLOCK_ROLES if scheme == "fp8_block" else None
+    if allowed is None:
+        return f"scheme {scheme} is not concatenated"
+    roles = set(mods[0].tensors)
+    for m in mods:
+        if set(m.tensors) != roles:
+            return "tensor roles differ (" + ", ".join(f"{x.name}: {sorted(x.tensors)}" for x in mods) + ")"
+    if "weight" not in roles or not roles <= allowed:
+        return f"roles {sorted(roles)} are not concatenated for scheme {scheme}"
+    for role in roles:
+        infos = [m.tensors[role] for m in mods]
+        if len({t.dtype for t in infos}) != 1:
+            return f"{role} dtypes differ"
+        if len({tuple(t.shape[1:]) for t in infos}) != 1 or any(len(t.shape) < 1 for t in infos):
+            return f"{role} trailing dims differ"
+    if scheme == "fp8_block":
+        blocks = {_block_of(m, report) for m in mods}
+        if len(blocks) != 1 or None in blocks:
+            return "FP8 block sizes differ or are unknown"
+        b0, b1 = blocks.pop()
+        for m in mods:
+            w, s = m.tensors["weight"], m.tensors["weight_scale_inv"]
+            if len(w.shape) != 2 or tuple(s.shape) != (math.ceil(w.shape[0] / b0), math.ceil(w.shape[1] / b1)):
+                return f"{m.name}: weight_scale_inv {list(s.shape)} does not match weight {list(w.shape)}"
+    return None
+
+
+def _concat(mods: Sequence[ModuleInfo], report: InspectReport, stack_index: int | None = None) -> _Group:
+    """Row-concatenate every role of ``mods`` (already checked fusable); FP8 parts padded to blocks."""
+    scheme = mods[0].scheme
+    block = _block_of(mods[0], report) if scheme == "fp8_block" else None
+    roles: dict[str, tuple[list[PartSpec], int, tuple[int, ...]]] = {}
+    padded: list[tuple[str, int]] = []
+    for role in mods[0].tensors:
+        parts: list[PartSpec] = []
+        start = 0
+        for i, m in enumerate(mods):
+            t = m.tensors[role]
+            n = t.shape[0]
+            pad = 0
+            if role == "weight" and block is not None and i < len(mods) - 1 and n % block[0]:
+                pad = block[0] - n % block[0]
+                padded.append((m.name, pad))
+            parts.append(PartSpec(t.name, (start, start + n), stack_index, pad))
+            start += n + pad
+        roles[role] = (parts, start, tuple(mods[0].tensors[role].shape[1:]))
+    dtypes = {role: mods[0].tensors[role].dtype for role in mods[0].tensors}
+    return _Group(scheme, block, roles, dtypes, padded)
+
+
+class _Planner:
+    def __init__(self, report: InspectReport, dtype: str):
+        self.report = report
+        self.target = target_tag(dtype)
+        self.dtype_policy = dtype
+        self.family = _family(report)
+        self.fp32_keep = self.family.fp32_keep if self.family else ()
+        self.modules = {m.name: m for m in report.modules}
+        self.module_of_tensor = {t.name: m for m in report.modules for t in m.tensors.values()}
+        self.outputs: list[OutputTensor] = []
+        self.consumed: set[str] = set()
+        self.casts: list[tuple[str, str, str]] = []
+        self.notes: list[str] = []
+        n = report.config_flat.get("num_hidden_layers")
+        self.num_layers = n if isinstance(n, int) else None
+        self.roles = list(report.dsa.roles) if report.dsa is not None else None
+
+    # ---- dtype policy -------------------------------------------------------------------------
+    def _keep_fp32(self, name: str) -> bool:
+        module = name.rsplit(".", 1)[0]
+        return any(name.endswith(s) or module.endswith(s) for s in self.fp32_keep)
+
+    def _out_dtype(self, t: TensorInfo, scheme: str) -> str:
+        dst = output_dtype(t.dtype, target=self.target, scheme=scheme, keep_fp32=self._keep_fp32(t.name))
+        if dst != t.dtype:
+            self.casts.append((t.name, t.dtype, dst))
+        return dst
+
+    @staticmethod
+    def _out_scheme(scheme: str, dtype: str) -> str:
+        return _SCHEME_OF_TAG.get(dtype, scheme) if scheme in FLOAT_SCHEMES or scheme == "float" else scheme
+
+    # ---- outputs ---------------------------------------------------------------------------------
+    def _emit_group(self, prefix: str, group: _Group, stacked: int | None = None,
+                    per_expert: list[_Group] | None = None) -> None:
+        for role, (parts, rows, trailing) in group.roles.items():
+            all_parts = [p for g in per_expert for p in g.roles[role][0]] if per_expert else parts
+            srcs = [self.report.tensors[p.source] for p in all_parts]
+            dsts = {self._out_dtype(t, group.scheme) for t in srcs}
+            dst = dsts.pop()
+            shape = ((stacked,) if stacked is not None else ()) + (rows,) + trailing
+            self.outputs.append(OutputTensor(
+                name=f"{prefix}.{role}", dtype=dst, shape=shape, scheme=self._out_scheme(group.scheme, dst),
+                op="stack" if stacked is not None else "concat", parts=tuple(all_parts),
+                block_size=group.block))
+            self.consumed.update(p.source for p in all_parts)
+
+    def _emit_copy(self, t: TensorInfo) -> None:
+        mod = self.module_of_tensor.get(t.name)
+        scheme = mod.scheme if mod is not None else "float"
+        dst = self._out_dtype(t, scheme)
+        block = None
+        if mod is not None and mod.scheme == "fp8_block":
+            block = _block_of(mod, self.report)
+        out_scheme = _SCHEME_OF_TAG.get(dst, dst.lower()) if mod is None else self._out_scheme(scheme, dst)
+        self.outputs.append(OutputTensor(
+            name=t.name, dtype=dst, shape=tuple(t.shape), scheme=out_scheme,
+            op="copy" if dst == t.dtype else "cast", parts=(PartSpec(t.name),), block_size=block))
+        self.consumed.add(t.name)
+
+    # ---- fusions -----------------------------------------------------------------------------------
+    def _layers(self) -> dict[str, int]:
+        layers: dict[str, int] = {}
+        for name in self.modules:
+            m = _LAYER_RE.match(name)
+            if m:
+                layers[m.group("layer")] = int(m.group("idx"))
+        return layers
+
+    def _fuse_layer(self, layer: str, idx: int) -> None:
+        assert self.family is not None
+        role = self.roles[idx] if self.roles is not None and idx < len(self.roles) else "dense"
+        for rule in self.family.fusions:
+            base = [self.modules.get(f"{layer}.{p}") for p in rule.parts]
+            if any(m is None for m in base):
+                continue
+            out = f"{layer}.{rule.output}"
+            extras: list[ModuleInfo] = []
+            if rule.full_only_parts and role == "full":
+                found = [self.modules.get(f"{layer}.{p}") for p in rule.full_only_parts]
+                if all(m is not None for m in found):
+                    extras = found  # type: ignore[assignment]
+                else:
+                    missing = [p for p, m in zip(rule.full_only_parts, found, strict=True) if m is None]
+                    self.notes.append(f"{out}: layer {idx} is 'full' but lacks {', '.join(missing)}; "
+                                      "indexer parts kept under their source names")
+            why = _why_not_fusable(base, self.report)
+            if why is not None:
+                self.notes.append(f"{out}: not fused, {why}; parts kept under their source names")
+                continue
+            mods = base
+            if extras:
+                why_extra = _why_not_fusable(base + extras, self.report)
+                if why_extra is None:
+                    mods = base + extras
+                else:
+                    self.notes.append(f"{out}: indexer parts ({', '.join(rule.full_only_parts)}) kept separate, "
+                                      f"{why_extra}")
+            group = _concat(mods, self.report)
+            self._note_group(out, mods, group)
+            self._emit_group(out, group)
+
+    def _note_group(self, out: str, mods: Sequence[ModuleInfo], group: _Group, what: str = "") -> None:
+        short = [m.name.rsplit(".", 1)[-1] if ".indexer." not in m.name else "indexer." + m.name.rsplit(".", 1)[-1]
+                 for m in mods]
+        sizes = [m.tensors["weight"].shape[0] for m in mods]
+        msg = f"{out}{what}: {' | '.join(short)} rows {sizes} ({group.scheme})"
+        if group.padded:
+            msg += "; zero rows after " + ", ".join(f"{n.rsplit('.', 1)[-1]} (+{p})" for n, p in group.padded)
+            msg += f" to the {group.block[0]}-row FP8 block" if group.block else ""
+        self.notes.append(msg)
+
+    def _stack_experts(self, layer: str, idx: int) -> None:
+        assert self.family is not None and self.family.experts is not None
+        rule = self.family.experts
+        base = f"{layer}.{rule.experts_prefix}."
+        pat = re.compile(re.escape(base) + r"(\d+)\.(.+)$")
+        experts: dict[int, dict[str, ModuleInfo]] = {}
+        for name, mod in self.modules.items():
+            m = pat.match(name)
+            if m:
+                experts.setdefault(int(m.group(1)), {})[m.group(2)] = mod
+        if not experts:
+            return
+        count = len(experts)
+        if sorted(experts) != list(range(count)):
+            raise ConversionError(f"{base.rstrip('.')}: expert indices are not 0..{count - 1} "
+                                  f"(found {sorted(experts)[:8]}...)")
+        needed = (*rule.w13, rule.w2)
+        for e, mods in experts.items():
+            missing = [n for n in needed if n not in mods]
+            if missing:
+                raise ConversionError(f"{base}{e}: expert lacks {', '.join(missing)}")
+        gates = [experts[e][rule.w13[0]] for e in range(count)]
+        ups = [experts[e][rule.w13[1]] for e in range(count)]
+        downs = [experts[e][rule.w2] for e in range(count)]
+        why = (_why_not_fusable([gates[0], ups[0]], self.report) or _why_not_fusable([downs[0]], self.report)
+               or _why_uniform(gates, "gate") or _why_uniform(ups, "up") or _why_uniform(downs, "down")
+               or (None if gates[0].scheme == downs[0].scheme else "experts' storage schemes differ"))
+        prefix = f"{layer}.{rule.experts_prefix}"
+        if why is not None:
+            self.notes.append(f"{prefix}: experts not stacked, {why}; kept under their source names")
+            return
+        g13 = [_concat([gates[e], ups[e]], self.report, stack_index=e) for e in range(count)]
+        g2 = [_concat([downs[e]], self.report, stack_index=e) for e in range(count)]
+        self._note_group(f"{prefix}.w13", [gates[0], ups[0]], g13[0], f" [{count} experts]")
+        self._emit_group(f"{prefix}.w13", g13[0], stacked=count, per_expert=g13)
+        self._emit_group(f"{prefix}.w2", g2[0], stacked=count, per_expert=g2)
+
+    # ---- entry -----------------------------------------------------------------------------------
+    def build(self) -> ConversionPlan:
+        if self.family is not None and self.num_layers is not None:
+            for layer, idx in sorted(self._layers().items(), key=lambda kv: kv[1]):
+                if idx >= self.num_layers:
+                    continue  # MTP layers are copied unchanged
+                self._fuse_layer(layer, idx)
+                if self.family.experts is not None:
+                    self._stack_experts(layer, idx)
+        for name in self.report.tensors:
+            if name not in self.consumed:
+                self._emit_copy(self.report.tensors[name])
+        first = {o.name: min(natural_key(p.source) for p in o.parts) for o in self.outputs}
+        ordered = sorted(self.outputs, key=lambda o: first[o.name])
+        tensors: dict[str, OutputTensor] = {}
+        for o in ordered:
+            if o.name in tensors:
+                raise ConversionError(f"two output tensors are named {o.name} (a source tensor already has "
+                                      "the name of a fused module)")
+            tensors[o.name] = o
+        return ConversionPlan(
+            tensors=tensors, config=output_config(self.report, self.target), dtype_policy=self.dtype_policy,
+            warnings=cast_warnings(self.casts), sources=dict(self.report.tensors), notes=self.notes)
+
+
+def _why_uniform(mods: Sequence[ModuleInfo], what: str) -> str | None:
+    first = mods[0]
+    for m in mods[1:]:
+        if m.scheme != first.scheme or {r: (t.dtype, t.shape) for r, t in m.tensors.items()} != \
+                {r: (t.dtype, t.shape) for r, t in first.tensors.items()}:
+            return f"{what} projections differ between experts ({first.name} vs {m.name})"
+    return None
+
+
+_TORCH_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def output_config(report: InspectReport, target: str | None = None) -> dict:
+    """The layout's config.json: the source config plus the flattened ``index_*`` fields and the resolved
+    ``indexer_types`` (written into ``text_config`` when the source nests the language model there), and
+    ``dtype`` set to the ``--dtype`` target when one is given."""
+    cfg = copy.deepcopy(report.config)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for key, value in report.config_flat.items():
+        if key.startswith("index"):
+            text[key] = copy.deepcopy(value)
+    if target is not None:
+        for c in {id(cfg): cfg, id(text): text}.values():
+            c["dtype"] = _TORCH_NAMES[target]
+            if "torch_dtype" in c:
+                c["torch_dtype"] = _TORCH_NAMES[target]
+    return cfg
+
+
+def build_plan(report: InspectReport, dtype: str = "auto") -> ConversionPlan:
+    """Plan the conversion of the checkpoint described by ``report`` into the atomtool layout. Pure.
+
+    Output names are the engine's module names: dense ``self_attn.qkv_proj`` / ``mlp.gate_up_proj``; MLA
+    ``self_attn.fused_qkv_a_proj`` (+ indexer rows on ``full`` layers when schemes allow),
+    ``mlp.gate_up_proj``, ``mlp.shared_experts.gate_up_proj``; MoE ``mlp.experts.w13`` [E, 2I, H] (gate | up
+    per expert) and ``mlp.experts.w2`` [E, H, I], each with its ``weight_scale_inv`` stacked when FP8. Every
+    other tensor (and every layer at index >= ``num_hidden_layers``, i.e. MTP) keeps its source name. Every
+    source tensor appears in exactly one output's parts.
+
+    Args:
+        report: the inspect result (modules with storage schemes, tensors, DSA schedule, configs).
+        dtype: ``auto`` | ``bfloat16`` | ``float16`` | ``float32`` (see :mod:`atomtool.convert.cast`).
+    Returns:
+        the plan; its ``warnings`` hold one line per (source dtype -> target dtype) cast.
+    Raises:
+        ConversionError: unknown dtype, incomplete MoE experts, an output name clash.
+    """
+    return _Planner(report, dtype).build()

@@ -1,0 +1,319 @@
+"""Streaming, atomic, sharded writer of an atomtool layout.
+
+- Streaming: every shard's header is computed up front from the plan (names, dtypes, shapes are known
+  before any data is read), then each output tensor is materialized and its bytes written straight to the
+  file. We write the safetensors framing ourselves (8-byte length, JSON header, data) instead of calling
+  ``safetensors.torch.save_file`` because that needs a whole shard's tensors in memory at once; here peak
+  memory is one output tensor whatever the shard size. The files are ordinary safetensors (padded header,
+  contiguous offsets, tensors ordered by alignment) readable by any safetensors tool.
+- Atomic: everything goes to a hidden sibling ``.OUT.tmp-XXXX`` and is renamed to ``OUT`` only when the
+  manifest, the last file, is written and every file is fsynced; an exception or Ctrl-C removes the
+  temporary directory, and a hard kill leaves at most that hidden directory (never an ``OUT`` that looks
+  valid). ``--overwrite`` swaps the old layout out only after the new one is complete.
+- Refusals (checked before any byte is written): OUT equal to or inside SRC, SRC inside an OUT that would
+  be overwritten, a non-empty OUT without ``--overwrite``, ``--overwrite`` of a directory that is not an
+  atomtool layout, not enough free disk space. SRC is only ever opened for reading.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+import atomtool
+from atomtool.convert.cast import torch_dtype
+from atomtool.convert.layout import FORMAT, INDEX_NAME, MANIFEST_NAME, VERSION, is_layout, spec_to_entry
+from atomtool.convert.materialize import _bytes, iter_output_tensors
+from atomtool.convert.plan_types import ConversionPlan, OutputTensor
+from atomtool.errors import ConversionError
+from atomtool.inspect.types import DTYPE_BYTES
+
+#: side files copied unchanged (tokenizer, generation config, chat templates); matched on the file name
+SIDE_FILE_PATTERNS = (
+    r"tokenizer.*", r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\..*", r"merges\.txt",
+    r".*\.tiktoken", r"spiece\.model", r"generation_config\.json", r"chat_template.*", r"preprocessor_config\.json",
+    r"LICENSE.*", r"README\.md",
+)
+#: seconds to sleep after each shard; a test hook to kill a conversion mid-write deterministically
+SLEEP_ENV = "ATOMTOOL_CONVERT_TEST_SLEEP_PER_SHARD"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size such as ``5GB`` (decimal, like huggingface_hub), ``500MiB`` or ``1024``.
+
+    Raises:
+        ConversionError: unparsable or non-positive.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ConversionError(f"--shard-size {text!r}: expected a size such as 5GB, 500MB or 1GiB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ConversionError(f"--shard-size {text!r} must be positive")
+    return value
+
+
+def check_destination(src: str | Path, out: str | Path, *, overwrite: bool) -> None:
+    """Refuse destinations that would touch SRC or lose data.
+
+    Raises:
+        ConversionError: OUT equals or is inside SRC; OUT is a file; OUT is non-empty without ``overwrite``;
+            ``overwrite`` of a directory that is not an atomtool layout or that contains SRC.
+    """
+    src_r, out_r = Path(src).resolve(), Path(out).resolve()
+    if out_r == src_r or src_r in out_r.parents:
+        raise ConversionError(f"OUT {out} is inside the source checkpoint {src}; choose a directory outside SRC "
+                              "(the source is never modified)")
+    if out_r.exists() and not out_r.is_dir():
+        raise ConversionError(f"OUT {out} exists and is not a directory")
+    if out_r.is_dir() and any(out_r.iterdir()):
+        if not overwrite:
+            raise ConversionError(f"OUT {out} is not empty; pass --overwrite to replace it")
+        if out_r in src_r.parents:
+            raise ConversionError(f"refusing to --overwrite {out}: it contains the source checkpoint {src}")
+        if not is_layout(out_r):
+            raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
+                                  f"(no {MANIFEST_NAME}); remove it yourself if it should go")
+
+
+def check_disk_space(out: str | Path, needed: int) -> None:
+    """Refuse when the filesystem of OUT has fewer than ``needed`` bytes free (checked before writing).
+
+    Raises:
+        ConversionError: not enough space (says how much is needed and free).
+    """
+    probe = Path(out).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise ConversionError(f"not enough free disk space for {out}: needs {needed / 1e9:.2f} GB, "
+                              f"{free / 1e9:.2f} GB free on {probe}")
+
+
+def side_files(src: str | Path) -> list[Path]:
+    """Tokenizer, generation and chat-template files of a checkpoint directory (copied unchanged)."""
+    pats = [re.compile(p) for p in SIDE_FILE_PATTERNS]
+    return sorted(f for f in Path(src).iterdir() if f.is_file() and any(p.fullmatch(f.name) for p in pats))
+
+
+def tensor_nbytes(spec: OutputTensor) -> int:
+    """Bytes of one output tensor."""
+    n = DTYPE_BYTES[spec.dtype]
+    for d in spec.shape:
+        n *= d
+    return n
+
+
+@dataclass
+class Shard:
+    """One output file: its name, tensor names in data order, and offsets per tensor."""
+
+    file: str
+    names: list[str]
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)
+    header: bytes = b""
+
+    @property
+    def size(self) -> int:
+        end = max((e for _, e in self.offsets.values()), default=0)
+        return 8 + len(self.header) + end
+
+
+def plan_shards(plan: ConversionPlan, shard_size: int) -> list[Shard]:
+    """Split the plan's outputs into shards of at most ``shard_size`` data bytes (a larger tensor gets its
+    own shard), in plan order; inside a shard tensors are ordered by element size (widest first, the
+    safetensors reference writer's rule) so every tensor starts aligned to its dtype."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, spec in plan.tensors.items():
+        nb = tensor_nbytes(spec)
+        if groups[-1] and size + nb > shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nb
+    shards = []
+    count = len(groups)
+    for i, names in enumerate(groups):
+        names = sorted(names, key=lambda n: -DTYPE_BYTES[plan.tensors[n].dtype])  # stable
+        shard = Shard(f"model-{i + 1:05d}-of-{count:05d}.safetensors", names)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        pos = 0
+        for n in names:
+            spec = plan.tensors[n]
+            nb = tensor_nbytes(spec)
+            shard.offsets[n] = (pos, pos + nb)
+            header[n] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [pos, pos + nb]}
+            pos += nb
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        shard.header = raw + b" " * (-len(raw) % 8)
+        shards.append(shard)
+    return shards
+
+
+def estimate_bytes(plan: ConversionPlan, shards: list[Shard], src: Path) -> int:
+    """Bytes the layout will take: shards, copied side files, config/manifest/index (generous)."""
+    meta = 4096 + 1024 * len(plan.tensors)
+    return sum(s.size for s in shards) + sum(f.stat().st_size for f in side_files(src)) + meta
+
+
+@dataclass
+class WriteResult:
+    """What :func:`write_layout` wrote: the layout dir, shard count, tensor count, data bytes, seconds."""
+
+    out: Path
+    shards: int
+    tensors: int
+    bytes: int
+    seconds: float
+    manifest: dict[str, Any]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard], progress: bool
+                  ) -> dict[str, dict[str, str]]:
+    order = [n for s in shards for n in s.names]
+    total = sum(s.size for s in shards)
+    done: dict[str, dict[str, str]] = {}
+    sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
+    it = iter_output_tensors(plan, src, names=order)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
+              leave=False) as bar:
+        try:
+            for shard in shards:
+                path = tmp / shard.file
+                with open(path, "wb") as f:
+                    f.write(struct.pack("<Q", len(shard.header)))
+                    f.write(shard.header)
+                    bar.update(8 + len(shard.header))
+                    for name in shard.names:
+                        spec, t = next(it)
+                        assert spec.name == name
+                        data = _bytes(t).numpy()
+                        b0, b1 = shard.offsets[name]
+                        if data.nbytes != b1 - b0 or t.dtype != torch_dtype(spec.dtype):
+                            raise ConversionError(f"{name}: produced {data.nbytes} bytes of {t.dtype}, "
+                                                  f"planned {b1 - b0} bytes of {spec.dtype}")
+                        digest = hashlib.sha256(data).hexdigest()
+                        f.write(data)
+                        done[name] = {"file": shard.file, "sha256": digest}
+                        bar.update(data.nbytes)
+                        del t, data
+                    f.flush()
+                    os.fsync(f.fileno())
+                if sleep:
+                    time.sleep(sleep)
+        finally:
+            it.close()
+    return done
+
+
+def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], source: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The ``atomtool.json`` document (schema in :mod:`atomtool.convert.layout` and docs/LAYOUT.md)."""
+    text = plan.config.get("text_config") if isinstance(plan.config.get("text_config"), dict) else plan.config
+    tensors = {}
+    for name, spec in plan.tensors.items():
+        entry = spec_to_entry(spec, plan.sources)
+        entry.update(written.get(name, {}))
+        tensors[name] = entry
+    return {
+        "format": FORMAT, "version": VERSION,
+        "tool": {"name": "atomtool", "version": atomtool.__version__},
+        "created": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "source": source, "dtype_policy": plan.dtype_policy,
+        "warnings": list(plan.warnings), "notes": list(plan.notes),
+        "indexer_types": text.get("indexer_types"),
+        "tensors": tensors,
+    }
+
+
+def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shard_size: int = 5 * 10**9,
+                 overwrite: bool = False, source: dict[str, Any] | None = None, progress: bool = True
+                 ) -> WriteResult:
+    """Write the layout of ``plan`` (sources under ``src``) to ``out``, atomically.
+
+    Args:
+        plan: from :func:`atomtool.convert.plan.build_plan`.
+        src: the local source checkpoint directory (read only).
+        out: the layout directory to create (or replace with ``overwrite``).
+        shard_size: maximum data bytes per shard file.
+        source: the manifest's ``source`` object (path, fingerprint, ...).
+        progress: show a tqdm bar in bytes (stderr).
+    Returns:
+        a :class:`WriteResult` with the manifest written.
+    Raises:
+        ConversionError: a refusal (see :func:`check_destination`, :func:`check_disk_space`), an overflowing
+            cast; SourceError: an unreadable source tensor. In every failure ``out`` is left as it was.
+    """
+    src, out = Path(src), Path(out)
+    check_destination(src, out, overwrite=overwrite)
+    shards = plan_shards(plan, shard_size)
+    check_disk_space(out, estimate_bytes(plan, shards, src))
+    out_abs = out.resolve()
+    out_abs.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(4)
+    tmp = out_abs.parent / f".{out_abs.name}.tmp-{token}"
+    tmp.mkdir()
+    start = time.perf_counter()
+    try:
+        written = _write_shards(plan, src, tmp, shards, progress)
+        weight_map = {n: written[n]["file"] for n in plan.tensors}
+        total = sum(tensor_nbytes(s) for s in plan.tensors.values())
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2))
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2))
+        for f in side_files(src):
+            shutil.copy2(f, tmp / f.name)
+        manifest = build_manifest(plan, written, source or {"path": str(src)})
+        with open(tmp / MANIFEST_NAME, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if out_abs.exists():
+            old = out_abs.parent / f".{out_abs.name}.old-{token}"
+            os.rename(out_abs, old)
+            try:
+                os.rename(tmp, out_abs)
+            except BaseException:
+                os.rename(old, out_abs)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_abs)
+        _fsync_dir(out_abs.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return WriteResult(out_abs, len(shards), len(plan.tensors), total, time.perf_counter() - start, manifest)
