@@ -1,0 +1,470 @@
+"""CheckpointSource: a checkpoint's config.json and safetensors headers, from a local directory or the Hub.
+
+Reads headers only, never tensor data: locally the 8-byte prefix plus the header of each shard; on the Hub
+HTTP range reads of the same bytes, shards in parallel, at most two requests per shard (the first range is
+sized from the index's tensor names so it almost always holds the whole header), plus config.json and
+model.safetensors.index.json through ``hf_hub_download`` (so they land in the HF cache). huggingface_hub
+supplies everything Hub-specific: endpoint (``HF_ENDPOINT``), auth (``HF_TOKEN`` / saved token), URLs,
+retries, the cache and offline mode (``HF_HUB_OFFLINE=1``, or the network is down: files already in the
+cache are used). Header validation is ours (:mod:`atomtool.inspect.safetensors_header`, which says why).
+
+Layouts (HF conventions, research/quant.md §1.4): ``model.safetensors.index.json`` (``weight_map``: tensor
+name -> shard file) or a single ``model.safetensors``; without either, every top-level ``*.safetensors``
+file; a directory with config.json and no weights gives no tensors (inspect reports from the config alone).
+
+Errors: :class:`SourceError` (missing directory/shard, bad index, index path escaping the checkpoint, Hub
+failures), :class:`ConfigError` (config.json not JSON / not an object), :class:`HeaderError` (a corrupt
+header, or one tensor in two shards). Each message is one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from atomtool.errors import ConfigError, HeaderError, SourceError
+from atomtool.inspect.safetensors_header import (
+    MAX_HEADER_BYTES,
+    SafetensorsHeader,
+    parse_header_bytes,
+    parse_header_length,
+    read_header_file,
+)
+from atomtool.inspect.types import TensorInfo
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+MAX_JSON_BYTES = 100_000_000  # config.json / index.json larger than this are refused (hostile input)
+MAX_WORKERS = 16  # parallel header reads (threads: the work is I/O)
+SINGLE_FILE_FIRST_RANGE = 256 * 1024  # first range read of a shard whose tensor names are unknown
+HTTP_TIMEOUT_S = 30.0
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+
+
+@dataclass
+class CheckpointSource:
+    """A checkpoint as inspect sees it: config.json plus every tensor declared in the safetensors headers.
+
+    source: the string given (directory or Hub repo id). root: local directory holding the files (the
+    snapshot directory in the HF cache when every shard is cached there), None when the shards are only
+    remote. config: config.json as a dict, None if absent. tensors: name -> TensorInfo (``file`` = shard
+    name relative to the root). files: shard names, sorted. is_remote: read from the Hub (or its cache).
+    metadata: shard name -> the header's ``__metadata__`` (str -> str). revision: the revision asked for
+    (None = default branch). commit: the commit hash the Hub resolved (remote only, when known).
+    index_metadata: the ``metadata`` object of model.safetensors.index.json (e.g. ``total_size``), None
+    without an index. warnings: non-fatal problems (e.g. tensors a stale index.json does not list).
+    """
+
+    source: str
+    root: Path | None
+    config: dict[str, Any] | None
+    tensors: dict[str, TensorInfo]
+    files: list[str]
+    is_remote: bool
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    revision: str | None = None
+    commit: str | None = None
+    index_metadata: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, source: str, revision: str | None = None) -> CheckpointSource:
+        """Open a local checkpoint directory or a Hub repo id and read config.json and all headers.
+
+        source: an existing directory, else a Hub repo id (``org/name``). revision: Hub branch, tag or
+        commit (only for repo ids). Raises SourceError, ConfigError or HeaderError (see module doc).
+        """
+        path = Path(source).expanduser()
+        if path.is_dir():
+            if revision is not None:
+                raise SourceError(f"{source}: --revision applies to Hub repo ids, not to a local directory")
+            return _open_dir(source, path, is_remote=False)
+        if path.exists():
+            raise SourceError(f"{source}: is a file; pass the checkpoint directory (holding config.json)")
+        if _looks_like_path(source):
+            raise SourceError(f"{source}: no such directory")
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(source)
+        except HFValidationError:
+            raise SourceError(f"{source}: neither a local directory nor a valid Hub repo id") from None
+        return _open_hub(source, revision)
+
+    def local_path(self, file: str) -> Path:
+        """Local path of one of :attr:`files` (or a side file such as tokenizer.json) under :attr:`root`.
+
+        Raises SourceError when the checkpoint is remote-only (root is None).
+        """
+        if self.root is None:
+            raise SourceError(f"{self.source}: {file} is not available locally (remote checkpoint not in the "
+                              "HF cache; download it first, e.g. `hf download`)")
+        return self.root / file
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        """A small side JSON file of the checkpoint (``hf_quant_config.json``, ``generation_config.json``,
+        ...), or None if it does not exist. Remote files come through ``hf_hub_download`` (cached).
+        Raises ConfigError when it is not a JSON object."""
+        _check_member(name, self.source)
+        if self.root is not None and (self.root / name).is_file():
+            return _load_json_object(self.root / name, ConfigError)
+        if not self.is_remote:
+            return None
+        p = _hub_download_json(self.source, name, self.commit or self.revision)
+        return None if p is None else _load_json_object(p, ConfigError)
+
+
+# ----------------------------------------------------------------------------- local
+
+
+def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None = None,
+              commit: str | None = None, strict_weights: bool = False) -> CheckpointSource:
+    """Read a directory laid out like an HF checkpoint (a local checkout or an HF cache snapshot).
+
+    strict_weights: a cache snapshot without index/model.safetensors is an error (the weights may just
+    not be cached) unless the caller established that the repo has none.
+    """
+    config = _load_json_object(root / CONFIG_FILE, ConfigError) if (root / CONFIG_FILE).is_file() else None
+    weight_map, index_meta = None, None
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        weight_map, index_meta = _load_index(index_path)
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (root / f).is_file():
+                where = "the HF cache" if is_remote else str(root)
+                raise SourceError(f"{index_path}: names shard {f!r}, which does not exist in {where}")
+    elif (root / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+    if not files:
+        if strict_weights:
+            raise SourceError(f"{source}: the weights are not in the local HF cache ({root})")
+        if config is None:
+            extra = " (found pytorch_model.bin: only safetensors is supported)" if any(
+                root.glob("pytorch_model*.bin")) else ""
+            raise SourceError(f"{root}: no config.json and no *.safetensors weights{extra}")
+
+    def read(f: str) -> SafetensorsHeader:
+        try:
+            return read_header_file(root / f, file=f)
+        except OSError as e:
+            raise SourceError(f"{root / f}: cannot read ({e.strerror or e})") from None
+
+    headers = _parallel(read, files)
+    label = (lambda f: f"{source}/{f}") if is_remote else (lambda f: str(root / f))
+    tensors, warnings = _merge(headers, weight_map, label, str(index_path))
+    return CheckpointSource(
+        source=source, root=root, config=config, tensors=tensors, files=files, is_remote=is_remote,
+        metadata={f: h.metadata for f, h in headers.items()}, revision=revision, commit=commit,
+        index_metadata=index_meta, warnings=warnings,
+    )
+
+
+def _parallel(fn: Callable[[str], SafetensorsHeader], files: list[str]) -> dict[str, SafetensorsHeader]:
+    """Run ``fn`` over the shards in threads; the first error in shard order is raised."""
+    if len(files) <= 1:
+        return {f: fn(f) for f in files}
+    with ThreadPoolExecutor(max_workers=min(MAX_WORKERS, len(files))) as pool:
+        futures = [(f, pool.submit(fn, f)) for f in files]
+        return {f: fut.result() for f, fut in futures}
+
+
+def _merge(headers: dict[str, SafetensorsHeader], weight_map: dict[str, str] | None,
+           label: Callable[[str], str], index_label: str) -> tuple[dict[str, TensorInfo], list[str]]:
+    """All shards' tensors by name; a name in two shards is a HeaderError; the index must agree."""
+    tensors: dict[str, TensorInfo] = {}
+    for f, h in headers.items():
+        for name, info in h.tensors.items():
+            if name in tensors:
+                other = tensors[name].file
+                raise HeaderError(f"{label(f)}: tensor {name!r} is also in shard {other!r}")
+            tensors[name] = info
+    warnings: list[str] = []
+    if weight_map is not None:
+        for name, f in weight_map.items():
+            if name not in tensors or tensors[name].file != f:
+                raise SourceError(f"{index_label}: maps tensor {name!r} to {f!r}, whose header does not "
+                                  "declare it")
+        unlisted = sorted(set(tensors) - set(weight_map))
+        if unlisted:
+            warnings.append(f"{index_label}: {len(unlisted)} tensor(s) in shard headers are missing from "
+                            f"weight_map (stale index?), e.g. {unlisted[0]!r}")
+    return tensors, warnings
+
+
+def _looks_like_path(source: str) -> bool:
+    return (source.startswith(("/", "./", "../", "~", ".\\")) or "\\" in source or source in (".", "..")
+            or source.count("/") > 1)
+
+
+def _check_member(name: object, where: str) -> str:
+    """A file name from an index must stay inside the checkpoint directory (relative, no '..')."""
+    if not isinstance(name, str) or not name:
+        raise SourceError(f"{where}: {name!r} is not a file name")
+    pp, wp = PurePosixPath(name), PureWindowsPath(name)
+    if pp.is_absolute() or wp.is_absolute() or wp.drive or "\\" in name or ".." in pp.parts:
+        raise SourceError(f"{where}: path {name!r} points outside the checkpoint directory")
+    return name
+
+
+def _read_capped(path: Path, cap: int, err: type[Exception]) -> bytes:
+    with open(path, "rb") as fh:
+        data = fh.read(cap + 1)
+    if len(data) > cap:
+        raise err(f"{path}: larger than {cap} bytes; refusing to parse")
+    return data
+
+
+def _load_json_object(path: Path, err: type[Exception]) -> dict[str, Any]:
+    """Parse a JSON object file; any problem raises ``err`` with one line naming the file."""
+    try:
+        data = _read_capped(path, MAX_JSON_BYTES, err)
+    except OSError as e:
+        raise err(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise err(f"{path}: not valid UTF-8 (bad byte at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise err(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        raise err(f"{path}: not valid JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise err(f"{path}: top level is not a JSON object")
+    return obj
+
+
+def _load_index(path: Path) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """weight_map and metadata of model.safetensors.index.json, validated (SourceError naming the file)."""
+    obj = _load_json_object(path, SourceError)
+    wm = obj.get("weight_map")
+    if not isinstance(wm, dict):
+        raise SourceError(f"{path}: has no 'weight_map' object")
+    for name, f in wm.items():
+        if not isinstance(f, str):
+            raise SourceError(f"{path}: weight_map entry for {name!r} is not a file name")
+        _check_member(f, str(path))
+    meta = obj.get("metadata")
+    return wm, meta if isinstance(meta, dict) else None
+
+
+# ----------------------------------------------------------------------------- Hub
+
+
+class _NetworkDown(Exception):
+    """The Hub cannot be reached (offline mode, connection error): fall back to the HF cache."""
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _open_hub(repo: str, revision: str | None) -> CheckpointSource:
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return _open_cached(repo, revision, "HF_HUB_OFFLINE is set")
+    try:
+        return _open_online(repo, revision)
+    except _NetworkDown as e:
+        return _open_cached(repo, revision, f"cannot reach {_endpoint()} ({e})")
+
+
+def _hub_error(repo: str, what: str, e: Exception) -> Exception:
+    """Translate a huggingface_hub / httpx error into a one-line SourceError or _NetworkDown."""
+    import httpx
+    from huggingface_hub import errors as hfe
+
+    if isinstance(e, (hfe.OfflineModeIsEnabled, httpx.TransportError)):
+        return _NetworkDown(" ".join(str(e).split())[:200] or type(e).__name__)
+    if isinstance(e, hfe.GatedRepoError):
+        return SourceError(f"{repo}: gated repo; accept its terms on the Hub and set HF_TOKEN ({what})")
+    if isinstance(e, hfe.RepositoryNotFoundError):
+        return SourceError(f"{repo}: Hub repo not found at {_endpoint()} (private? set HF_TOKEN)")
+    if isinstance(e, hfe.RevisionNotFoundError):
+        return SourceError(f"{repo}: revision not found ({what})")
+    if isinstance(e, hfe.LocalEntryNotFoundError):
+        cause = e.__cause__ or e
+        return _NetworkDown(f"{what}: {type(cause).__name__}: {' '.join(str(cause).split())[:160]}")
+    if isinstance(e, hfe.HfHubHTTPError) and e.response is not None:
+        return SourceError(f"{repo}: HTTP {e.response.status_code} reading {what} from {_endpoint()}")
+    return SourceError(f"{repo}: cannot read {what} ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+
+
+def _hub_download_json(repo: str, name: str, revision: str | None) -> Path | None:
+    """hf_hub_download a small JSON file (HEAD + GET on a cold cache); None if the repo lacks it."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, name, revision=revision, endpoint=_endpoint(),
+                                    etag_timeout=HTTP_TIMEOUT_S))
+    except LocalEntryNotFoundError as e:
+        raise _hub_error(repo, name, e) from None
+    except EntryNotFoundError:
+        return None
+    except Exception as e:
+        raise _hub_error(repo, name, e) from None
+
+
+def _open_online(repo: str, revision: str | None) -> CheckpointSource:
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg_path = _hub_download_json(repo, CONFIG_FILE, revision)
+    commit = revision if revision and _COMMIT_RE.fullmatch(revision) else None
+    if cfg_path is not None and _COMMIT_RE.fullmatch(cfg_path.parent.name):
+        commit = cfg_path.parent.name  # hf cache layout: snapshots/<commit>/config.json
+    pinned = commit or revision  # read every other file at the same commit as config.json
+    config = _load_json_object(cfg_path, ConfigError) if cfg_path is not None else None
+    index_path = _hub_download_json(repo, INDEX_FILE, pinned)
+    weight_map, index_meta = (None, None)
+    if index_path is not None:
+        weight_map, index_meta = _load_index(index_path)
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [SINGLE_FILE]
+    names_by_file: dict[str, list[str]] = {}
+    for name, f in (weight_map or {}).items():
+        names_by_file.setdefault(f, []).append(name)
+
+    cached: dict[str, Path] = {}
+    for f in files:
+        p = try_to_load_from_cache(repo, f, revision=pinned)
+        if isinstance(p, str):
+            cached[f] = Path(p)
+
+    def read(f: str) -> SafetensorsHeader | None:
+        if f in cached:
+            return read_header_file(cached[f], file=f)
+        return _read_remote_header(repo, f, pinned, names_by_file.get(f))
+
+    results = _parallel(read, files)  # type: ignore[arg-type]
+    headers = {f: h for f, h in results.items() if h is not None}
+    if index_path is None and not headers:  # no index and no model.safetensors: config-only repo
+        files = []
+        if config is None:
+            raise SourceError(f"{repo}: the Hub repo has neither {CONFIG_FILE} nor safetensors weights")
+    elif index_path is not None and len(headers) != len(files):
+        missing = next(f for f in files if f not in headers)
+        raise SourceError(f"{repo}/{INDEX_FILE}: names shard {missing!r}, which does not exist in the repo")
+    tensors, warnings = _merge(headers, weight_map, lambda f: f"{repo}/{f}", f"{repo}/{INDEX_FILE}")
+    snapshot = cfg_path.parent if cfg_path is not None else (index_path.parent if index_path else None)
+    root = snapshot if snapshot is not None and len(cached) == len(files) else None
+    return CheckpointSource(
+        source=repo, root=root, config=config, tensors=tensors, files=files, is_remote=True,
+        metadata={f: h.metadata for f, h in headers.items()}, revision=revision, commit=commit,
+        index_metadata=index_meta, warnings=warnings,
+    )
+
+
+def first_range_bytes(names: list[str] | None) -> int:
+    """Size of the first range read of a shard: an upper estimate of 8 + header length.
+
+    With the shard's tensor names known (from index.json) each header entry is at most the quoted name
+    plus ~112 bytes (``{"dtype":"F8_E4M3FNUZ","shape":[...4 dims],"data_offsets":[12 digits, 12 digits]}``),
+    so one request almost always suffices without downloading tensor data; without names, 256 KiB
+    (huggingface_hub uses 100 kB).
+    """
+    if not names:
+        return SINGLE_FILE_FIRST_RANGE
+    est = 8 + 2 + sum(len(json.dumps(n)) + 112 for n in names) + 1024  # + __metadata__ and padding
+    return min(-(-est // 4096) * 4096, 8 + MAX_HEADER_BYTES)
+
+
+def _read_remote_header(repo: str, file: str, revision: str | None,
+                        names: list[str] | None) -> SafetensorsHeader | None:
+    """Range-read one shard's header from the Hub: 1 request, 2 when the header exceeds the first range.
+
+    Returns None when the file does not exist (404 EntryNotFound). The file size comes from
+    Content-Range (``bytes 0-x/TOTAL``) so offsets are checked against the real end of file.
+    """
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+
+    url = hf_hub_url(repo, file, revision=revision, endpoint=_endpoint())
+    label = f"{repo}/{file}"
+    headers = build_hf_headers()
+    headers["Accept-Encoding"] = "identity"
+    want = first_range_bytes(names)
+
+    def get(start: int, stop: int, blob: bytearray) -> int | None:
+        """GET bytes [start, stop) appended to blob; returns the total file size if the server says."""
+        try:
+            with http_stream_backoff("GET", url, headers={**headers, "Range": f"bytes={start}-{stop - 1}"},
+                                     timeout=HTTP_TIMEOUT_S, max_retries=2) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    hf_raise_for_status(r)
+                total = _total_size(r)
+                skip = start if r.status_code == 200 else 0  # server ignored Range: body starts at byte 0
+                for chunk in r.iter_bytes():
+                    if skip:
+                        cut = min(skip, len(chunk))
+                        chunk, skip = chunk[cut:], skip - cut
+                    blob += chunk
+                    if len(blob) >= stop:
+                        break
+                del blob[stop:]
+                return total
+        except EntryNotFoundError:
+            raise
+        except Exception as e:
+            raise _hub_error(repo, file, e) from None
+
+    blob = bytearray()
+    try:
+        total = get(0, want, blob)
+    except EntryNotFoundError:
+        return None
+    n = parse_header_length(bytes(blob[:8]), label=label, file_size=total)
+    if 8 + n > len(blob) and (total is None or len(blob) < total):
+        try:
+            get(len(blob), 8 + n, blob)
+        except EntryNotFoundError:
+            raise SourceError(f"{label}: disappeared between two range reads") from None
+    return parse_header_bytes(bytes(blob), file=file, label=label, file_size=total)
+
+
+def _total_size(r: Any) -> int | None:
+    cr = r.headers.get("Content-Range", "")
+    if r.status_code == 206 and "/" in cr:
+        tail = cr.rsplit("/", 1)[1].strip()
+        return int(tail) if tail.isdigit() else None
+    if r.status_code == 200:
+        cl = r.headers.get("Content-Length", "")
+        return int(cl) if cl.isdigit() else None
+    return None
+
+
+def _open_cached(repo: str, revision: str | None, reason: str) -> CheckpointSource:
+    """Offline / network down: read the checkpoint from the HF cache snapshot (HF_HUB_CACHE)."""
+    from huggingface_hub import _CACHED_NO_EXIST, constants, try_to_load_from_cache
+
+    found = {f: try_to_load_from_cache(repo, f, revision=revision) for f in (CONFIG_FILE, INDEX_FILE,
+                                                                              SINGLE_FILE)}
+    paths = [Path(p) for p in found.values() if isinstance(p, str)]
+    if not paths:
+        raise SourceError(f"{repo}: {reason}, and the repo is not in the local HF cache "
+                          f"({constants.HF_HUB_CACHE})")
+    snapshot = paths[0].parent
+    no_weights = found[INDEX_FILE] is _CACHED_NO_EXIST and found[SINGLE_FILE] is _CACHED_NO_EXIST
+    commit = snapshot.name if _COMMIT_RE.fullmatch(snapshot.name) else None
+    try:
+        return _open_dir(repo, snapshot, is_remote=True, revision=revision, commit=commit,
+                         strict_weights=not no_weights)
+    except SourceError as e:
+        raise SourceError(f"{e} ({reason})") from None
