@@ -1,0 +1,540 @@
+"""The OpenAI-compatible FastAPI application (``create_app``), modelled on vLLM's API server.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream: true`` as server-sent events ending with ``data: [DONE]``), ``GET /metrics``.
+
+Requests become one engine request per choice (``n`` x prompts, ids ``<response id>-<choice index>``)
+submitted through :class:`~atomtool.serve.api.async_engine.AsyncEngine`; every error is OpenAI's JSON
+error body. Text deltas are ``text[len(previous):]`` of the engine's stable incremental text, and a
+trailing U+FFFD (an incomplete UTF-8 character) is held back until the request finishes, so no
+streamed piece ever splits a multi-byte character and the pieces concatenate to the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from atomtool.errors import AtomtoolError, EngineError, InvalidRequestError
+from atomtool.serve.api.async_engine import AsyncEngine, RequestGroup
+from atomtool.serve.api.chat import load_chat_template, render_chat
+from atomtool.serve.api.metrics import ServerMetrics
+from atomtool.serve.api.protocol import (
+    ChatChoiceLogProbs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbEntry,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogProb,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    unsupported_fields,
+)
+from atomtool.serve.sampling_params import SamplingParams
+
+logger = logging.getLogger("atomtool.serve")
+
+KNOWN_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code))
+
+    def response(self) -> Response:
+        return Response(self.body().model_dump_json(), status_code=self.status, media_type="application/json")
+
+
+def _bad_request(exc: InvalidRequestError) -> APIError:
+    return APIError(400, str(exc), param=getattr(exc, "param", None))
+
+
+# ------------------------------------------------------------------------------------- middleware
+class _AuthAndCount:
+    """Pure-ASGI middleware: Bearer-key check on ``/v1/*`` and a response counter by status.
+
+    (Pure ASGI rather than ``@app.middleware`` so streaming responses and disconnect detection pass
+    through untouched.)
+    """
+
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in KNOWN_ENDPOINTS else "other"
+        if self.api_key is not None and path.startswith("/v1"):
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
+                                                                        self.api_key.encode()):
+                err = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                self.metrics.http_requests.labels(endpoint=endpoint, status="401").inc()
+                await err.response()(scope, receive, send)
+                return
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _new_tail(text: str, sent: int, finished: bool) -> str:
+    """The part of ``text`` after ``sent`` characters that may be streamed now (see module doc)."""
+    delta = text[sent:]
+    if not finished:
+        delta = delta.rstrip("\ufffd")
+    return delta
+
+
+def _delta_logprobs(out: Any) -> list[dict]:
+    """The log-prob entries of ``out.new_token_ids`` whether the engine reports them whole or per step."""
+    lps = out.logprobs
+    if not lps:
+        return []
+    new = len(out.new_token_ids or ())
+    if len(lps) == len(out.token_ids):
+        return list(lps[len(lps) - new:]) if new else []
+    return list(lps[-new:]) if new else []
+
+
+class _TokenText:
+    """Token id -> display string for log-probs (cached ``tokenizer.decode([id])``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self.cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([int(token_id)])
+            if len(self.cache) < 200_000:
+                self.cache[token_id] = s
+        return s
+
+
+def _sse(obj: Any) -> str:
+    if hasattr(obj, "model_dump_json"):
+        return f"data: {obj.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro: Any) -> Any:
+    """Await ``coro`` but cancel it if the client disconnects first (its ``finally`` aborts the work).
+
+    Raises:
+        APIError: 499 when the client went away (nobody reads the answer; logged as such).
+    """
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise APIError(499, "client disconnected")
+
+
+# -------------------------------------------------------------------------------------------- app
+def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
+               chat_template: str | None = None, *, model_root: str | None = None) -> FastAPI:
+    """Build the FastAPI app serving ``engine`` (an :class:`LLMEngine`) as ``served_model_name``.
+
+    Args:
+        engine: the engine; it is stepped in a background thread started by the app's lifespan.
+        served_model_name: the model id clients must send (``/v1/models`` lists it).
+        api_key: when set, every ``/v1`` route requires ``Authorization: Bearer <api_key>``.
+        chat_template: a Jinja chat template file or string replacing the tokenizer's own.
+        model_root: the model path shown as ``root`` in ``/v1/models``.
+
+    Raises:
+        ConfigError: ``chat_template`` looks like a path that does not exist.
+    """
+    template = load_chat_template(chat_template)
+    tokenizer = engine.tokenizer
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(lambda: async_engine.snapshot, served_model_name)
+    async_engine.on_output = metrics.observe
+    token_text = _TokenText(tokenizer)
+    max_model_len = int(engine.max_model_len)
+    vocab_limit = len(tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    app = FastAPI(title="atomtool", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.served_model_name = served_model_name
+
+    # --------------------------------------------------------------------------------- errors
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> Response:
+        return _bad_request(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        parts, param = [], None
+        for e in errors:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            param = param or (".".join(loc) or None)
+            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+        return APIError(400, "; ".join(parts) or "invalid request", param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail),
+                        type="invalid_request_error" if exc.status_code < 500 else "server_error").response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> Response:
+        logger.exception("request failed")
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
+
+    # --------------------------------------------------------------------------------- shared
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_request(req: Any) -> None:
+        check_model(req.model)
+        bad = unsupported_fields(req)
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0])
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+
+    def check_length(prompt_len: int, max_tokens: int | None) -> int:
+        """Validate the context budget; return max_tokens (default: whatever room is left)."""
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if prompt_len >= max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                           f"your request has {prompt_len} input tokens. Please reduce the length of the "
+                           "input messages.", param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            return max_model_len - prompt_len
+        if prompt_len + max_tokens > max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                           f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                           f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                           "completion.", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        seed = req.seed + choice if req.seed is not None else None
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=seed, logprobs=logprobs, stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+        return params.validate()
+
+    async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]]) -> RequestGroup:
+        reqs = []
+        for p, (prompt, params_list) in enumerate(zip(prompts, per_prompt, strict=True)):
+            for i, params in enumerate(params_list):
+                reqs.append((f"{response_id}-{p * len(params_list) + i}", prompt, params))
+        now = time.monotonic()
+        for rid, _, _ in reqs:
+            metrics.arrived(rid, now)
+        try:
+            return await async_engine.submit(reqs)
+        except InvalidRequestError:
+            for rid, _, _ in reqs:
+                metrics.ended_early(rid, "rejected")
+            raise
+        except AtomtoolError as exc:
+            for rid, _, _ in reqs:
+                metrics.ended_early(rid, "error")
+            raise APIError(503 if isinstance(exc, EngineError) else 500, str(exc), type="server_error") from exc
+
+    def choice_index(request_id: str) -> int:
+        return int(request_id.rsplit("-", 1)[1])
+
+    def abort_group(group: RequestGroup, reason: str) -> None:
+        for rid in list(group.unfinished):
+            metrics.ended_early(rid, reason)
+        group.abort()
+
+    def completion_logprobs(entries: list[dict], offset: int) -> CompletionLogProbs:
+        lp = CompletionLogProbs()
+        for e in entries:
+            tok = token_text(e["token_id"])
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(float(e["logprob"]))
+            top = {token_text(t): float(v) for t, v in (e.get("top") or {}).items()}
+            top.setdefault(tok, float(e["logprob"]))
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+        return lp
+
+    def chat_logprobs(entries: list[dict], top_n: int) -> ChatChoiceLogProbs:
+        content = []
+        for e in entries:
+            tok = token_text(e["token_id"])
+            tops = sorted((e.get("top") or {}).items(), key=lambda kv: -kv[1])[:top_n]
+            content.append(ChatTokenLogProb(
+                token=tok, logprob=float(e["logprob"]), bytes=list(tok.encode("utf-8")),
+                top_logprobs=[ChatLogProbEntry(token=token_text(t), logprob=float(v),
+                                               bytes=list(token_text(t).encode("utf-8"))) for t, v in tops]))
+        return ChatChoiceLogProbs(content=content)
+
+    async def collect(group: RequestGroup) -> tuple[dict[str, Any], dict[str, list[dict]]]:
+        finals: dict[str, Any] = {}
+        lps: dict[str, list[dict]] = {rid: [] for rid in group.request_ids}
+        try:
+            async for out in group:
+                lps[out.request_id].extend(_delta_logprobs(out))
+                if out.finished:
+                    finals[out.request_id] = out
+        except EngineError as exc:
+            abort_group(group, "error")
+            raise APIError(500, str(exc), type="server_error") from exc
+        finally:
+            if group.unfinished:
+                abort_group(group, "abort")
+        return finals, lps
+
+    def usage_of(finals: dict[str, Any], n: int) -> UsageInfo:
+        prompt = sum(len(out.prompt_token_ids) for rid, out in finals.items() if choice_index(rid) % n == 0)
+        completion = sum(len(out.token_ids) for out in finals.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def stream_events(group: RequestGroup, make_chunks: Any, usage_chunk: Any) -> AsyncIterator[str]:
+        """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``."""
+        sent: dict[str, int] = {rid: 0 for rid in group.request_ids}
+        finals: dict[str, Any] = {}
+        try:
+            try:
+                async for out in group:
+                    delta = _new_tail(out.text, sent[out.request_id], out.finished)
+                    sent[out.request_id] += len(delta)
+                    if out.finished:
+                        finals[out.request_id] = out
+                    for chunk in make_chunks(out, delta):
+                        yield _sse(chunk)
+            except EngineError as exc:
+                abort_group(group, "error")
+                yield _sse(APIError(500, str(exc), type="server_error").body())
+            else:
+                if usage_chunk is not None:
+                    yield _sse(usage_chunk(finals))
+            yield "data: [DONE]\n\n"
+        finally:
+            # Client disconnect cancels this generator: abort what is still running (frees KV blocks).
+            if group.unfinished:
+                abort_group(group, "abort")
+
+    # --------------------------------------------------------------------------------- routes
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return APIError(503, "the engine is not running", type="server_error").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        card = ModelCard(id=served_model_name, root=model_root, max_model_len=max_model_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        check_request(req)
+        prompts, lengths = completion_prompts(req.prompt)
+        per_prompt = []
+        for n_tok in lengths:
+            max_tokens = check_length(n_tok, req.max_tokens)
+            per_prompt.append([sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        group = await submit(response_id, prompts, per_prompt)
+        want_lp = req.logprobs is not None
+
+        if req.stream:
+            offsets: dict[str, int] = {}
+
+            def make_chunks(out: Any, delta: str) -> list[dict]:
+                lp = None
+                if want_lp:
+                    entries = _delta_logprobs(out)
+                    lp = completion_logprobs(entries, offsets.get(out.request_id, 0))
+                    offsets[out.request_id] = offsets.get(out.request_id, 0) + sum(len(t) for t in lp.tokens)
+                    lp = lp.model_dump()
+                if not delta and lp is None and not out.finished:
+                    return []
+                return [{"id": response_id, "object": "text_completion", "created": created,
+                         "model": served_model_name,
+                         "choices": [{"index": choice_index(out.request_id), "text": delta, "logprobs": lp,
+                                      "finish_reason": out.finish_reason if out.finished else None}]}]
+
+            usage = None
+            if req.stream_options is not None and req.stream_options.include_usage:
+                def usage(finals: dict[str, Any]) -> dict:
+                    return {"id": response_id, "object": "text_completion", "created": created,
+                            "model": served_model_name, "choices": [],
+                            "usage": usage_of(finals, req.n).model_dump()}
+
+            return StreamingResponse(stream_events(group, make_chunks, usage), media_type="text/event-stream")
+
+        finals, lps = await _unless_disconnected(raw, collect(group))
+        choices = []
+        for rid, out in sorted(finals.items(), key=lambda kv: choice_index(kv[0])):
+            choices.append(CompletionChoice(
+                index=choice_index(rid), text=out.text, finish_reason=out.finish_reason,
+                logprobs=completion_logprobs(lps[rid], 0) if want_lp else None))
+        body = CompletionResponse(id=response_id, created=created, model=served_model_name, choices=choices,
+                                  usage=usage_of(finals, req.n))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    def completion_prompts(prompt: Any) -> tuple[list[Any], list[int]]:
+        """Normalise ``prompt`` to a list of engine prompts (strings or token-id lists) and their lengths."""
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            items = [list(prompt)]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        lengths = []
+        for item in items:
+            if isinstance(item, str):
+                lengths.append(len(tokenizer.encode(item)))
+            else:
+                bad = [t for t in item if not 0 <= t < vocab_limit]
+                if bad:
+                    raise APIError(400, f"token id {bad[0]} in prompt is out of the vocabulary "
+                                   f"(size {vocab_limit})", param="prompt")
+                lengths.append(len(item))
+        return items, lengths
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        check_request(req)
+        prompt_ids = render_chat(tokenizer, req.messages, chat_template=req.chat_template or template,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 template_kwargs=req.chat_template_kwargs)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = check_length(len(prompt_ids), requested)
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        params = [sampling_params(req, max_tokens, top_n, i) for i in range(req.n)]
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        group = await submit(response_id, [prompt_ids], [params])
+
+        if req.stream:
+            started: set[str] = set()
+
+            def make_chunks(out: Any, delta: str) -> list[ChatCompletionChunk]:
+                idx = choice_index(out.request_id)
+                chunks = []
+                if out.request_id not in started:
+                    started.add(out.request_id)
+                    chunks.append(ChatCompletionChunk(id=response_id, created=created, model=served_model_name,
+                                                      choices=[ChatStreamChoice(index=idx, delta=DeltaMessage(
+                                                          role="assistant", content=""))]))
+                lp = chat_logprobs(_delta_logprobs(out), top_n) if top_n is not None else None
+                if delta or out.finished or (lp is not None and lp.content):
+                    chunks.append(ChatCompletionChunk(
+                        id=response_id, created=created, model=served_model_name,
+                        choices=[ChatStreamChoice(index=idx, delta=DeltaMessage(content=delta or None),
+                                                  logprobs=lp,
+                                                  finish_reason=out.finish_reason if out.finished else None)]))
+                return chunks
+
+            usage = None
+            if req.stream_options is not None and req.stream_options.include_usage:
+                def usage(finals: dict[str, Any]) -> ChatCompletionChunk:
+                    return ChatCompletionChunk(id=response_id, created=created, model=served_model_name,
+                                               choices=[], usage=usage_of(finals, req.n))
+
+            return StreamingResponse(stream_events(group, make_chunks, usage), media_type="text/event-stream")
+
+        finals, lps = await _unless_disconnected(raw, collect(group))
+        choices = []
+        for rid, out in sorted(finals.items(), key=lambda kv: choice_index(kv[0])):
+            choices.append(ChatCompletionChoice(
+                index=choice_index(rid), message=ChatResponseMessage(content=out.text),
+                finish_reason=out.finish_reason,
+                logprobs=chat_logprobs(lps[rid], top_n) if top_n is not None else None))
+        body = ChatCompletionResponse(id=response_id, created=created, model=served_model_name, choices=choices,
+                                      usage=usage_of(finals, req.n))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    return app

@@ -1,0 +1,89 @@
+"""Chat templates: load ``--chat-template`` and render OpenAI messages into prompt token ids.
+
+Rendering uses the tokenizer's own Jinja chat template through transformers'
+``apply_chat_template`` (the same path HF ``generate`` users and vLLM take); ``--chat-template``
+or a request's ``chat_template`` replaces it. The rendered text already holds the template's special
+tokens (BOS, role markers), so it is encoded with ``add_special_tokens=False``, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from atomtool.errors import ConfigError, InvalidRequestError
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """Resolve ``--chat-template``: a path to a Jinja file, or the template itself.
+
+    Returns None for None. A value that names an existing file is read; a value containing Jinja
+    syntax (``{``) or a newline is the template; anything else looks like a mistyped path.
+
+    Raises:
+        ConfigError: the value looks like a path but no such file exists, or the file is unreadable.
+    """
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read chat template file {value}: {exc}") from exc
+    if "{" in value or "\n" in value:
+        return value
+    raise ConfigError(f"chat template {value!r} looks like a file path, but no such file exists "
+                      "(pass a Jinja template file or the template string itself)")
+
+
+def _message_text(index: int, content: Any) -> str:
+    """A message's content as one string: OpenAI allows a string or a list of typed parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"messages[{index}].content: only text parts are supported, "
+                                      f"got a part of type {kind!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Render chat ``messages`` (pydantic ChatMessage or dicts) to prompt token ids.
+
+    Raises:
+        InvalidRequestError: no chat template is available, the template rejects the conversation
+            (``raise_exception`` in the template, e.g. roles that do not alternate), or a message
+            holds a non-text part.
+    """
+    convo = []
+    for i, msg in enumerate(messages):
+        m = msg if isinstance(msg, dict) else msg.model_dump(exclude_none=True)
+        item = {"role": m["role"], "content": _message_text(i, m.get("content"))}
+        if m.get("name"):
+            item["name"] = m["name"]
+        convo.append(item)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InvalidRequestError("the model's tokenizer has no chat template; start the server with "
+                                  "--chat-template FILE_OR_STRING or use /v1/completions")
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
+    try:
+        text = tokenizer.apply_chat_template(
+            convo, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # jinja2 TemplateError, ValueError from transformers
+        raise InvalidRequestError(f"the chat template could not render these messages: {exc}") from exc
+    if not isinstance(text, str):
+        raise InvalidRequestError("the chat template did not render to a string")
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,239 @@
+"""Pydantic models of the OpenAI-compatible HTTP API (requests, responses, stream chunks, errors).
+
+Follows OpenAI's public API reference for ``/v1/completions`` and ``/v1/chat/completions`` and vLLM's
+OpenAI-compatible server for the extra sampling parameters (``ignore_eos``, ``top_k``, ``min_tokens``,
+``stop_token_ids``) and request-level chat template options. Unknown request fields are ignored, as
+in vLLM; parameters we accept but cannot honour are rejected with a 400 by :func:`unsupported_fields`
+rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIModel(BaseModel):
+    """Base of every request model: unknown fields are ignored (vLLM logs them; we drop them)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+# ----------------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------------------------- shared
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat completions (OpenAI names, vLLM extras at the end)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extra sampling parameters
+    top_k: int | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+# ------------------------------------------------------------------------------------------ completions
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt``: a string, a list of strings, a token-id list or a list of those."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class CompletionLogProbs(BaseModel):
+    """The legacy completions log-prob format (parallel lists, one entry per generated token)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------------------------------- chat
+class ChatMessage(OpenAIModel):
+    """One chat message. ``content`` may be a string or a list of parts; only text parts are accepted."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions (OpenAI) plus vLLM's ``chat_template``/``chat_template_kwargs``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatLogProbEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogProb(ChatLogProbEntry):
+    top_logprobs: list[ChatLogProbEntry] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(BaseModel):
+    content: list[ChatTokenLogProb] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ----------------------------------------------------------------------------------------------- models
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "atomtool"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
+    """The first accepted-but-unsupported parameter set to a non-default value, as (param, message).
+
+    The engine has no presence/frequency/repetition penalties, logit bias, tools, suffix or echo yet;
+    refusing them is clearer than ignoring them (a client would silently get other behaviour).
+    """
+    if req.presence_penalty not in (None, 0.0):
+        return "presence_penalty", "presence_penalty is not supported by this server yet"
+    if req.frequency_penalty not in (None, 0.0):
+        return "frequency_penalty", "frequency_penalty is not supported by this server yet"
+    if req.repetition_penalty not in (None, 1.0):
+        return "repetition_penalty", "repetition_penalty is not supported by this server yet"
+    if req.logit_bias:
+        return "logit_bias", "logit_bias is not supported by this server yet"
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            return "echo", "echo is not supported by this server yet"
+        if req.suffix:
+            return "suffix", "suffix is not supported by this server"
+        if req.best_of is not None and req.best_of != req.n:
+            return "best_of", "best_of different from n is not supported"
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            return "tools", "tool calling is not supported by this server yet"
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported"
+        if req.top_logprobs is not None and not req.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+    return None

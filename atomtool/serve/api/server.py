@@ -1,0 +1,172 @@
+"""``atomtool serve``: load a model into the engine and serve it with uvicorn (vLLM's ``vllm serve`` flags).
+
+Shutdown follows vLLM/uvicorn: SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight
+requests (streams included) finish, stops the engine thread, and returns exit code 0.
+:class:`ServerThread` runs the same app in a background thread on a loopback port (tests and
+``atomtool demo``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from atomtool.errors import AtomtoolError, ConfigError
+
+
+def _check_flags(*, port: int, max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
+                 max_model_len: int | None, tensor_parallel_size: int) -> None:
+    """Reject flag values that cannot work before spending time loading the model."""
+    if tensor_parallel_size != 1:
+        raise AtomtoolError(f"--tensor-parallel-size {tensor_parallel_size} is not supported yet: atomtool "
+                            "serves a model on one device (use --tensor-parallel-size 1)")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {port}")
+    if max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+    if max_num_batched_tokens < 1:
+        raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to ``host:port`` (port 0: any free port).
+
+    Raises:
+        AtomtoolError: the address cannot be bound (port in use, unknown host, no permission).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        raise AtomtoolError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_server(app: Any, sock: socket.socket, log_level: str) -> Any:
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=None)
+    return uvicorn.Server(config)
+
+
+class ServerThread:
+    """Serve ``app`` with uvicorn in a daemon thread (no signal handling); for tests and the demo.
+
+    ``with ServerThread(app) as base_url:`` yields ``http://127.0.0.1:<port>`` once the server accepts
+    connections and shuts it down gracefully (in-flight requests finish) on exit.
+
+    Raises:
+        AtomtoolError: the server did not start within ``startup_timeout`` seconds.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 startup_timeout: float = 60.0) -> None:
+        self.sock = bind_socket(host, port)
+        self.port = self.sock.getsockname()[1]
+        self.host = host
+        self.server = _uvicorn_server(app, self.sock, log_level)
+        self.startup_timeout = startup_timeout
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="atomtool-uvicorn", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise AtomtoolError("the API server did not start")
+            time.sleep(0.01)
+        return self.base_url
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
+              served_model_name: str | None = None, api_key: str | None = None,
+              max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+              gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None, dtype: str = "auto",
+              device: str = "auto", enforce_eager: bool = False, chat_template: str | None = None,
+              tensor_parallel_size: int = 1) -> int:
+    """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
+
+    Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
+    same) or ``atomtool-demo``. Returns 0 after a graceful shutdown.
+
+    Raises:
+        AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
+            path that does not exist, an address that cannot be bound, or engine load errors.
+    """
+    _check_flags(port=port, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                 gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                 tensor_parallel_size=tensor_parallel_size)
+    from atomtool.serve.api.chat import load_chat_template
+
+    template = load_chat_template(chat_template)  # fail fast, before the model loads
+    if model is None:
+        try:
+            from atomtool.serve.demo import demo_model_path
+        except ImportError as exc:
+            raise AtomtoolError(f"no MODEL given and the built-in demo model is unavailable: {exc}") from exc
+        model = str(demo_model_path())
+        served_model_name = served_model_name or "atomtool-demo"
+    name = served_model_name or model
+    sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the load
+
+    from atomtool.serve.engine.llm_engine import LLMEngine
+
+    from atomtool.serve.api.app import create_app
+
+    print(f"atomtool serve: loading {model} ...", file=sys.stderr, flush=True)
+    engine = LLMEngine.from_model(model, dtype=dtype, device=device, max_model_len=max_model_len,
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                                  enforce_eager=enforce_eager)
+    app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model)
+    server = _uvicorn_server(app, sock, "info")
+    bound_host, bound_port = sock.getsockname()[:2]
+    print(f"atomtool serve: model {name!r} (max_model_len {engine.max_model_len}, "
+          f"{engine.num_total_blocks()} KV blocks) on http://{bound_host}:{bound_port}", file=sys.stderr, flush=True)
+
+    # uvicorn re-raises the signal that stopped it once it has shut down; with the default handlers
+    # that would kill the process (exit -15) after a clean drain. Make the re-raise a no-op instead.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        with contextlib.suppress(OSError):
+            sock.close()
+    print("atomtool serve: shut down cleanly", file=sys.stderr, flush=True)
+    return 0
