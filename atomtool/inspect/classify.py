@@ -1,0 +1,225 @@
+"""Build the :class:`~atomtool.inspect.types.InspectReport` of a checkpoint: the one classification every
+stage reads (DESIGN.md principle 1).
+
+:func:`build_report` is pure (config dict + header tensors -> report); :func:`inspect_checkpoint` adds the
+I/O (:class:`atomtool.inspect.source.CheckpointSource`: local directory or Hub repo, headers only).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+from atomtool.inspect import memory as mem
+from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
+from atomtool.inspect.families import family_for, supported_architectures
+from atomtool.inspect.quant import (
+    QUANTIZED_SCHEMES,
+    classify_modules,
+    dtype_findings,
+    fusion_findings,
+    logical_numel,
+    parse_quant_config,
+)
+from atomtool.inspect.types import DsaInfo, Finding, InspectReport, ModuleInfo, TensorInfo
+
+_INDEXER_RE = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.indexer\.")
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    tc = text_config(config)
+    archs = tc.get("architectures") if tc is not config else None
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    return "unknown"
+
+
+def dsa_findings(tensors: dict[str, TensorInfo], roles: list[str]) -> list[Finding]:
+    """Cross-check the DSA schedule with the stored tensors: a ``full`` layer without indexer tensors
+    (error: nothing to compute its top-k with) and a ``shared`` layer with them (warning: they are unused
+    and dropped at load). MTP layers (index >= num_hidden_layers) always own an indexer and are skipped."""
+    if not tensors:
+        return []
+    owners: dict[int, str] = {}
+    prefix = None
+    for name in tensors:
+        m = _INDEXER_RE.match(name)
+        if m:
+            owners.setdefault(int(m.group(2)), m.group(1))
+            prefix = prefix or m.group(1)
+    if prefix is None:  # where do the layers live? (model.layers.N. / language_model.model.layers.N.)
+        for name in tensors:
+            m = re.match(r"^(.*?)layers\.\d+\.self_attn\.", name)
+            if m:
+                prefix = m.group(1)
+                break
+    prefix = prefix or "model."
+    out = []
+    missing = [i for i, r in enumerate(roles) if r == FULL and i not in owners]
+    extra = [i for i, r in enumerate(roles) if r == SHARED and i in owners]
+    for i in missing:
+        out.append(Finding("dsa-full-layer-without-indexer", "error", f"{prefix}layers.{i}.self_attn.indexer",
+                           f"{prefix}layers.{i}: schedule role 'full' (owns an indexer) but the checkpoint has no "
+                           f"{prefix}layers.{i}.self_attn.indexer.* tensors"))
+    for i in extra:
+        out.append(Finding("dsa-shared-layer-with-indexer", "warning", f"{owners[i]}layers.{i}.self_attn.indexer",
+                           f"{owners[i]}layers.{i}: schedule role 'shared' (reuses the top-k of layer "
+                           f"{_prev_full(roles, i)}) but the checkpoint has indexer tensors for it; they are unused"))
+    return out
+
+
+def _prev_full(roles: list[str], i: int) -> int:
+    while i > 0 and roles[i] != FULL:
+        i -= 1
+    return i
+
+
+def _totals(modules: list[ModuleInfo], other: list[str], tensors: dict[str, TensorInfo]) -> dict[str, Any]:
+    by_dtype: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "elements": 0, "bytes": 0})
+    for t in tensors.values():
+        d = by_dtype[t.dtype]
+        d["tensors"] += 1
+        d["elements"] += t.numel
+        d["bytes"] += t.nbytes
+    by_scheme: dict[str, dict[str, int]] = defaultdict(lambda: {"modules": 0, "parameters": 0, "bytes": 0})
+    params = 0
+    for m in modules:
+        s = by_scheme[m.scheme]
+        n = logical_numel(m)
+        s["modules"] += 1
+        s["parameters"] += n
+        s["bytes"] += sum(t.nbytes for t in m.tensors.values())
+        params += n
+    for name in other:  # norms, embeddings, router biases: stored as they are
+        t = tensors[name]
+        key = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}.get(t.dtype, t.dtype.lower())
+        s = by_scheme[key]
+        s["parameters"] += t.numel
+        s["bytes"] += t.nbytes
+        params += t.numel
+    return {"parameters": params, "bytes": sum(t.nbytes for t in tensors.values()),
+            "by_dtype": dict(sorted(by_dtype.items())), "by_scheme": dict(sorted(by_scheme.items())),
+            "estimated": False}
+
+
+def build_report(
+    source: str,
+    config: dict[str, Any] | None,
+    tensors: dict[str, TensorInfo],
+    root: str | None = None,
+    *,
+    hf_quant_config: dict[str, Any] | None = None,
+    gpu_memory_gb: float | None = None,
+    extra_findings: list[Finding] | None = None,
+) -> InspectReport:
+    """Classify a checkpoint from its config and header tensors (pure; no I/O).
+
+    Args:
+        source: what the user passed (directory or repo id), echoed in the report.
+        config: config.json as a dict; None when the checkpoint has none (finding ``no-config``).
+        tensors: every tensor from the safetensors headers, by name; empty for a config-only directory
+            (schedule and sizes then come from the config, totals are estimated).
+        root: local directory of the files, if any.
+        hf_quant_config: a ModelOpt ``hf_quant_config.json`` (takes precedence, as in vLLM).
+        gpu_memory_gb: when given, ``memory.max_context_tokens`` is the longest context whose KV cache fits
+            next to the weights in this many GB (10^9 bytes).
+        extra_findings: findings from reading the source (e.g. a stale index.json), appended.
+    Returns:
+        the :class:`InspectReport` (modules in natural name order, findings sorted by severity).
+    Raises:
+        ConfigError: the DSA schedule fields are invalid (see :func:`atomtool.inspect.dsa.layer_roles`).
+    """
+    findings: list[Finding] = list(extra_findings or [])
+    raw = config if isinstance(config, dict) else {}
+    if config is None:
+        findings.append(Finding("no-config", "warning", None,
+                                f"{source}: no config.json; architecture and schedule unknown"))
+    arch = _architecture(raw)
+    tc = text_config(raw)
+    model_type = str(raw.get("model_type") or tc.get("model_type") or "unknown")
+    fam = family_for(arch)
+    if fam is None and config is not None:
+        findings.append(Finding("unknown-architecture", "error", None,
+                                f"config.json: unknown architecture {arch!r}; inspect reports what it can, serve "
+                                f"supports: {', '.join(supported_architectures())}"))
+    flat = flatten_dsa_config(raw) if config is not None else {}
+    dsa = None
+    roles: list[str] | None = None
+    if config is not None and is_dsa_config(flat) and "indexer_types" in flat:
+        roles = list(flat["indexer_types"])
+        dsa = DsaInfo(int(flat["index_topk"]), int(flat["index_n_heads"]), int(flat["index_head_dim"]),
+                      int(flat["index_rope_dim"]), bool(flat["indexer_rope_interleave"]), roles)
+        findings.extend(dsa_findings(tensors, roles))
+
+    qcfg = raw.get("quantization_config") or tc.get("quantization_config")
+    spec = parse_quant_config(qcfg if isinstance(qcfg, dict) else None, hf_quant_config)
+    modules, other, qf = classify_modules(tensors, spec)
+    findings.extend(qf)
+    findings.extend(fusion_findings({m.name: m for m in modules}, fam))
+    model_dtype = mem.model_dtype_tag(flat, raw)
+    keep = tuple(fam.fp32_keep) if fam is not None else ()
+    findings.extend(dtype_findings(tensors, model_dtype, keep))
+
+    if tensors:
+        totals = _totals(modules, other, tensors)
+        weights_bytes = totals["bytes"]
+    else:
+        est = mem.estimate_parameters(flat, roles) if config is not None else None
+        nbytes = est * mem.TAG_BYTES.get(model_dtype or "BF16", 2) if est is not None and spec is None else None
+        totals = {"parameters": est, "bytes": nbytes, "by_dtype": {}, "by_scheme": {}, "estimated": True}
+        weights_bytes = nbytes
+        if config is not None:
+            findings.append(Finding("config-only", "info", None,
+                                    f"{source}: no safetensors weights; schedule and sizes come from config.json"
+                                    + ("" if spec is None else " (quantized: weight bytes unknown)")))
+    memory: dict[str, Any] = {"weights_bytes": weights_bytes, "kv_bytes_per_token": None}
+    if config is not None and isinstance(flat.get("num_hidden_layers"), int):
+        kv_tag = model_dtype if model_dtype in mem.TAG_BYTES else "BF16"
+        memory.update(mem.kv_cache_bytes(flat, roles, mem.TAG_BYTES[kv_tag]))
+        memory["kv_dtype"] = kv_tag
+        if gpu_memory_gb is not None:
+            memory["gpu_memory_gb"] = gpu_memory_gb
+            memory["max_context_tokens"] = (
+                mem.max_context_tokens(gpu_memory_gb, weights_bytes, memory["kv_bytes_per_token"])
+                if weights_bytes is not None else None)
+        mpe = flat.get("max_position_embeddings")
+        memory["max_position_embeddings"] = mpe if isinstance(mpe, int) else None
+
+    findings.sort(key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
+    return InspectReport(
+        source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",
+        servable=bool(fam and fam.servable), config=raw, config_flat=flat, dsa=dsa, tensors=dict(tensors),
+        modules=modules, other_tensors=other, totals=totals, memory=memory, findings=findings,
+        root=None if root is None else str(root),
+    )
+
+
+def inspect_checkpoint(source: str, revision: str | None = None, *, gpu_memory_gb: float | None = None
+                       ) -> InspectReport:
+    """Open ``source`` (local directory or Hub repo id) through :class:`CheckpointSource` (config.json and
+    safetensors headers only, never tensor data) and classify it with :func:`build_report`.
+
+    Raises:
+        SourceError, ConfigError, HeaderError: unreadable source, bad config.json, hostile header.
+    """
+    from atomtool.inspect.source import CheckpointSource
+
+    src = CheckpointSource.open(source, revision)
+    # ModelOpt's hf_quant_config.json (nvidia/* NVFP4 releases ship it instead of quantization_config).
+    # Read locally always; remotely only for modelopt configs (keeps requests at config + index + headers).
+    hf_quant = None
+    if src.config is not None:
+        q = text_config(src.config).get("quantization_config") or src.config.get("quantization_config")
+        if src.root is not None or (isinstance(q, dict) and q.get("quant_method") == "modelopt"):
+            hf_quant = src.read_json("hf_quant_config.json")
+    extra = [Finding("source-warning", "warning", None, w) for w in getattr(src, "warnings", [])]
+    return build_report(source, src.config, src.tensors, src.root, hf_quant_config=hf_quant,
+                        gpu_memory_gb=gpu_memory_gb, extra_findings=extra)
+
+
+__all__ = ["build_report", "inspect_checkpoint", "dsa_findings", "QUANTIZED_SCHEMES", "DENSE"]

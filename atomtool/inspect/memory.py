@@ -1,0 +1,186 @@
+"""Sizes from a config alone: KV-cache bytes per token (MLA/DSA- and GQA-aware), parameter estimates,
+and the longest context that fits a memory budget.
+
+KV layout facts: research/dsa.md §6. MLA caches one latent ``[c_kv (kv_lora_rank) | k_pe
+(qk_rope_head_dim)]`` per token per layer (shared layers included); DSA adds an indexer key plane of
+``index_head_dim`` FP8 values + one FP32 scale per 128 dims, only on layers whose schedule role is
+``full`` (:func:`atomtool.inspect.dsa.layer_roles`). Dense GQA caches K and V: ``2 * num_key_value_heads *
+head_dim`` per attention layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from atomtool.inspect.dsa import FULL
+
+#: config ``dtype``/``torch_dtype`` string -> safetensors tag
+TORCH_TO_TAG = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "half": "F16",
+                "float": "F32"}
+TAG_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+
+
+def model_dtype_tag(flat: dict[str, Any], raw: dict[str, Any] | None = None) -> str | None:
+    """The model's float dtype as a safetensors tag (``BF16``...) from ``dtype``/``torch_dtype``, or None."""
+    for cfg in (flat, raw or {}):
+        for key in ("dtype", "torch_dtype"):
+            v = cfg.get(key)
+            if isinstance(v, str):
+                tag = TORCH_TO_TAG.get(v.removeprefix("torch."))
+                if tag:
+                    return tag
+    return None
+
+
+def _int(flat: dict[str, Any], key: str, default: int = 0) -> int:
+    v = flat.get(key)
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
+
+
+def is_mla(flat: dict[str, Any]) -> bool:
+    """MLA attention: the config has a latent ``kv_lora_rank``."""
+    return bool(flat.get("kv_lora_rank"))
+
+
+def attention_layers(flat: dict[str, Any]) -> int:
+    """Decoder layers that keep a KV cache (hybrid models: only the full-attention ones)."""
+    n = _int(flat, "num_hidden_layers")
+    types = flat.get("layer_types")
+    if isinstance(types, list) and any(t in ("linear_attention", "kda") for t in types):
+        return sum(1 for t in types if t not in ("linear_attention", "kda"))
+    lac = flat.get("linear_attn_config")
+    if isinstance(lac, dict) and isinstance(lac.get("full_attn_layers"), list):
+        return len(lac["full_attn_layers"])
+    return n
+
+
+def head_dim(flat: dict[str, Any]) -> int:
+    """Attention head dim for GQA models: ``head_dim`` or ``hidden_size / num_attention_heads``."""
+    hd = flat.get("head_dim")
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    heads = _int(flat, "num_attention_heads", 1) or 1
+    return _int(flat, "hidden_size") // heads
+
+
+def index_plane_bytes(index_head_dim: int) -> int:
+    """Bytes per token of one DSA indexer key plane: FP8 values + one FP32 scale per 128 dims (132 for 128)."""
+    return index_head_dim + 4 * math.ceil(index_head_dim / 128)
+
+
+def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes: int = 2) -> dict[str, Any]:
+    """KV-cache bytes per token (all layers), MLA/DSA- or GQA-aware.
+
+    Args:
+        flat: the flattened text config (:func:`atomtool.inspect.dsa.flatten_dsa_config`).
+        roles: the DSA schedule (None / all ``dense`` for non-DSA models).
+        kv_dtype_bytes: bytes per cached element of the main KV (2 for BF16/FP16).
+    Returns:
+        ``{"kv_bytes_per_token", "kv_layout", "kv_layers", "kv_bytes_per_token_per_layer",
+        "index_layers", "index_bytes_per_token_per_layer"}`` (layout ``mla`` or ``gqa``).
+    """
+    layers = attention_layers(flat)
+    if is_mla(flat):
+        per_layer = (_int(flat, "kv_lora_rank") + _int(flat, "qk_rope_head_dim")) * kv_dtype_bytes
+        full = sum(1 for r in roles or [] if r == FULL)
+        idx = index_plane_bytes(_int(flat, "index_head_dim", 128)) if full else 0
+        return {"kv_bytes_per_token": per_layer * layers + idx * full, "kv_layout": "mla",
+                "kv_layers": layers, "kv_bytes_per_token_per_layer": per_layer,
+                "index_layers": full, "index_bytes_per_token_per_layer": idx}
+    kv_heads = _int(flat, "num_key_value_heads") or _int(flat, "num_attention_heads")
+    per_layer = 2 * kv_heads * head_dim(flat) * kv_dtype_bytes
+    return {"kv_bytes_per_token": per_layer * layers, "kv_layout": "gqa", "kv_layers": layers,
+            "kv_bytes_per_token_per_layer": per_layer, "index_layers": 0, "index_bytes_per_token_per_layer": 0}
+
+
+def max_context_tokens(gpu_memory_gb: float, weights_bytes: int, kv_bytes_per_token: int) -> int:
+    """Longest context (tokens of KV cache) fitting ``gpu_memory_gb`` (10^9 bytes) after the weights.
+    0 when the weights alone do not fit. Activations and workspace are not counted."""
+    free = int(gpu_memory_gb * 1e9) - weights_bytes
+    if free <= 0 or kv_bytes_per_token <= 0:
+        return 0
+    return free // kv_bytes_per_token
+
+
+def _mlp_kinds(flat: dict[str, Any]) -> list[str]:
+    """Per layer ``dense`` or ``sparse`` (MoE) MLP."""
+    n = _int(flat, "num_hidden_layers")
+    kinds = flat.get("mlp_layer_types")
+    if isinstance(kinds, list) and len(kinds) == n:
+        return ["sparse" if k == "sparse" else "dense" for k in kinds]
+    experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
+    if not experts:
+        return ["dense"] * n
+    first = _int(flat, "first_k_dense_replace")
+    step = _int(flat, "decoder_sparse_step", 1) or 1
+    only = set(flat.get("mlp_only_layers") or [])
+    out = []
+    for i in range(n):
+        moe = i >= first and (i + 1) % step == 0 and i not in only
+        out.append("sparse" if moe else "dense")
+    return out
+
+
+def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) -> int | None:
+    """Parameter count from the config alone (config-only directories), for Llama/Qwen-style GQA and
+    DeepSeek/GLM-style MLA(+DSA)+MoE models, MTP layers included (``num_nextn_predict_layers``).
+
+    Counts what HF checkpoints store: embeddings, lm_head unless tied, attention and MLP projections,
+    norms, q/k norms (Qwen3), qkv biases (Qwen2), routers and ``e_score_correction_bias``, DSA indexers on
+    ``full`` layers. Returns None for layouts it does not model (hybrid linear attention).
+    """
+    h = _int(flat, "hidden_size")
+    v = _int(flat, "vocab_size")
+    n = _int(flat, "num_hidden_layers")
+    if not (h and v and n) or attention_layers(flat) != n:
+        return None
+    nh = _int(flat, "num_attention_heads")
+    inter = _int(flat, "intermediate_size")
+    moe_i = _int(flat, "moe_intermediate_size") or inter
+    experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
+    shared = _int(flat, "n_shared_experts")
+    mt = str(flat.get("model_type", ""))
+
+    def attn(layer: int) -> int:
+        if is_mla(flat):
+            rq, rkv = _int(flat, "q_lora_rank"), _int(flat, "kv_lora_rank")
+            dn, dr, dv = _int(flat, "qk_nope_head_dim"), _int(flat, "qk_rope_head_dim"), _int(flat, "v_head_dim")
+            q = (h * rq + rq + rq * nh * (dn + dr)) if rq else h * nh * (dn + dr)
+            a = q + h * (rkv + dr) + rkv + rkv * nh * (dn + dv) + nh * dv * h
+            full = roles is None or layer >= len(roles) or roles[layer] == FULL
+            if flat.get("index_topk") is not None and full:
+                hi, di = _int(flat, "index_n_heads"), _int(flat, "index_head_dim")
+                a += (rq or h) * hi * di + h * di + 2 * di + h * hi
+            return a
+        hd, kvh = head_dim(flat), _int(flat, "num_key_value_heads") or nh
+        a = h * nh * hd + 2 * h * kvh * hd + nh * hd * h
+        if mt == "qwen2" or flat.get("attention_bias"):
+            a += nh * hd + 2 * kvh * hd + (h if flat.get("attention_bias") and mt != "qwen2" else 0)
+        if mt.startswith("qwen3"):
+            a += 2 * hd
+        return a
+
+    def mlp(kind: str) -> int:
+        if kind == "dense":
+            return 3 * h * inter
+        m = experts * 3 * h * moe_i + experts * h
+        if mt in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2") or flat.get("topk_method") == "noaux_tc":
+            m += experts  # e_score_correction_bias
+        si = _int(flat, "shared_expert_intermediate_size")
+        if si:
+            m += 3 * h * si + h  # Qwen2-MoE style shared expert + its gate
+        elif shared:
+            m += 3 * h * moe_i * shared
+        return m
+
+    kinds = _mlp_kinds(flat)
+    total = v * h + h  # embeddings + final norm
+    if not flat.get("tie_word_embeddings", False):
+        total += v * h
+    for i in range(n):
+        total += attn(i) + mlp(kinds[i]) + 2 * h  # + input/post-attention norms
+    for _ in range(_int(flat, "num_nextn_predict_layers")):
+        # MTP block: a full MoE decoder layer + enorm/hnorm + eh_proj [h, 2h] + shared_head.norm
+        total += attn(n) + mlp("sparse" if experts else "dense") + 2 * h + 2 * h + 2 * h * h + h
+    return total

@@ -1,0 +1,244 @@
+"""Render an :class:`~atomtool.inspect.types.InspectReport`: JSON (docs/INSPECT_SCHEMA.md) or rich tables.
+
+Tables fit a screen: repeated modules collapse into name patterns with numeric ranges
+(``model.layers.{3..60}.mlp.experts.{0..255}.down_proj``; ``{0..2,6..74:4}`` = 0,1,2 and 6 to 74 in steps
+of 4), findings collapse per code and severity.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from atomtool.inspect.types import Finding, InspectReport
+
+SCHEMA_VERSION = 1
+_NUM = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+# ----------------------------------------------------------------------------- JSON
+
+
+def to_json(report: InspectReport, *, show_tensors: bool = False) -> dict[str, Any]:
+    """The ``--json`` object (schema: docs/INSPECT_SCHEMA.md). Keys: source, architecture, model_type,
+    family, servable, config_flat, dsa, modules, totals, memory, findings (+ ``tensors`` with --tensors)."""
+    dsa = None
+    if report.dsa is not None:
+        d = report.dsa
+        dsa = {"index_topk": d.index_topk, "index_n_heads": d.index_n_heads, "index_head_dim": d.index_head_dim,
+               "index_rope_dim": d.index_rope_dim,
+               "layers": [{"layer": i, "role": r} for i, r in enumerate(d.roles)]}
+    out: dict[str, Any] = {
+        "source": report.source,
+        "architecture": report.architecture,
+        "model_type": report.model_type,
+        "family": report.family,
+        "servable": report.servable,
+        "config_flat": report.config_flat,
+        "dsa": dsa,
+        "modules": [{"name": m.name, "scheme": m.scheme, "dtype": m.dtype, "shape": list(m.shape),
+                     "declared_quantized": m.declared_quantized, "treated_as": m.treated_as}
+                    for m in report.modules],
+        "totals": {k: report.totals.get(k) for k in ("parameters", "bytes", "by_dtype", "by_scheme")},
+        "memory": dict(report.memory),
+        "findings": [{"code": f.code, "severity": f.severity, "module": f.module, "message": f.message}
+                     for f in report.findings],
+    }
+    if show_tensors:
+        out["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "file": t.file}
+                          for t in sorted(report.tensors.values(), key=lambda t: _natural(t.name))]
+    return out
+
+
+# ----------------------------------------------------------------------------- patterns
+
+
+def _natural(s: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+
+
+def format_ints(values: list[int]) -> str:
+    """Compress sorted distinct ints into runs: ``[0,1,2,6,10,14]`` -> ``0..2,6..14:4``; a single value
+    stays bare. Arithmetic runs of >= 3 values collapse (``a..b`` for step 1, ``a..b:s`` otherwise)."""
+    vals = sorted(set(values))
+    parts: list[str] = []
+    i = 0
+    while i < len(vals):
+        j = i
+        if i + 1 < len(vals):
+            step = vals[i + 1] - vals[i]
+            while j + 1 < len(vals) and vals[j + 1] - vals[j] == step:
+                j += 1
+            if j - i >= 2:
+                parts.append(f"{vals[i]}..{vals[j]}" + ("" if step == 1 else f":{step}"))
+                i = j + 1
+                continue
+        parts.append(str(vals[i]))
+        i += 1
+    return ",".join(parts)
+
+
+def collapse(names: list[str]) -> str:
+    """One pattern for names that differ only in numeric path components:
+    ``model.layers.{1..3}.mlp.experts.{0..7}.down_proj``."""
+    if len(names) == 1:
+        return names[0]
+    template = _NUM.sub("#", names[0])
+    cols: list[list[int]] = []
+    for n in names:
+        nums = [int(x) for x in _NUM.findall(n)]
+        for i, v in enumerate(nums):
+            if i == len(cols):
+                cols.append([])
+            cols[i].append(v)
+    out = template
+    for col in cols:
+        vals = sorted(set(col))
+        out = out.replace("#", vals[0].__str__() if len(vals) == 1 else "{" + format_ints(vals) + "}", 1)
+    return out
+
+
+def group_by_pattern(items: list[tuple[str, tuple]]) -> list[tuple[str, int, tuple]]:
+    """Group ``(name, attrs)`` by (name template, attrs) -> [(pattern, count, attrs)] in natural order."""
+    groups: dict[tuple[str, tuple], list[str]] = defaultdict(list)
+    for name, attrs in items:
+        groups[(_NUM.sub("#", name), attrs)].append(name)
+    rows = [(collapse(sorted(ns, key=_natural)), len(ns), attrs, ns[0]) for (_, attrs), ns in groups.items()]
+    rows.sort(key=lambda r: _natural(r[3]))
+    return [(p, c, a) for p, c, a, _ in rows]
+
+
+# ----------------------------------------------------------------------------- rich
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _shape(shape: tuple[int, ...] | list[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def collapse_findings(findings: list[Finding]) -> list[tuple[str, str, int, str, str]]:
+    """Group findings by (severity, code, module pattern): [(severity, code, count, modules, first message)]."""
+    groups: dict[tuple[str, str, str], list[Finding]] = defaultdict(list)
+    for f in findings:
+        groups[(f.severity, f.code, _NUM.sub("#", f.module or ""))].append(f)
+    rows = []
+    for (sev, code, _), fs in groups.items():
+        mods = [f.module for f in fs if f.module]
+        rows.append((sev, code, len(fs), collapse(sorted(set(mods), key=_natural)) if mods else "", fs[0].message))
+    order = {"error": 0, "warning": 1, "info": 2}
+    rows.sort(key=lambda r: (order.get(r[0], 3), r[1]))
+    return rows
+
+
+def render(report: InspectReport, console: Console | None = None, *, show_tensors: bool = False) -> None:
+    """Print the report as rich tables: summary, DSA schedule, modules (collapsed), totals, memory, findings,
+    and with ``show_tensors`` every tensor (one row each)."""
+    console = console or Console()
+    r = report
+    summary = Table(title=f"atomtool inspect: {r.source}", show_header=False, title_justify="left")
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("architecture", r.architecture)
+    summary.add_row("model_type", r.model_type)
+    summary.add_row("family", r.family)
+    summary.add_row("servable", "yes" if r.servable else "no")
+    cfg = r.config_flat
+    summary.add_row("layers", str(cfg.get("num_hidden_layers", "?")))
+    q = r.config.get("quantization_config") if isinstance(r.config, dict) else None
+    summary.add_row("quantization_config", str(q.get("quant_method")) if isinstance(q, dict) else "none")
+    summary.add_row("dtype", str(cfg.get("dtype") or cfg.get("torch_dtype") or "?"))
+    summary.add_row("tensors", f"{len(r.tensors)} in {len({t.file for t in r.tensors.values()})} file(s)"
+                    if r.tensors else "none (config only)")
+    console.print(summary)
+
+    if r.dsa is not None:
+        d = r.dsa
+        t = Table(title="DeepSeek Sparse Attention", show_header=False, title_justify="left")
+        t.add_column(style="bold")
+        t.add_column()
+        t.add_row("index_topk / n_heads / head_dim / rope_dim",
+                  f"{d.index_topk} / {d.index_n_heads} / {d.index_head_dim} / {d.index_rope_dim}")
+        for role in ("full", "shared", "dense"):
+            layers = [i for i, x in enumerate(d.roles) if x == role]
+            if layers:
+                t.add_row(f"{role} layers ({len(layers)})", format_ints(layers))
+        console.print(t)
+
+    if r.modules:
+        t = Table(title=f"Linear modules ({len(r.modules)})", title_justify="left")
+        t.add_column("module", overflow="fold", ratio=1)
+        for col in ("n", "scheme", "dtype", "logical shape", "config", "treated as"):
+            t.add_column(col, no_wrap=True)
+        items = [(m.name, (m.scheme, m.dtype, m.shape, m.declared_quantized, m.treated_as)) for m in r.modules]
+        for pattern, n, (scheme, dtype, shape, declared, treated) in group_by_pattern(items):
+            t.add_row(pattern, str(n), scheme, dtype, _shape(shape), "quantized" if declared else "-", treated)
+        console.print(t)
+
+    tot = r.totals
+    t = Table(title="Totals" + (" (estimated from config.json)" if tot.get("estimated") else ""),
+              title_justify="left")
+    for col in ("", "parameters", "bytes"):
+        t.add_column(col, justify="right" if col else "left")
+    t.add_row("all", _count(tot.get("parameters")), _bytes(tot.get("bytes")))
+    for dt, v in (tot.get("by_dtype") or {}).items():
+        t.add_row(f"dtype {dt}", _count(v["elements"]) + " el", _bytes(v["bytes"]))
+    for sc, v in (tot.get("by_scheme") or {}).items():
+        t.add_row(f"scheme {sc}", _count(v["parameters"]), _bytes(v["bytes"]))
+    console.print(t)
+
+    m = r.memory
+    if m.get("kv_bytes_per_token") is not None:
+        t = Table(title="Memory", show_header=False, title_justify="left")
+        t.add_column(style="bold")
+        t.add_column()
+        t.add_row("weights", _bytes(m.get("weights_bytes")))
+        detail = f"{m['kv_layers']} layers x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
+        if m.get("index_layers"):
+            detail += f" + {m['index_layers']} indexer planes x {m['index_bytes_per_token_per_layer']} B (fp8)"
+        t.add_row("KV cache / token", f"{m['kv_bytes_per_token']} B = {detail}")
+        if "max_context_tokens" in m:
+            t.add_row(f"longest context in {m['gpu_memory_gb']} GB",
+                      "?" if m["max_context_tokens"] is None else f"{m['max_context_tokens']:,} tokens"
+                      + (f" (model max {m['max_position_embeddings']:,})" if m.get("max_position_embeddings") else ""))
+        console.print(t)
+
+    if r.findings:
+        console.print(f"[bold]Findings ({len(r.findings)})[/]")
+        style = {"error": "bold red", "warning": "yellow", "info": "dim"}
+        for sev, code, n, where, msg in collapse_findings(r.findings):
+            head = f"[{style.get(sev, '')}]{sev:7}[/] {code}" + (f" x{n}" if n > 1 else "")
+            head += f"  {where}" if where and n > 1 else ""
+            console.print(head, highlight=False)
+            console.print(f"        {msg}", highlight=False, markup=False)
+    else:
+        console.print("No findings.")
+
+    if show_tensors and r.tensors:
+        t = Table(title=f"Tensors ({len(r.tensors)})", title_justify="left")
+        for col in ("tensor", "dtype", "shape", "bytes", "file"):
+            t.add_column(col, overflow="fold")
+        for x in sorted(r.tensors.values(), key=lambda x: _natural(x.name)):
+            t.add_row(x.name, x.dtype, _shape(x.shape), str(x.nbytes), x.file)
+        console.print(t)
