@@ -1,0 +1,36 @@
+"""``atomtool generate``: one batch of prompts through the engine, printed as text or JSON."""
+
+from __future__ import annotations
+
+import json
+
+from atomtool.serve.sampling_params import SamplingParams
+
+
+def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
+                 dtype: str = "auto", device: str = "auto", json_out: bool = False,
+                 kv_cache_memory: int | None = None) -> int:
+    """Generate for every prompt (one continuous batch) and print the completions; returns the exit code.
+
+    ``--json`` prints a list of ``{"prompt", "text", "token_ids", "finish_reason"}``, one per prompt in order.
+
+    Raises:
+        AtomtoolError subclasses (the CLI prints them, exit 1): bad model directory, unsupported architecture,
+        missing tensors, invalid sampling parameters, prompt longer than max_model_len.
+    """
+    from atomtool.serve.llm import LLM
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            ignore_eos=ignore_eos).validate()
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory)
+    outputs = llm.generate(list(prompts), params)
+    if json_out:
+        print(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                          for p, o in zip(prompts, outputs, strict=True)], ensure_ascii=False))
+    else:
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+            if len(prompts) > 1:
+                print(f"--- [{i}] {p!r} ({o.finish_reason})")
+            print(p + o.text)
+    return 0

@@ -1,0 +1,90 @@
+"""Incremental detokenization with stop strings.
+
+Each new token is decoded together with a few preceding tokens (the offset technique of HF TGI / vLLM), so
+text only ever grows, a multi-byte UTF-8 character split over tokens is emitted only once complete (no
+U+FFFD mid-stream), and text that might still become a stop string is held back. Hence the concatenation
+of streamed deltas equals the final text.
+"""
+
+from __future__ import annotations
+
+_CONTEXT = 5  # tokens of left context used to decode a new token (word-boundary spaces, byte merges)
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one request's generated tokens as they arrive.
+
+    ``add(token_ids)`` returns the stop string found (text truncated before it) or None. ``text(final)`` is
+    the stable text: everything decoded minus held-back stop-string prefixes unless ``final``.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids)
+        self.prefix_offset = max(len(self.ids) - _CONTEXT, 0)
+        self.read_offset = len(self.ids)
+        self.stop = [s for s in (stop or []) if s]
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.skip = skip_special_tokens
+        self._text = ""
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def _append(self, delta: str, check_stop: bool = True) -> str | None:
+        if self.stopped or not delta:
+            return None
+        start = max(0, len(self._text) - self.max_stop + 1)
+        self._text += delta
+        if not self.stop or not check_stop:
+            return None
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self._text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        self._text = self._text[:best[0]]
+        self.stopped = True
+        return best[1]
+
+    def add(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Feed newly generated ids; returns the stop string if one appeared (then the text ends before it).
+
+        ``check_stop=False`` (before ``min_tokens``): text is appended without looking for stop strings.
+        """
+        hit = None
+        for tid in token_ids:
+            self.ids.append(tid)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                hit = self._append(full[len(prefix):], check_stop) or hit
+        return hit
+
+    def flush(self) -> str | None:
+        """At the end of generation: emit whatever is still pending (even an incomplete character)."""
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            self.prefix_offset = self.read_offset = len(self.ids)
+            if len(full) > len(prefix):
+                return self._append(full[len(prefix):])
+        return None
+
+    def _holdback(self) -> int:
+        for n in range(min(len(self._text), self.max_stop - 1), 0, -1):
+            tail = self._text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def text(self, final: bool = False) -> str:
+        """The stable text so far (``final``: all of it)."""
+        if final or self.stopped:
+            return self._text
+        return self._text[:len(self._text) - self._holdback()]

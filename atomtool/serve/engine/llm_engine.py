@@ -1,0 +1,263 @@
+"""``LLMEngine``: requests in, tokens out, one scheduling step at a time (vLLM / nano-vllm shape).
+
+add_request -> Scheduler (continuous batching, chunked prefill, preemption) -> ModelRunner (ForwardBatch,
+model forward over the paged KV pool) -> Sampler -> stop checks + incremental detokenization ->
+``RequestOutput``. The HTTP server drives exactly this API from one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atomtool.errors import EngineError, InvalidRequestError
+from atomtool.serve.engine.block_manager import BlockManager
+from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
+from atomtool.serve.engine.kv_cache import KVCachePool, kv_budget_bytes
+from atomtool.serve.engine.model_runner import ModelRunner
+from atomtool.serve.engine.outputs import RequestOutput
+from atomtool.serve.engine.sampler import Sampler
+from atomtool.serve.engine.scheduler import Scheduler
+from atomtool.serve.engine.sequence import Sequence
+from atomtool.serve.models.base import CausalLM
+from atomtool.serve.sampling_params import SamplingParams
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value if v is not None}
+
+
+def eos_token_ids(model_dir: Path | None, config: dict[str, Any], tokenizer) -> frozenset[int]:
+    """EOS ids: generation_config.json's ``eos_token_id`` (int or list), config.json's, and the tokenizer's."""
+    ids = _ids(config.get("eos_token_id"))
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        try:
+            ids |= _ids(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, TypeError, ValueError):
+            pass
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+class LLMEngine:
+    """The serving engine over one model on one device.
+
+    Build with :meth:`from_model` (loads weights, tokenizer, sizes the KV pool). Not thread-safe: one
+    caller drives ``add_request`` / ``step`` / ``abort``.
+    """
+
+    def __init__(self, model: CausalLM, tokenizer, config: dict[str, Any], *, device: torch.device | str,
+                 model_dir: str | Path | None = None, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, block_size: int = 16, enforce_eager: bool = False,
+                 enable_prefix_caching: bool = True) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise EngineError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = torch.device(device)
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.enforce_eager = enforce_eager
+        self.vocab_size = int(config.get("vocab_size", 0))
+        self.eos_token_ids = eos_token_ids(self.model_dir, config, tokenizer)
+
+        limit = int(config.get("max_position_embeddings") or 1 << 20)
+        if model.context_limit:
+            limit = min(limit, model.context_limit)
+        if max_model_len is not None and max_model_len > limit:
+            raise EngineError(f"max_model_len {max_model_len} exceeds what the model supports ({limit} tokens)")
+        want_len = max_model_len or limit
+        planes = model.kv_plane_specs()
+        budget = kv_budget_bytes(self.device, kv_cache_memory=kv_cache_memory,
+                                 gpu_memory_utilization=gpu_memory_utilization)
+        max_blocks = max_num_seqs * math.ceil(want_len / block_size)
+        num_blocks = KVCachePool.num_blocks_for(planes, block_size, budget, max_blocks)
+        capacity = num_blocks * block_size
+        if max_model_len is None:
+            max_model_len = min(limit, capacity)
+        if num_blocks < 1 or capacity < max_model_len:
+            raise EngineError(f"the KV cache budget ({budget} bytes) holds {capacity} tokens, fewer than "
+                              f"max_model_len {max_model_len}; raise the KV budget or lower max_model_len")
+        self.max_model_len = int(max_model_len)
+        self.kv_pool = KVCachePool(planes, num_blocks, block_size, self.device)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_pool, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Sequence] = {}
+        self.num_generated_tokens = 0
+
+    @classmethod
+    def from_model(cls, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
+                   max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                   kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, block_size: int = 16,
+                   enforce_eager: bool = False, enable_prefix_caching: bool = True,
+                   backend: str | None = None) -> LLMEngine:
+        """Load a layout or raw HF checkpoint directory and build the engine.
+
+        backend: op backend (``auto`` | ``torch`` | ``triton`` | ``aiter``; see :mod:`atomtool.serve.ops`).
+
+        Raises:
+            SourceError / ConfigError / UnsupportedArchitectureError / EngineError (see
+            :func:`atomtool.serve.loader.load_model`); EngineError for a missing tokenizer or KV budget too small.
+        """
+        from atomtool.serve import ops
+        from atomtool.serve.loader import load_model
+
+        if backend is not None:
+            ops.set_backend(backend)
+        loaded = load_model(model_path, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(loaded.model_dir)
+        return cls(loaded.model, tokenizer, loaded.config, device=loaded.device, model_dir=loaded.model_dir,
+                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                   gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                   enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. ``prompt``: text (tokenized with the model's tokenizer, special tokens added) or ids.
+
+        Raises:
+            InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, prompt longer
+                than ``max_model_len``, or invalid sampling parameters.
+        """
+        params = (params or SamplingParams()).validate()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass the prompt as token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
+                                          f"{bad[:10]}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, more than max_model_len "
+                                      f"{self.max_model_len}")
+        seq = Sequence(request_id, ids, params, self.eos_token_ids)
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output (``"abort"``) or None if unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for each request that produced a token or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        batch = self.runner.prepare(sched)
+        logits = self.runner.run(batch)
+        rows, to_sample = [], []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                rows.append(i)
+                to_sample.append(seq)
+        if not to_sample:
+            return []
+        sampled = self.sampler(logits[rows], to_sample)
+        outputs = []
+        for seq, (token, entry) in zip(to_sample, sampled, strict=True):
+            seq.new_token_ids = []
+            seq.append_token(token)
+            if entry is not None:
+                seq.logprobs.append(entry)
+            self.num_generated_tokens += 1
+            self._check_stop(seq, token)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        hit = seq.detok.add([token], check_stop=may_stop) if seq.detok is not None else None
+        reason = stop_reason = None
+        if may_stop and not p.ignore_eos and token in seq.eos_token_ids:
+            reason = "stop"
+        elif may_stop and token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif hit is not None:
+            reason, stop_reason = "stop", hit
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.detok is not None and hit is None:
+            seq.detok.flush()
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        text = seq.detok.text(final=finished) if seq.detok is not None else ""
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), new_token_ids=list(seq.new_token_ids), text=text,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, finished=finished,
+            num_cached_tokens=seq.num_cached_tokens)
+
+    # -- introspection -----------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_total_blocks
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics: running/waiting requests, KV usage (0..1), preemptions, prefix-hit tokens."""
+        total = self.num_total_blocks()
+        return {
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": total, "kv_blocks_free": self.num_free_blocks(),
+            "kv_usage": (total - self.num_free_blocks()) / total if total else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.block_manager.prefix_hits,
+            "generated_tokens": self.num_generated_tokens,
+        }
+
+
+def load_tokenizer(model_dir: Path):
+    """transformers ``AutoTokenizer`` from the model directory. Raises EngineError when there is none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+        raise EngineError(f"{model_dir}: cannot load a tokenizer ({type(exc).__name__}: {exc})") from exc

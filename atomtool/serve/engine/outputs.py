@@ -1,0 +1,36 @@
+"""What the engine returns per request per step (vLLM-like ``RequestOutput``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step in which it produced tokens (or finished).
+
+    request_id: the caller's id. prompt_token_ids: the prompt as token ids. token_ids: all generated ids so
+    far (stop tokens included, e.g. EOS). new_token_ids: ids generated in this step. text: the full stable
+    generated text so far (never shrinks; text that could still turn out to be part of a stop string, or an
+    incomplete UTF-8 character, is held back until it is resolved); stop strings are not included.
+    finish_reason: None while running, ``"stop"`` (EOS, stop token or stop string), ``"length"``
+    (max_tokens or max_model_len) or ``"abort"``. stop_reason: the stop string or token id that ended it.
+    logprobs: None unless requested; else one dict per generated token:
+    ``{"token_id": int, "logprob": float, "top": {token_id: logprob, ...}}`` (raw model log-probabilities,
+    ``top`` holds the requested number of most likely tokens, ties broken by lower id).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] | None = None
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -1,0 +1,93 @@
+"""Rotary position embedding with HF-exact frequencies and rope scaling.
+
+The inverse frequencies and the attention scaling come from transformers' own ``ROPE_INIT_FUNCTIONS``
+(default, linear, llama3, yarn, ...) applied to the model's config, so every rope variant matches HF exactly
+(why not our own formulas: one source of truth, and the oracle is HF). Per-token angles are
+``position * inv_freq`` in float32, as HF computes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from atomtool.errors import ConfigError
+from atomtool.serve.ops import get_op
+
+#: rope types whose frequencies depend on the current sequence length (not a static table)
+_DYNAMIC = ("dynamic", "longrope")
+
+
+def hf_config_from_flat(config_flat: dict[str, Any]):
+    """A transformers config object for ``config_flat`` (its model_type's class, else ``PretrainedConfig``)."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    kwargs = {k: v for k, v in config_flat.items() if k not in ("model_type", "transformers_version")}
+    cls = CONFIG_MAPPING.get(config_flat.get("model_type"), None) if config_flat.get("model_type") else None
+    try:
+        return (cls or PretrainedConfig)(**kwargs)
+    except Exception as exc:  # a config transformers cannot parse
+        raise ConfigError(f"config.json: transformers cannot build its config: {exc}") from exc
+
+
+def rope_inv_freq(config_flat: dict[str, Any], head_dim: int | None = None) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [R/2] float32 on CPU, attention_scaling)`` exactly as HF's rotary embedding computes them.
+
+    head_dim: the rotary dim to use instead of the config's ``head_dim`` (e.g. ``qk_rope_head_dim`` for MLA).
+
+    Raises:
+        ConfigError: a rope type that needs the dynamic sequence length (dynamic NTK, longrope) or is unknown.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = hf_config_from_flat(config_flat)
+    if head_dim is not None:
+        cfg.head_dim = head_dim
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_type" not in params and params:
+        params = next(iter(params.values()))  # per-layer-type dicts: all our families use one rope
+    rope_type = (params or {}).get("rope_type", "default")
+    if rope_type in _DYNAMIC:
+        raise ConfigError(f"rope type {rope_type!r} (sequence-length dependent) is not supported by the engine")
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        prf = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0) or 1.0))
+        dim = int((head_dim or getattr(cfg, "head_dim", None)
+                   or cfg.hidden_size // cfg.num_attention_heads) * prf)
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    fn = ROPE_INIT_FUNCTIONS.get(rope_type)
+    if fn is None:
+        raise ConfigError(f"unknown rope type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    inv, scaling = fn(cfg, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q/k slices: forward(positions [T] int64, x [T, H, R]) -> [T, H, R] (x's dtype).
+
+    ``interleaved`` selects the GPT-J pair convention instead of NeoX ``rotate_half``. ``cos_sin(positions)``
+    gives the per-token float32 tables ``([T, R/2], [T, R/2])`` (times the attention scaling) so a layer can
+    rotate several tensors with one table.
+    """
+
+    def __init__(self, config_flat: dict[str, Any], device: torch.device | str, *, head_dim: int | None = None,
+                 interleaved: bool = False) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config_flat, head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.attention_scaling = scaling
+        self.rotary_dim = 2 * inv_freq.shape[0]
+        self.interleaved = interleaved
+        self._op = get_op("rotary_embedding", device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        cos, sin = self.cos_sin(positions)
+        out = tuple(self._op(x, cos, sin, self.interleaved) for x in xs)
+        return out[0] if len(out) == 1 else out

@@ -1,0 +1,64 @@
+"""``LLM``: offline batch generation over :class:`LLMEngine` (vLLM-like ``LLM(model).generate(...)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from atomtool.errors import InvalidRequestError
+from atomtool.serve.engine.llm_engine import LLMEngine
+from atomtool.serve.engine.outputs import RequestOutput
+from atomtool.serve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    ``LLM(model_path, **engine_kwargs)`` accepts :meth:`LLMEngine.from_model`'s keyword arguments.
+    """
+
+    def __init__(self, model: str, **engine_kwargs) -> None:
+        self.engine = LLMEngine.from_model(model, **engine_kwargs)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion as one continuously batched workload.
+
+        prompts: one prompt or a list (text, or token ids). sampling_params: one for all, or one per prompt.
+        Returns the final :class:`RequestOutput` of each prompt, in input order.
+
+        Raises:
+            InvalidRequestError: a bad prompt or sampling parameter (nothing is run then).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        for p in params:
+            p.validate()
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = f"gen-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

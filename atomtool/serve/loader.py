@@ -1,0 +1,129 @@
+"""Load a servable model: from an atomtool layout, or from a raw HF checkpoint through convert's plan in memory.
+
+Both paths end in the same place -- a model built from the layout's tensor specs and fed ``(name, tensor)``
+pairs whose names are the layout's names -- because the raw path runs the very conversion plan that
+``atomtool convert`` writes to disk (DESIGN.md principle 2; no second copy of the fusion rules).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atomtool.convert.plan_types import OutputTensor
+from atomtool.errors import ConfigError, EngineError, SourceError
+from atomtool.serve.models.base import CausalLM
+from atomtool.serve.models.registry import get_model_class, resolve_architecture
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model with its weights, plus what the engine needs to know about it."""
+
+    model: CausalLM
+    config: dict[str, Any]          # flattened text config
+    architecture: str
+    model_dir: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` -> cuda when available, else cpu. Raises EngineError for cuda without a GPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("device 'cuda' was requested but no CUDA/ROCm GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (exact, and fast there); on GPU the checkpoint's float16/bfloat16, else bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        tag = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
+        return torch.float16 if tag == "float16" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise EngineError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json as a dict. Raises SourceError / ConfigError."""
+    if not model_dir.is_dir():
+        raise SourceError(f"model directory {str(model_dir)!r} does not exist")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise SourceError(f"{path}: no config.json (not a checkpoint or atomtool layout)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def _layout_tensors(model_dir: Path, specs: dict[str, OutputTensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a layout's safetensors shards (read with the safetensors library)."""
+    from safetensors import safe_open
+
+    files = sorted(p for p in os.listdir(model_dir) if p.endswith(".safetensors"))
+    for fname in files:
+        with safe_open(str(model_dir / fname), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "auto") -> LoadedModel:
+    """Build the engine model for ``model_path`` and load its weights.
+
+    A directory with an ``atomtool.json`` manifest is a layout (specs from the manifest, tensors from its
+    shards); anything else is treated as a raw HF checkpoint: ``inspect_checkpoint`` -> ``build_plan`` ->
+    ``iter_output_tensors`` in memory.
+
+    Raises:
+        SourceError / ConfigError: unreadable directory or config.
+        UnsupportedArchitectureError: the architecture is not served (lists the supported ones).
+        EngineError: missing / unexpected / mis-shaped tensors (named), bad dtype or device.
+    """
+    model_dir = Path(model_path)
+    raw_config = read_config(model_dir)
+    arch = resolve_architecture(raw_config)
+    dev = resolve_device(device)
+    from atomtool.convert.layout import is_layout
+    from atomtool.inspect.dsa import flatten_dsa_config
+
+    if is_layout(model_dir):
+        from atomtool.convert.layout import load_layout_specs
+
+        config = flatten_dsa_config(raw_config)
+        specs = load_layout_specs(model_dir)
+        torch_dtype = resolve_dtype(dtype, config, dev)
+        model = get_model_class(arch)(config, specs, torch_dtype, dev)
+        model.load_weights(_layout_tensors(model_dir, specs))
+    else:
+        from atomtool.convert.materialize import iter_output_tensors
+        from atomtool.convert.plan import build_plan
+        from atomtool.inspect.classify import inspect_checkpoint
+
+        report = inspect_checkpoint(str(model_dir))
+        config = report.config_flat
+        torch_dtype = resolve_dtype(dtype, config, dev)
+        plan_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
+        plan = build_plan(report, plan_dtype)
+        config = flatten_dsa_config(plan.config) if plan.config else config
+        model = get_model_class(arch)(config, plan.tensors, torch_dtype, dev)
+        model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
+    model.eval()
+    return LoadedModel(model, config, arch, model_dir, torch_dtype, dev)

@@ -1,0 +1,127 @@
+"""The interface every served model implements (dense Llama/Qwen here, MLA/DSA/MoE in ``deepseek.py``).
+
+A model is an ``nn.Module`` whose parameter names are exactly the tensor names of the atomtool layout
+(= convert's output names), so loading is a name-for-name copy. The engine talks to it only through:
+
+- ``kv_plane_specs()`` -- the per-token cache planes each layer needs (the engine allocates the paged pool),
+- ``forward(batch, kv_caches)`` -- one step over a :class:`ForwardBatch`, writing the step's KV and reading
+  the cached context through the op dispatch (:mod:`atomtool.serve.ops`),
+- ``compute_logits(hidden)`` and ``load_weights(weights)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from atomtool.convert.plan_types import OutputTensor
+from atomtool.errors import EngineError
+from atomtool.serve.engine.batch import ForwardBatch, KVPlaneSpec
+
+
+class CausalLM(nn.Module):
+    """Base class of a decoder-only causal LM served by the engine.
+
+    Subclasses build their modules in ``__init__(config_flat, specs, dtype, device)``:
+
+    - ``config_flat``: the text config dict with flattened DSA fields (``atomtool.inspect.dsa``), as found in
+      the layout's config.json or the in-memory plan's ``config``;
+    - ``specs``: the layout's tensors by name (``OutputTensor``), or None to derive shapes from the config
+      alone. Split sizes of fused tensors come from ``spec.parts[i].rows``; the storage scheme
+      (``spec.scheme`` / a ``weight_scale_inv`` companion) decides float vs FP8 block linears;
+    - ``dtype``: activation / float-weight dtype; ``device``: where parameters live.
+    """
+
+    def __init__(self, config_flat: dict[str, Any], specs: dict[str, OutputTensor] | None,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.config_flat = config_flat
+        self.specs = specs
+        self.dtype = dtype
+        self.device = torch.device(device)
+        #: longest sequence the model can serve exactly (None: ``max_position_embeddings``); the engine caps
+        #: ``max_model_len`` to it.
+        self.context_limit: int | None = None
+
+    # -- interface ---------------------------------------------------------------------------------
+    def kv_plane_specs(self) -> list[list[KVPlaneSpec]]:
+        """Per decoder layer, the cache planes it needs (dense GQA: ``k`` (Hkv, D) and ``v`` (Hkv, Dv))."""
+        raise NotImplementedError
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Run one step. kv_caches[i][plane] is layer i's ``[num_blocks, block_size, *shape]`` tensor.
+
+        Returns the final hidden states [T, hidden_size] (after the final norm) in ``self.dtype``.
+        """
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        raise NotImplementedError
+
+    # -- loading -----------------------------------------------------------------------------------
+    def expected_weight_names(self) -> set[str]:
+        """Names ``load_weights`` must receive: every parameter and persistent buffer, minus tied aliases."""
+        names = {n for n, _ in self.named_parameters(remove_duplicate=True)}
+        names |= {n for n, _ in self.named_buffers(remove_duplicate=True) if n in self.state_dict()}
+        return names - set(self.tied_weight_names())
+
+    def tied_weight_names(self) -> list[str]:
+        """Parameter names that alias another parameter and are not loaded (e.g. a tied ``lm_head.weight``)."""
+        return []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy named tensors into the parameters (cast to each parameter's dtype, moved to its device).
+
+        Raises:
+            EngineError: unexpected names, shape mismatches, or names that never arrived (all listed).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        params.update(dict(self.named_buffers(remove_duplicate=False)))
+        expected = self.expected_weight_names()
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        bad_shape: list[str] = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = params.get(name)
+                if target is None or name not in expected:
+                    unexpected.append(name)
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    bad_shape.append(f"{name} {tuple(tensor.shape)} (model expects {tuple(target.shape)})")
+                    continue
+                target.copy_(tensor.to(target.device))
+                seen.add(name)
+        missing = sorted(expected - seen)
+        problems = []
+        if missing:
+            problems.append(f"missing tensors ({len(missing)}): {_short_list(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors ({len(unexpected)}): {_short_list(sorted(unexpected))}")
+        if bad_shape:
+            problems.append(f"shape mismatches: {_short_list(bad_shape)}")
+        if problems:
+            raise EngineError(f"cannot load {type(self).__name__} weights: " + "; ".join(problems))
+        self.post_load()
+
+    def post_load(self) -> None:
+        """Hook run after every weight arrived (e.g. re-tie aliases, precompute derived tensors)."""
+
+
+def _short_list(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def torch_dtype_of(tag: str) -> torch.dtype:
+    """safetensors dtype tag (``BF16``, ``F8_E4M3``, ...) -> torch dtype."""
+    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+    if tag not in table:
+        raise EngineError(f"tensor dtype {tag} is not supported by the engine")
+    return table[tag]

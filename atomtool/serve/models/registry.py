@@ -1,0 +1,54 @@
+"""HF ``architectures`` name -> engine model class (lazy imports, so a dense model never imports MoE code)."""
+
+from __future__ import annotations
+
+import importlib
+
+from atomtool.errors import UnsupportedArchitectureError
+from atomtool.inspect.families import supported_architectures
+from atomtool.serve.models.base import CausalLM
+
+#: architecture -> (module, class). One class may serve several architectures; it reads the variant
+#: (qk-norm, biases, DSA schedule, ...) from the config it is given.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("atomtool.serve.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("atomtool.serve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("atomtool.serve.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("atomtool.serve.models.llama", "LlamaForCausalLM"),
+    "DeepseekV3ForCausalLM": ("atomtool.serve.models.deepseek", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("atomtool.serve.models.deepseek", "DeepseekV3ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("atomtool.serve.models.deepseek", "DeepseekV3ForCausalLM"),
+}
+
+
+def engine_architectures() -> list[str]:
+    """Architectures that have an engine model class, sorted."""
+    return sorted(_MODELS)
+
+
+def resolve_architecture(config: dict) -> str:
+    """The first entry of ``config["architectures"]`` that the engine serves.
+
+    Raises:
+        UnsupportedArchitectureError: none is served; the message lists the supported architectures.
+    """
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in _MODELS:
+            return arch
+    supported = ", ".join(sorted(set(supported_architectures()) & set(_MODELS)))
+    found = ", ".join(archs) if archs else "none (config.json has no 'architectures')"
+    raise UnsupportedArchitectureError(f"unsupported architecture {found}; supported: {supported}")
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
+    """Return the engine model class for an HF architecture name.
+
+    Raises:
+        UnsupportedArchitectureError: unknown architecture (lists the supported ones).
+    """
+    entry = _MODELS.get(architecture)
+    if entry is None:
+        resolve_architecture({"architectures": [architecture]})
+    module, cls = entry
+    return getattr(importlib.import_module(module), cls)
