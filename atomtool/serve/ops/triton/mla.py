@@ -1,0 +1,126 @@
+"""MLA attention (absorbed form) over the paged latent cache, dense-causal or DSA-sparse, in Triton.
+
+Follows DeepSeek-V2 §2.1 (absorbed MLA) and DeepSeek-V3.2's sparse attention (research/dsa.md §5.1, §5.4):
+every query head attends to the one shared latent row ``[c_kv | k_pe]`` of each token,
+``logit = scale * (q_nope_absorbed · c_kv + q_pe · k_pe)`` and ``out = Σ softmax(logit) c_kv``. With
+``topk_indices`` a query attends only to the positions its indexer selected (-1 = padding), still causally.
+
+Work split: one program per (query token, block of heads) walks that token's keys (all causal positions,
+or its top-k list) in a fixed order with an online softmax; no split-KV, so a token's result is
+independent of the batch (dsa.md §5.6). Grid sized from shapes only: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, pow2
+
+
+@triton.jit
+def _mla_kernel(
+    qn_ptr, qp_ptr, lat_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, topk_ptr,
+    num_seqs, H, R, P, K, block_size, sm_scale,
+    s_qnt, s_qnh, s_qpt, s_qph, s_lb, s_ls, s_ot, s_oh, s_bt, s_tk,
+    SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < num_seqs, other=1 << 30)
+    b = tl.sum((ends <= t).to(tl.int32), axis=0)
+    q_end = tl.load(cu_q_ptr + b + 1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    qpos = seq_len - (q_end - t)
+
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    r = tl.arange(0, R_PAD)
+    r_ok = r < R
+    p = tl.arange(0, P_PAD)
+    p_ok = p < P
+    t64 = t.to(tl.int64)
+    qn = tl.load(qn_ptr + t64 * s_qnt + h[:, None].to(tl.int64) * s_qnh + r[None, :],
+                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    qp = tl.load(qp_ptr + t64 * s_qpt + h[:, None].to(tl.int64) * s_qph + p[None, :],
+                 mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    if SPARSE:
+        n_keys = K
+    else:
+        n_keys = qpos + 1
+    for n in range(0, n_keys, BLOCK_N):
+        j = n + tl.arange(0, BLOCK_N)
+        if SPARSE:
+            s = tl.load(topk_ptr + t64 * s_tk + j, mask=j < K, other=-1)
+            s_ok = (j < K) & (s >= 0) & (s <= qpos)
+            s = tl.where(s_ok, s, 0)
+        else:
+            s = j
+            s_ok = j <= qpos
+        blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + s // block_size, mask=s_ok, other=0).to(tl.int64)
+        row = blk * s_lb + (s % block_size).to(tl.int64) * s_ls
+        c = tl.load(lat_ptr + row[:, None] + r[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
+        pe = tl.load(lat_ptr + row[:, None] + R + p[None, :], mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+        scores = dot_acc(qn, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
+        scores = dot_acc(qp, tl.trans(pe), scores, DOT_DTYPE) * qk_scale
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        prob = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        acc = dot_acc(prob.to(c.dtype), c, acc * alpha[:, None], DOT_DTYPE)
+        m_i = m_new
+    out = acc / l_i[:, None]  # a token with no selected key gets NaN, like the reference's softmax
+    tl.store(o_ptr + t64 * s_ot + h[:, None].to(tl.int64) * s_oh + r[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & r_ok[None, :])
+
+
+def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed-form MLA attention; same contract as ``torch_ref_mla.mla_attention``.
+
+    q_nope_absorbed: [T, H, R]; q_pe: [T, H, P]; latent_cache: [N, bs, R + P] (row = c_kv ‖ k_pe, stored
+    before the call); cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; scale:
+    softmax scale; topk_indices: optional [T, K] int32 request-local positions, -1 padded (DSA sparse).
+    Returns [T, H, R] in q_nope_absorbed's dtype.
+    """
+    T, H, R = q_nope_absorbed.shape
+    P = q_pe.shape[-1]
+    if latent_cache.shape[-1] != R + P or q_pe.shape[:2] != (T, H):
+        raise ValueError(f"mla_attention: q {tuple(q_nope_absorbed.shape)} / q_pe {tuple(q_pe.shape)} do not fit "
+                         f"latent cache {tuple(latent_cache.shape)}")
+    B = seq_lens.shape[0]
+    out = torch.empty_like(q_nope_absorbed)
+    if T == 0 or B == 0:
+        return out
+    for name, ten in (("q_nope_absorbed", q_nope_absorbed), ("q_pe", q_pe), ("latent_cache", latent_cache)):
+        if ten.stride(-1) != 1:
+            raise ValueError(f"mla_attention: {name} must have a contiguous last dim")
+    sparse = topk_indices is not None
+    if sparse and topk_indices.stride(-1) != 1:
+        topk_indices = topk_indices.contiguous()
+    r_pad = pow2(R, 16)
+    block_h = min(pow2(H, 16), 32 if r_pad >= 256 else 64)
+    block_n = 32 if r_pad >= 256 else 64
+    grid = (T, triton.cdiv(H, block_h))
+    tk = topk_indices if sparse else block_tables  # dummy pointer when dense
+    _mla_kernel[grid](
+        q_nope_absorbed, q_pe, latent_cache, out, cu_seqlens_q, seq_lens, block_tables, tk,
+        B, H, R, P, topk_indices.shape[1] if sparse else 0, latent_cache.shape[1], float(scale),
+        q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        tk.stride(0),
+        SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=pow2(P, 16), BLOCK_B=pow2(B),
+        DOT_DTYPE=dot_dtype(q_nope_absorbed.dtype), num_warps=8 if r_pad >= 256 else 4,
+    )
+    return out

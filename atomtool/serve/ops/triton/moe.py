@@ -1,0 +1,147 @@
+"""Fused MoE over stacked experts in Triton: token sorting + grouped GEMMs (BF16 or FP8 block weights).
+
+Routed SwiGLU experts (DeepSeek-V3 / Mixtral style): ``y[t] = Σ_j w[t,j] · W2[e] (silu(G[e] x[t]) * U[e] x[t])``
+with ``e = topk_ids[t, j]``. The (token, slot) pairs are sorted by expert and each expert's run is padded
+to a multiple of BLOCK_M (the grouped-GEMM layout of vLLM's fused_moe, after MegaBlocks, Gale et al. 2023),
+so one GEMM launch serves all experts: a program owns BLOCK_M rows of one expert. Sorting uses scatter /
+cumsum / searchsorted only (no host sync, CUDA-graph capturable). Expert ids outside ``[0, E)`` (e.g.
+experts owned by another rank) contribute nothing. The k slot outputs of a token are summed in float32
+in slot order, so a token's result does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atomtool.serve.ops.triton._common import dot_acc, dot_dtype
+from atomtool.serve.ops.triton.activation import silu_and_mul
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr,
+    N, K, num_pairs, top_k, E, bn, bk,
+    s_am, s_be, s_bn, s_se, s_sn, s_cm,
+    A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(expert_ptr + pid_m)
+    if e >= E:  # padding block past the last expert's run
+        return
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    r_ok = rows < num_pairs
+    if A_PER_TOKEN:
+        a_rows = rows // top_k
+    else:
+        a_rows = rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    b_base = b_ptr + e.to(tl.int64) * s_be + n[:, None].to(tl.int64) * s_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * s_am + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(b_base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            sc = tl.load(s_ptr + e.to(tl.int64) * s_se + (n // bn).to(tl.int64) * s_sn + k0 // bk, mask=n_ok,
+                         other=0.0)
+            part = dot_acc(a, tl.trans(b.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
+            acc += part * sc[None, :]
+        else:
+            acc = dot_acc(a, tl.trans(b), acc, DOT_DTYPE)
+    if MUL_WEIGHT:
+        acc *= tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + rows[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & n_ok[None, :])
+
+
+def sort_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Grouped-GEMM layout of the (token, slot) pairs.
+
+    topk_ids: [T, k] int. Returns (sorted_pairs [L] int32: pair index ``t * k + j``, or ``T * k`` for padding;
+    block_expert [L // block_m] int32: the expert of each row block, ``num_experts`` for unused blocks), with
+    L = roundup(T*k + E*(block_m - 1), block_m), a bound from shapes alone.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    n_pairs = flat.numel()
+    E = num_experts
+    ids = torch.where((flat >= 0) & (flat < E), flat, E)  # E: a sink for experts not served here
+    counts = torch.zeros(E + 1, dtype=torch.long, device=device).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts[:E] + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    cnt_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(ids, stable=True)
+    e_sorted = ids[order]
+    rank = torch.arange(n_pairs, device=device) - cnt_start[e_sorted]
+    length = triton.cdiv(n_pairs + E * (block_m - 1), block_m) * block_m
+    dest = torch.where(e_sorted < E, pad_start.clamp(max=length)[e_sorted.clamp(max=E - 1)] + rank, length)
+    sorted_pairs = torch.full((length + 1,), n_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, length, block_m, device=device)
+    block_expert = torch.searchsorted(pad_end, block_starts, right=True).to(torch.int32)
+    return sorted_pairs[:length], block_expert
+
+
+def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k, a_per_token, weights,
+                  block_m, block_size):
+    E, N, K = w.shape
+    fp8 = scale is not None
+    bn, bk = block_size if fp8 else (1, 1)
+    block_k = 128 if not fp8 else (128 if bk % 128 == 0 else (64 if bk % 64 == 0 else (32 if bk % 32 == 0 else 16)))
+    if fp8 and bk % block_k:
+        raise ValueError(f"fused_moe: FP8 block size {bk} along K must be a multiple of 16")
+    block_n = 64 if block_m <= 16 else 128
+    s = scale if fp8 else w
+    grid = (block_expert.shape[0], triton.cdiv(N, block_n))
+    _moe_gemm_kernel[grid](
+        a, w, s, out, weights if weights is not None else a, sorted_pairs, block_expert,
+        N, K, num_pairs, top_k, E, bn, bk,
+        a.stride(0), w.stride(0), w.stride(1), s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, out.stride(0),
+        A_PER_TOKEN=a_per_token, MUL_WEIGHT=weights is not None, FP8=fp8,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k if fp8 else 64, DOT_DTYPE=dot_dtype(a.dtype),
+        num_warps=4 if block_m <= 16 else 8,
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
+              w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Routed experts; same contract as ``torch_ref_mla.fused_moe``, plus optional FP8 block weights.
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32;
+    topk_ids: [T, k] int. FP8: w13/w2 float8_e4m3fn with ``w13_scale_inv`` [E, ceil(2I/bn), ceil(H/bk)] and
+    ``w2_scale_inv`` [E, ceil(H/bn), ceil(I/bk)] float32 (DeepSeek-V3 block quantization, ``block_size``
+    (bn, bk)). Returns [T, H] in x's dtype.
+    """
+    T, H = x.shape
+    E, two_i, H1 = w13.shape
+    if H1 != H or w2.shape[0] != E or w2.shape[1] != H or w2.shape[2] * 2 != two_i:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit")
+    if (w13_scale_inv is None) != (w2_scale_inv is None):
+        raise ValueError("fused_moe: give both w13_scale_inv and w2_scale_inv, or neither")
+    k = topk_ids.shape[1]
+    out = torch.zeros((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n_pairs = T * k
+    block_m = 16 if n_pairs <= 4 * E else 64
+    sorted_pairs, block_expert = sort_tokens_by_expert(topk_ids, E, block_m)
+    h13 = torch.empty((n_pairs, two_i), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, w13_scale_inv, h13, sorted_pairs, block_expert, n_pairs, k, True, None, block_m,
+                  block_size)
+    act = silu_and_mul(h13)
+    y = torch.zeros((n_pairs, H), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(act, w2, w2_scale_inv, y, sorted_pairs, block_expert, n_pairs, k, False, weights, block_m,
+                  block_size)
+    return y.view(T, k, H).sum(dim=1).to(x.dtype)
