@@ -11,6 +11,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from atomtool.errors import ConfigError
 from atomtool.inspect import memory as mem
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
 from atomtool.inspect.families import family_for, supported_architectures
@@ -147,7 +148,12 @@ def build_report(
         findings.append(Finding("unknown-architecture", "error", None,
                                 f"config.json: unknown architecture {arch!r}; inspect reports what it can, serve "
                                 f"supports: {', '.join(supported_architectures())}"))
-    flat = flatten_dsa_config(raw) if config is not None else {}
+    flat: dict[str, Any] = dict(tc)
+    if config is not None:
+        try:
+            flat = flatten_dsa_config(raw)
+        except ConfigError as exc:  # report what can be known; the schedule itself is unusable
+            findings.append(Finding("config-invalid", "error", None, str(exc)))
     dsa = None
     roles: list[str] | None = None
     if config is not None and is_dsa_config(flat) and "indexer_types" in flat:

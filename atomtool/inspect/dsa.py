@@ -54,7 +54,7 @@ def flatten_dsa_config(raw: dict[str, Any]) -> dict[str, Any]:
     nested = flat.get("dsa_config") or (raw.get("dsa_config") if isinstance(raw.get("dsa_config"), dict) else None)
     if isinstance(nested, dict):
         for key, value in nested.items():
-            name = key if key.startswith("index") else f"index_{key}"
+            name = key if key.startswith("index") or key in _SCHEDULE_KEYS else f"index_{key}"
             flat.setdefault(name, value)
     if not is_dsa_config(flat):
         return flat
@@ -101,11 +101,13 @@ def layer_roles(flat: dict[str, Any]) -> list[str]:
             raise ConfigError(f"config.json: indexer_types holds unknown roles {bad}; expected 'full' or 'shared'")
         roles = list(explicit)
     elif pattern is not None:
-        chars = list(pattern)
-        if len(chars) != n or any(c not in ("F", "S") for c in chars):
+        # HF accepts a string of 'F'/'S' or a list (of 'F'/'S' or of 'full'/'shared').
+        short = {"F": FULL, "S": SHARED, FULL: FULL, SHARED: SHARED}
+        chars = list(pattern) if isinstance(pattern, str | list) else []
+        if len(chars) != n or any(not isinstance(c, str) or c not in short for c in chars):
             raise ConfigError(
                 f"config.json: index_topk_pattern must be {n} characters of 'F'/'S', got {pattern!r}")
-        roles = [FULL if c == "F" else SHARED for c in chars]
+        roles = [short[c] for c in chars]
     else:
         freq = flat.get("index_topk_freq")
         freq = 1 if freq is None else freq

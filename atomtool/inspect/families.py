@@ -81,7 +81,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("kimi", ("DeepseekV2ForCausalLM", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM",
                     "KimiK25ForConditionalGeneration"), "mla", False,
            fp32_keep=("mlp.gate.e_score_correction_bias",)),
-    Family("minimax", ("MiniMaxM3ForCausalLM", "MiniMaxM2ForCausalLM", "MiniMaxM3ForConditionalGeneration"),
+    Family("minimax", ("MiniMaxM3ForCausalLM", "MiniMaxM2ForCausalLM", "MiniMaxM3ForConditionalGeneration",
+                       "MiniMaxM3SparseForConditionalGeneration"),
            "gqa", False),
     Family("gpt_oss", ("GptOssForCausalLM",), "gqa", False),
 )

@@ -421,7 +421,7 @@ def classify_module(name: str, roles: dict[str, TensorInfo], spec: QuantSpec | N
             k = wp.shape[1] * (32 // bits) if len(wp.shape) == 2 else 0
             scheme = "int4_pack" if bits == 4 else "int8" if bits == 8 else "int4_pack"
             if scale is not None and len(scale.shape) == 2 and scale.shape[1]:
-                block = (1, k // scale.shape[1]) if scale.shape[1] > 1 else None
+                block = (1, k // scale.shape[1])
                 gs = spec.group_size if spec is not None else None
                 if scale.shape[0] != n or (gs and scale.shape[1] != _ceil_div(k, gs)):
                     err("scale-shape-mismatch", f"weight_scale {list(scale.shape)} does not fit packed weight "
@@ -480,9 +480,9 @@ def logical_numel(m: ModuleInfo) -> int:
 
 def exclusion_findings(spec: QuantSpec | None, tensors: Iterable[str], modules: Iterable[str]) -> list[Finding]:
     """Q9: exclusion entries matching no module and no tensor under the producer's semantics."""
-    if spec is None or not spec.exclusions:
-        return []
     names = sorted(set(tensors) | set(modules))
+    if spec is None or not spec.exclusions or not names:  # config-only: nothing to match against
+        return []
     out = []
     unmatched = [e for e in spec.exclusions if not any(exclusion_matches(spec, e, n) for n in names)]
     for e in unmatched:
