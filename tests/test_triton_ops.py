@@ -1,0 +1,371 @@
+"""Triton kernels vs the torch reference ops, on CPU under Triton's interpreter (TRITON_INTERPRET=1).
+
+Small sizes with odd shapes, page boundaries, GQA groups that are not powers of two and context lengths
+around ``index_topk``. Float32 checks are tight (only summation order differs); one bf16 check per op uses
+a loose tolerance, because the interpreter rounds bf16 stores by truncation. The same kernels run compiled
+in bf16 on a GPU in tests/gpu/test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition (decided at @triton.jit time)
+
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'atomtool[serve]')")
+
+from atomtool.serve import ops as dispatch  # noqa: E402
+from atomtool.serve.ops import torch_ref, torch_ref_mla  # noqa: E402
+
+
+def _load_interpreted():
+    """Import the Triton backend with interpreted kernels, reloading modules some earlier test compiled."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names = ["_common", "activation", "norm", "rotary", "attention", "mla", "indexer", "linear", "moe"]
+    mods = {}
+    stale = False
+    for n in names:
+        full = f"atomtool.serve.ops.triton.{n}"
+        mod = sys.modules.get(full)
+        if mod is not None and (stale or any(
+                hasattr(v, "run") and not isinstance(v, InterpretedFunction)
+                for k, v in vars(mod).items() if k.endswith("_kernel") or k == "dot_acc")):
+            stale = True
+        mods[n] = importlib.reload(mod) if (mod is not None and stale) else importlib.import_module(full)
+    pkg = sys.modules.get("atomtool.serve.ops.triton")
+    pkg = importlib.reload(pkg) if (pkg is not None and stale) else importlib.import_module("atomtool.serve.ops.triton")
+    return pkg
+
+
+tri = _load_interpreted()
+
+
+def _close(out, ref, atol, rtol=0.0):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def _paged(seq_lens, bs, extra_blocks=3, gen=None):
+    """Random block tables: each sequence gets distinct, shuffled physical blocks; -1 padded rows."""
+    B = len(seq_lens)
+    mb = max(-(-s // bs) for s in seq_lens) + 1
+    nb = B * mb + extra_blocks
+    perm = torch.randperm(nb, generator=gen)
+    bt = torch.full((B, mb), -1, dtype=torch.int32)
+    i = 0
+    for b, s in enumerate(seq_lens):
+        n = -(-s // bs)
+        bt[b, :n] = perm[i:i + n].int()
+        i += n
+    return nb, bt
+
+
+def _cu(q_lens):
+    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- registration and signatures
+
+def test_every_triton_op_has_the_reference_signature_and_is_registered():
+    refs = {**{n: getattr(torch_ref, n) for n in dir(torch_ref)}, "mla_attention": torch_ref_mla.mla_attention,
+            "indexer_topk": torch_ref_mla.indexer_topk, "fused_moe": torch_ref_mla.fused_moe}
+    for name, fn in tri.OPS.items():
+        ref_params = list(inspect.signature(refs[name]).parameters)
+        ours = list(inspect.signature(fn).parameters)
+        assert ours[:len(ref_params)] == ref_params, name
+        extra = inspect.signature(fn).parameters
+        assert all(extra[p].default is not inspect.Parameter.empty for p in ours[len(ref_params):]), name
+        assert dispatch._REGISTRY[(name, "triton")] is fn
+    # CPU devices always get the torch reference, even when triton is forced
+    dispatch.set_backend("triton")
+    try:
+        assert dispatch.get_op("rms_norm", "cpu") is torch_ref.rms_norm
+    finally:
+        dispatch.set_backend(None)
+
+
+# ---------------------------------------------------------------- RMSNorm, SiLU-and-mul, rotary
+
+@pytest.mark.parametrize("T,H", [(7, 33), (1, 128), (3, 1000)])
+def test_rms_norm_fp32(T, H):
+    x, w, r = torch.randn(T, H), torch.randn(H), torch.randn(T, H)
+    _close(tri.rms_norm(x, w, 1e-6), torch_ref.rms_norm(x, w, 1e-6), 1e-5, 1e-5)
+    out, res = tri.rms_norm(x, w, 1e-5, residual=r)
+    ref_out, ref_res = torch_ref.rms_norm(x, w, 1e-5, residual=r)
+    _close(out, ref_out, 1e-5, 1e-5)
+    _close(res, ref_res, 0.0)
+
+
+def test_rms_norm_bf16_and_empty():
+    x, w, r = torch.randn(5, 96).bfloat16(), torch.randn(96).bfloat16(), torch.randn(5, 96).bfloat16()
+    out, res = tri.rms_norm(x, w, 1e-6, r)
+    ref_out, ref_res = torch_ref.rms_norm(x, w, 1e-6, r)
+    _close(out, ref_out, 0.1, 0.03)
+    _close(res, ref_res, 0.05, 0.02)
+    assert tri.rms_norm(torch.randn(0, 8), torch.ones(8), 1e-6).shape == (0, 8)
+    with pytest.raises(ValueError, match="hidden size 8 != weight size 9"):
+        tri.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-6)
+
+
+def test_silu_and_mul():
+    x = torch.randn(5, 2 * 37)
+    _close(tri.silu_and_mul(x), torch_ref.silu_and_mul(x), 1e-6, 1e-5)
+    xb = torch.randn(3, 2 * 1100).bfloat16()  # I > one 1024-wide program
+    _close(tri.silu_and_mul(xb), torch_ref.silu_and_mul(xb), 0.05, 0.02)
+    with pytest.raises(ValueError, match="odd"):
+        tri.silu_and_mul(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_on_a_head_slice(interleaved):
+    T, H, nope, R = 6, 19, 5, 12  # 19 heads: more than one 16-head program; rope slice after 5 nope dims
+    q = torch.randn(T, H, nope + R)
+    ang = torch.rand(T, R // 2) * 50
+    cos, sin = ang.cos(), ang.sin()
+    _close(tri.rotary_embedding(q[..., nope:], cos, sin, interleaved),
+           torch_ref.rotary_embedding(q[..., nope:], cos, sin, interleaved), 1e-6, 1e-6)
+    qb = q.bfloat16()
+    _close(tri.rotary_embedding(qb[..., :R], cos, sin, interleaved),
+           torch_ref.rotary_embedding(qb[..., :R], cos, sin, interleaved), 0.05, 0.02)
+    with pytest.raises(ValueError, match="rotary dim 12"):
+        tri.rotary_embedding(q[..., :R], cos[:, :5], sin[:, :5])
+
+
+# ---------------------------------------------------------------- KV store and paged attention
+
+def test_store_kv_and_store_cache_skip_padding_slots():
+    nb, bs, Hkv, D, Dv = 5, 4, 2, 6, 3
+    k, v = torch.randn(7, Hkv, D), torch.randn(7, Hkv, Dv)
+    slots = torch.tensor([0, 3, 4, 19, -1, 9, -1])
+    caches = [torch.zeros(nb, bs, Hkv, D), torch.zeros(nb, bs, Hkv, Dv)]
+    ref_caches = [c.clone() for c in caches]
+    tri.store_kv(k, v, *caches, slots)
+    torch_ref.store_kv(k, v, *ref_caches, slots)
+    for c, r in zip(caches, ref_caches, strict=True):
+        _close(c, r, 0.0)
+    lat = torch.zeros(nb, bs, 11, dtype=torch.bfloat16)  # x is cast to the plane's dtype
+    ref_lat = lat.clone()
+    x = torch.randn(7, 11)
+    tri.store_cache(x, lat, slots)
+    torch_ref.store_cache(x, ref_lat, slots)
+    _close(lat, ref_lat, 0.02, 0.01)
+    with pytest.raises(ValueError, match="does not fit cache"):
+        tri.store_cache(torch.randn(7, 10), lat, slots)
+
+
+ATTN_CASES = [
+    # (q_lens, seq_lens, H, Hkv, D, Dv, block_size): prefill + prefix context + decode mixed
+    ([5, 1, 17], [9, 1, 40], 4, 2, 24, 24, 16),
+    ([1, 1, 1, 1], [16, 17, 15, 33], 6, 2, 32, 32, 16),  # decode at page boundaries, G = 3
+    ([70], [70], 2, 2, 40, 40, 8),  # long prefill, many pages, D not a power of two
+    ([3, 8], [20, 8], 8, 1, 16, 24, 4),  # MQA, chunked prefill (3 new of 20), Dv != D
+]
+
+
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_paged_attention_fp32(case):
+    q_lens, seq_lens, H, Hkv, D, Dv, bs = case
+    g = torch.Generator().manual_seed(1)
+    nb, bt = _paged(seq_lens, bs, gen=g)
+    q = torch.randn(sum(q_lens), H, D, generator=g)
+    kc, vc = torch.randn(nb, bs, Hkv, D, generator=g), torch.randn(nb, bs, Hkv, Dv, generator=g)
+    args = (q, kc, vc, _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt, D ** -0.5)
+    _close(tri.paged_attention(*args), torch_ref.paged_attention(*args), 2e-5, 1e-5)
+
+
+def test_paged_attention_bf16_and_shape_error():
+    q_lens, seq_lens, H, Hkv, D, bs = [4, 1], [21, 7], 4, 2, 32, 8
+    nb, bt = _paged(seq_lens, bs)
+    q = torch.randn(sum(q_lens), H, D).bfloat16()
+    kc, vc = torch.randn(nb, bs, Hkv, D).bfloat16(), torch.randn(nb, bs, Hkv, D).bfloat16()
+    args = (q, kc, vc, _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt, D ** -0.5)
+    _close(tri.paged_attention(*args), torch_ref.paged_attention(*args), 0.05, 0.02)
+    with pytest.raises(ValueError, match="does not fit caches"):
+        tri.paged_attention(torch.randn(5, 3, D), kc, vc, *args[3:])
+
+
+# ---------------------------------------------------------------- MLA (dense and DSA-sparse)
+
+def _mla_inputs(q_lens, seq_lens, H, R, P, bs, dtype=torch.float32, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    nb, bt = _paged(seq_lens, bs, gen=g)
+    T = sum(q_lens)
+    lat = torch.randn(nb, bs, R + P, generator=g).to(dtype)
+    qn, qp = torch.randn(T, H, R, generator=g).to(dtype), torch.randn(T, H, P, generator=g).to(dtype)
+    return qn, qp, lat, _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt
+
+
+def _random_topk(q_lens, seq_lens, K, n_sel, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for ql, L in zip(q_lens, seq_lens, strict=True):
+        for j in range(ql):
+            pos = L - ql + j
+            sel = torch.randperm(pos + 1, generator=g)[:min(n_sel, pos + 1)]
+            rows.append(torch.cat([sel, torch.full((K - len(sel),), -1)])[torch.randperm(K, generator=g)])
+    return torch.stack(rows).int()
+
+
+@pytest.mark.parametrize("case", [([5, 1, 17], [9, 1, 40], 4, 24, 8, 16), ([1, 1, 1], [16, 17, 33], 19, 32, 16, 16)])
+def test_mla_attention_dense_and_sparse_fp32(case):
+    q_lens, seq_lens, H, R, P, bs = case
+    args = _mla_inputs(q_lens, seq_lens, H, R, P, bs)
+    _close(tri.mla_attention(*args, 0.3), torch_ref_mla.mla_attention(*args, 0.3), 2e-5, 1e-5)
+    topk = _random_topk(q_lens, seq_lens, K=70, n_sel=37)  # K > one 32/64-key block, -1 interleaved
+    _close(tri.mla_attention(*args, 0.3, topk), torch_ref_mla.mla_attention(*args, 0.3, topk), 2e-5, 1e-5)
+
+
+def test_mla_attention_bf16_and_shape_error():
+    q_lens, seq_lens = [3, 1], [30, 9]
+    args = _mla_inputs(q_lens, seq_lens, 8, 64, 16, 8, dtype=torch.bfloat16)
+    topk = _random_topk(q_lens, seq_lens, K=16, n_sel=12)
+    for tk in (None, topk):
+        _close(tri.mla_attention(*args, 0.2, tk), torch_ref_mla.mla_attention(*args, 0.2, tk), 0.05, 0.02)
+    with pytest.raises(ValueError, match="do not fit latent cache"):
+        tri.mla_attention(args[0], args[1][..., :3], *args[2:], 0.2)
+
+
+# ---------------------------------------------------------------- DSA indexer top-k
+
+def _indexer_inputs(q_lens, seq_lens, Hi, Di, bs, seed=4, mb_extra=0):
+    """Small-integer inputs: every score is exact in float32, so ties (many, incl. ReLU zeros) are real ties
+    and selections must match the reference exactly, tie-breaking included."""
+    g = torch.Generator().manual_seed(seed)
+    nb, bt = _paged(seq_lens, bs, gen=g)
+    if mb_extra:
+        bt = torch.cat([bt, torch.full((bt.shape[0], mb_extra), -1, dtype=torch.int32)], dim=1)
+    T = sum(q_lens)
+    q = torch.randint(-2, 3, (T, Hi, Di), generator=g).float()
+    kc = torch.randint(-2, 3, (nb, bs, Di), generator=g).float()
+    w = torch.randint(-2, 3, (T, Hi), generator=g).float()
+    return q, w, kc, _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt
+
+
+@pytest.mark.parametrize("case", [
+    # (q_lens, seq_lens, Hi, Di, block_size, topk): lengths K-1, K, K+1 and far above K
+    ([1, 1, 1], [15, 16, 17], 4, 24, 8, 16),
+    ([17, 1, 5], [17, 40, 70], 3, 32, 16, 16),  # full prefill crossing K, decode, chunked prefill
+    ([9], [130], 2, 16, 8, 64),  # contexts over 2 key blocks of 64
+])
+def test_indexer_topk_matches_reference_exactly(case):
+    q_lens, seq_lens, Hi, Di, bs, K = case
+    args = _indexer_inputs(q_lens, seq_lens, Hi, Di, bs)
+    out, ref = tri.indexer_topk(*args, K), torch_ref_mla.indexer_topk(*args, K)
+    assert out.dtype == torch.int32 and out.shape == ref.shape
+    assert torch.equal(out, ref)
+
+
+def test_indexer_topk_when_topk_exceeds_the_block_table_width():
+    args = _indexer_inputs([2, 1], [6, 3], 2, 16, 4)  # block tables 3 wide: 12 positions < K = 20
+    out, ref = tri.indexer_topk(*args, 20), torch_ref_mla.indexer_topk(*args, 20)
+    assert torch.equal(out, ref)
+
+
+def test_indexer_topk_bf16_selects_a_top_set():
+    """bf16 scores are rounded differently; the chosen set must still be a valid top-K of the exact scores."""
+    g = torch.Generator().manual_seed(5)
+    q_lens, seq_lens, Hi, Di, bs, K = [4], [50], 4, 32, 16, 8
+    nb, bt = _paged(seq_lens, bs, gen=g)
+    q, kc = torch.randn(4, Hi, Di, generator=g).bfloat16(), torch.randn(nb, bs, Di, generator=g).bfloat16()
+    w = torch.rand(4, Hi, generator=g)
+    args = (q, w, kc, _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt)
+    out = tri.indexer_topk(*args, K)
+    k_all = kc[bt[0, :4].long()].reshape(-1, Di)[:50].float()
+    scores = torch.einsum("th,ths->ts", w, torch.relu(torch.einsum("thd,sd->ths", q.float(), k_all)))
+    for t in range(4):
+        pos = 50 - 4 + t
+        kth = scores[t, :pos + 1].sort(descending=True).values[K - 1]
+        assert (out[t] >= 0).all() and len(set(out[t].tolist())) == K and (out[t] <= pos).all()
+        assert (scores[t, out[t].long()] >= kth - 0.05 * kth.abs() - 1e-3).all()
+
+
+# ---------------------------------------------------------------- FP8 block linear
+
+@pytest.mark.parametrize("M,N,K,block", [(5, 70, 96, (32, 32)), (17, 33, 48, (16, 16)), (3, 130, 200, (128, 128))])
+def test_fp8_block_linear(M, N, K, block):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(M, K, generator=g)
+    w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
+    b = torch.randn(N, generator=g)
+    _close(tri.linear(x, w, b, s, block), torch_ref.linear(x, w, b, s, block), 1e-4, 1e-5)
+    _close(tri.linear(x, w, None, s, block), torch_ref.linear(x, w, None, s, block), 1e-4, 1e-5)
+    xb = x.bfloat16()
+    _close(tri.linear(xb, w, None, s, block), torch_ref.linear(xb, w, None, s, block), 0.3, 0.02)
+
+
+def test_linear_float_path_and_errors():
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    _close(tri.linear(x, w), torch_ref.linear(x, w), 1e-6)
+    w8 = w.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="do not fit"):
+        tri.linear(x, w8, None, torch.ones(3, 3), (16, 16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tri.linear(x, w8, None, torch.ones(1, 1), (8, 8))
+
+
+# ---------------------------------------------------------------- fused MoE
+
+def _moe_inputs(T, H, inter, E, k, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=g) * 0.2, torch.randn(E, H, inter, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    return x, w13, w2, torch.rand(T, k, generator=g), ids
+
+
+@pytest.mark.parametrize("T,H,inter,E,k", [(5, 32, 24, 4, 2), (40, 48, 40, 6, 3), (1, 16, 16, 3, 1)])
+def test_fused_moe_fp32(T, H, inter, E, k):
+    x, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k)
+    _close(tri.fused_moe(x, w13, w2, tw, ids), torch_ref_mla.fused_moe(x, w13, w2, tw, ids), 2e-5, 1e-5)
+
+
+def test_fused_moe_skips_experts_not_served_here():
+    x, w13, w2, tw, ids = _moe_inputs(6, 32, 16, 4, 2)
+    ids[0, 0], ids[3, 1], ids[5] = -1, 4, torch.tensor([7, -1])  # other ranks' experts / padding
+    _close(tri.fused_moe(x, w13, w2, tw, ids), torch_ref_mla.fused_moe(x, w13, w2, tw, ids), 2e-5, 1e-5)
+
+
+def test_fused_moe_bf16():
+    x, w13, w2, tw, ids = _moe_inputs(9, 64, 32, 5, 2)
+    args = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), tw, ids)
+    _close(tri.fused_moe(*args), torch_ref_mla.fused_moe(*args), 0.05, 0.03)
+
+
+def test_fused_moe_fp8_block_matches_dequantized_reference():
+    T, H, inter, E, k, block = 7, 48, 40, 4, 2, (16, 16)
+    x, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k)
+    g = torch.Generator().manual_seed(8)
+    w13q, w2q = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, -(-2 * inter // 16), -(-H // 16), generator=g) + 0.5
+    s2 = torch.rand(E, -(-H // 16), -(-inter // 16), generator=g) + 0.5
+    d13 = torch.stack([torch_ref.dequant_fp8_block(w13q[e], s13[e], block, torch.float32) for e in range(E)])
+    d2 = torch.stack([torch_ref.dequant_fp8_block(w2q[e], s2[e], block, torch.float32) for e in range(E)])
+    _close(tri.fused_moe(x, w13q, w2q, tw, ids, s13, s2, block), torch_ref_mla.fused_moe(x, d13, d2, tw, ids),
+           2e-5, 1e-5)
+    with pytest.raises(ValueError, match="both"):
+        tri.fused_moe(x, w13q, w2q, tw, ids, s13, None, block)
+    with pytest.raises(ValueError, match="do not fit"):
+        tri.fused_moe(x[:, :5], w13, w2, tw, ids)
+
+
+def test_moe_sorting_layout():
+    from atomtool.serve.ops.triton.moe import sort_tokens_by_expert
+
+    ids = torch.tensor([[2, 0], [2, 9], [-1, 2]])
+    pairs, experts = sort_tokens_by_expert(ids, num_experts=3, block_m=4)
+    n = ids.numel()
+    assert pairs.shape[0] == experts.shape[0] * 4 == -(-(n + 3 * 3) // 4) * 4
+    assert experts.tolist()[:2] == [0, 2] and all(e == 3 for e in experts.tolist()[2:])
+    assert pairs[:4].tolist() == [1, n, n, n]  # expert 0: pair (0,1), padded
+    assert pairs[4:8].tolist() == [0, 2, 5, n]  # expert 2: pairs in token order
+    assert (pairs[8:] == n).all()
