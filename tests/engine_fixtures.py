@@ -101,3 +101,51 @@ def fused_state_dict(hf_model) -> dict[str, torch.Tensor]:
     if hf_model.config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def make_engine(path: Path, hf_model=None, **engine_kwargs):
+    """An LLMEngine over the checkpoint at ``path`` built from the fused HF weights (CPU, float32)."""
+    import json
+
+    from atomtool.inspect.dsa import flatten_dsa_config
+    from atomtool.serve.engine.llm_engine import LLMEngine, load_tokenizer
+    from atomtool.serve.models.llama import LlamaForCausalLM
+
+    hf_model = hf_model if hf_model is not None else load_hf(path)
+    cfg = flatten_dsa_config(json.loads((Path(path) / "config.json").read_text()))
+    model = LlamaForCausalLM(cfg, None, torch.float32, "cpu")
+    model.load_weights(fused_state_dict(hf_model).items())
+    engine_kwargs.setdefault("kv_cache_memory", 1 << 22)
+    return LLMEngine(model, load_tokenizer(Path(path)), cfg, device="cpu", model_dir=path, **engine_kwargs)
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by repeated full forwards of the HF model (no KV cache, no generate() config).
+
+    Returns (tokens, log-probs [n, vocab] float32 of each step's distribution).
+    """
+    ids = list(prompt)
+    out, lps = [], []
+    for _ in range(n):
+        logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        lps.append(torch.log_softmax(logits, -1))
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        ids.append(tok)
+    return out, torch.stack(lps)
+
+
+def run_to_completion(engine, requests: dict[str, tuple], max_steps: int = 10_000) -> dict:
+    """Add ``{id: (prompt, params)}`` and step until done; returns ``{id: final RequestOutput}``."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert not engine.has_unfinished(), "engine did not finish"
+    return final

@@ -76,7 +76,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_dir, config, tokenizer)
 
         limit = int(config.get("max_position_embeddings") or 1 << 20)
-        if model.context_limit:
+        if getattr(model, "context_limit", None):
             limit = min(limit, model.context_limit)
         if max_model_len is not None and max_model_len > limit:
             raise EngineError(f"max_model_len {max_model_len} exceeds what the model supports ({limit} tokens)")

@@ -16,8 +16,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("atomtool.serve.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("atomtool.serve.models.llama", "LlamaForCausalLM"),
     "DeepseekV3ForCausalLM": ("atomtool.serve.models.deepseek", "DeepseekV3ForCausalLM"),
-    "DeepseekV32ForCausalLM": ("atomtool.serve.models.deepseek", "DeepseekV3ForCausalLM"),
-    "GlmMoeDsaForCausalLM": ("atomtool.serve.models.deepseek", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("atomtool.serve.models.deepseek", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("atomtool.serve.models.deepseek", "GlmMoeDsaForCausalLM"),
 }
 
 

@@ -1,0 +1,187 @@
+"""Dense models through the whole engine vs HF transformers (the oracle), float32 on CPU.
+
+Each config is a tiny random checkpoint written by save_pretrained: Llama with llama3 rope scaling, Qwen2
+(qkv bias) with YaRN, Qwen3 (q/k norm) with tied embeddings. Greedy tokens must be identical and the
+engine's raw log-probs close to HF's full-forward log-probs, in every scheduling situation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import hf_greedy, load_hf, make_engine, run_to_completion, write_checkpoint
+
+from atomtool.serve.sampling_params import SamplingParams
+
+CONFIGS = {
+    "llama-llama3rope": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
+    "qwen2-yarn": ("qwen2", dict(rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+}
+N_NEW = 8
+LENGTHS = (2, 19, 50)
+
+
+class Ref:
+    """A checkpoint, its HF model and cached HF greedy references."""
+
+    def __init__(self, path, arch):
+        self.path = path
+        self.arch = arch
+        self.hf = load_hf(path)
+        self._cache: dict[tuple, tuple] = {}
+        g = torch.Generator().manual_seed(1)
+        self.prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in LENGTHS]
+
+    def greedy(self, prompt, n=N_NEW):
+        key = (tuple(prompt), n)
+        if key not in self._cache:
+            self._cache[key] = hf_greedy(self.hf, prompt, n)
+        return self._cache[key]
+
+    def engine(self, **kw):
+        return make_engine(self.path, self.hf, **kw)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def ref(request, tmp_path_factory):
+    arch, overrides = CONFIGS[request.param]
+    path = write_checkpoint(tmp_path_factory.mktemp(request.param), arch, seed=3, **overrides)
+    return Ref(path, arch)
+
+
+def greedy(n=N_NEW, logprobs=None):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+
+
+def check_matches(ref, prompt, out, logprobs=False):
+    tokens, lps = ref.greedy(prompt, len(out.token_ids))
+    assert out.token_ids == tokens
+    assert out.finish_reason == "length"
+    if logprobs:
+        for step, entry in enumerate(out.logprobs):
+            assert entry["token_id"] == tokens[step]
+            assert entry["logprob"] == pytest.approx(float(lps[step, tokens[step]]), abs=1e-4)
+            hf_top = torch.sort(lps[step], descending=True, stable=True)
+            assert list(entry["top"]) == hf_top.indices[:5].tolist()
+            assert list(entry["top"].values()) == pytest.approx(hf_top.values[:5].tolist(), abs=1e-4)
+
+
+def assert_no_leaks(engine):
+    assert not engine.has_unfinished()
+    assert engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_single_prompt_matches_hf(ref):
+    eng = ref.engine()
+    prompt = ref.prompts[1]
+    out = run_to_completion(eng, {"a": (prompt, greedy(logprobs=5))})["a"]
+    check_matches(ref, prompt, out, logprobs=True)
+    assert_no_leaks(eng)
+
+
+def test_text_prompt_matches_hf(ref):
+    eng = ref.engine()
+    text = "Hello world! How are"
+    prompt = eng.tokenizer.encode(text)
+    out = run_to_completion(eng, {"a": (text, greedy())})["a"]
+    assert out.prompt_token_ids == prompt
+    check_matches(ref, prompt, out)
+    assert out.text == eng.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_batch_of_different_lengths(ref):
+    eng = ref.engine()
+    outs = run_to_completion(eng, {str(i): (p, greedy(logprobs=5)) for i, p in enumerate(ref.prompts)})
+    for i, p in enumerate(ref.prompts):
+        check_matches(ref, p, outs[str(i)], logprobs=True)
+    assert_no_leaks(eng)
+
+
+def test_chunked_prefill(ref):
+    eng = ref.engine(max_num_batched_tokens=5)
+    outs = run_to_completion(eng, {str(i): (p, greedy(logprobs=5)) for i, p in enumerate(ref.prompts)})
+    for i, p in enumerate(ref.prompts):
+        check_matches(ref, p, outs[str(i)], logprobs=True)
+    assert_no_leaks(eng)
+
+
+def test_preemption_with_tiny_kv_pool(ref):
+    # 20 blocks of 4 tokens: all three prompts are admitted (1 + 5 + 13 blocks), but their decodes need
+    # 3 + 7 + 15 blocks, so running sequences must be preempted and recomputed.
+    per_block = 4 * 2 * 2 * ref.hf.config.num_key_value_heads * 16 * 4  # tokens * layers * (k,v) * Hkv * D * 4B
+    eng = ref.engine(block_size=4, kv_cache_memory=20 * per_block, max_model_len=64)
+    assert eng.num_total_blocks() == 20
+    outs = run_to_completion(eng, {str(i): (p, greedy()) for i, p in enumerate(ref.prompts)})
+    assert eng.stats()["num_preemptions"] > 0
+    for i, p in enumerate(ref.prompts):
+        check_matches(ref, p, outs[str(i)])
+    assert_no_leaks(eng)
+
+
+def test_prefix_cache_hits(ref):
+    eng = ref.engine(block_size=4)
+    base = ref.prompts[2]  # 50 tokens
+    first = run_to_completion(eng, {"first": (base, greedy())})["first"]
+    assert first.num_cached_tokens == 0
+    check_matches(ref, base, first)
+    # same prompt again: every full block but the one holding the last prompt token comes from the cache
+    again = run_to_completion(eng, {"again": (base, greedy(logprobs=5))})["again"]
+    assert again.num_cached_tokens == (len(base) - 1) // 4 * 4
+    check_matches(ref, base, again, logprobs=True)
+    # a shared 24-token prefix, then different tokens
+    other = base[:24] + ref.prompts[1]
+    out = run_to_completion(eng, {"other": (other, greedy())})["other"]
+    assert out.num_cached_tokens == 24
+    check_matches(ref, other, out)
+    # a prompt extending the first request's prompt + its generated tokens
+    longer = base + first.token_ids + [5, 6, 7]
+    out = run_to_completion(eng, {"longer": (longer, greedy())})["longer"]
+    assert out.num_cached_tokens >= 48
+    check_matches(ref, longer, out)
+    assert_no_leaks(eng)
+
+
+def test_concurrent_identical_prompts_share_blocks(ref):
+    eng = ref.engine(block_size=4)
+    p = ref.prompts[2]
+    outs = run_to_completion(eng, {"x": (p, greedy()), "y": (p, greedy()), "z": (p, greedy())})
+    for o in outs.values():
+        check_matches(ref, p, o)
+    assert_no_leaks(eng)
+
+
+def test_batch_invariance(ref):
+    target = ref.prompts[1]
+    alone = run_to_completion(ref.engine(), {"t": (target, greedy(logprobs=3))})["t"]
+    eng = ref.engine(max_num_batched_tokens=7)
+    others = {f"o{i}": (p, greedy(n=3 + i)) for i, p in enumerate(ref.prompts)}
+    mixed = run_to_completion(eng, {**others, "t": (target, greedy(logprobs=3))})["t"]
+    assert mixed.token_ids == alone.token_ids
+    for a, b in zip(alone.logprobs, mixed.logprobs, strict=True):
+        assert a["token_id"] == b["token_id"]
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+
+
+def test_abort_frees_blocks(ref):
+    eng = ref.engine(block_size=4, max_num_batched_tokens=16)
+    for i, p in enumerate(ref.prompts):
+        eng.add_request(str(i), p, greedy(n=20))
+    for _ in range(4):
+        eng.step()
+    assert eng.num_free_blocks() < eng.num_total_blocks()
+    out = eng.abort("2")
+    assert out.finished and out.finish_reason == "abort"
+    assert eng.abort("2") is None
+    while eng.has_unfinished():
+        eng.step()
+    assert_no_leaks(eng)
+    for i, p in enumerate(ref.prompts):
+        eng.add_request(f"again{i}", p, greedy(n=20))
+    eng.step()
+    for i in range(len(ref.prompts)):
+        eng.abort(f"again{i}")
+    assert_no_leaks(eng)
