@@ -1,0 +1,270 @@
+"""``atomtool verify``: re-read a layout and check it against its manifest and, optionally, its source.
+
+Layout checks: the manifest parses; ``model.safetensors.index.json`` names exactly the manifest's tensors
+and files; every shard header declares each tensor with the manifest's dtype and shape and nothing else;
+each tensor's bytes hash to the sha256 recorded at write time; fused parts tile their output (part rows +
+padding cover dim 0 exactly, no overlap).
+
+Source checks (``--source SRC``): every source tensor appears in exactly one part; every part reproduces its
+source -- bit-exact when dtypes match, else equal to the source cast to the output dtype; padding rows are
+zero; and for FP8 block outputs the dequantized rows of every part (``fp8 * scale`` per block) equal the
+dequantized source, which is the property the padding rule exists for (research/dsa.md §4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from atomtool.convert.cast import checked_cast, torch_dtype
+from atomtool.convert.layout import entry_to_spec, read_manifest, read_safetensors_header, tensor_files
+from atomtool.convert.plan_types import OutputTensor
+from atomtool.errors import AtomtoolError, LayoutError
+
+_CHUNK = 64 << 20
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify_layout`. ``problems`` empty means the layout verified."""
+
+    layout: str
+    source: str | None = None
+    tensors: int = 0
+    bytes: int = 0
+    parts: int = 0
+    dequantized: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "source": self.source, "ok": self.ok, "tensors": self.tensors,
+                "bytes": self.bytes, "parts": self.parts, "dequantized_parts": self.dequantized,
+                "problems": self.problems}
+
+
+def _sha256_range(path: Path, start: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = length
+        while left > 0:
+            chunk = f.read(min(_CHUNK, left))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def _check_tiling(spec: OutputTensor, problems: list[str]) -> None:
+    if spec.op not in ("concat", "stack"):
+        return
+    rows = spec.shape[1] if spec.op == "stack" else spec.shape[0]
+    by_slot: dict[Any, list[tuple[int, int]]] = {}
+    for p in spec.parts:
+        if p.rows is None:
+            problems.append(f"{spec.name}: part {p.source} has no row range")
+            return
+        by_slot.setdefault(p.stack_index, []).append((p.rows[0], p.rows[1] + p.pad_rows))
+    if spec.op == "stack" and sorted(by_slot) != list(range(spec.shape[0])):
+        problems.append(f"{spec.name}: stack indices {sorted(by_slot, key=str)} do not cover 0..{spec.shape[0] - 1}")
+    for slot, spans in by_slot.items():
+        pos = 0
+        for a, b in sorted(spans):
+            if a != pos:
+                problems.append(f"{spec.name}: parts{'' if slot is None else f' of [{slot}]'} leave a gap or "
+                                f"overlap at row {pos}")
+                break
+            pos = b
+        else:
+            if pos != rows:
+                problems.append(f"{spec.name}: parts cover {pos} of {rows} rows")
+
+
+def _dequant(q: torch.Tensor, s: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    n, k = q.shape
+    scale = s.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+    return q.float() * scale
+
+
+class _Tensors:
+    """safe_open handles by file for one directory."""
+
+    def __init__(self, root: Path, files: dict[str, str]):
+        self.root, self.files = root, files
+        self.stack = contextlib.ExitStack()
+        self.handles: dict[str, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self.handles:
+            self.handles[file] = self.stack.enter_context(
+                safe_open(str(self.root / file), framework="pt", device="cpu"))
+        return self.handles[file].get_tensor(name)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyReport) -> None:
+    specs = manifest["tensors"]
+    try:
+        weight_map = tensor_files(root)
+    except LayoutError as exc:
+        report.problems.append(str(exc))
+        return
+    for name in sorted(set(specs) - set(weight_map)):
+        report.problems.append(f"{name}: in the manifest but not in the index")
+    for name in sorted(set(weight_map) - set(specs)):
+        report.problems.append(f"{name}: in the index but not in the manifest")
+    for file in sorted(set(weight_map.values())):
+        path = root / file
+        if not path.is_file():
+            report.problems.append(f"{file}: shard missing")
+            continue
+        try:
+            header, data_start = read_safetensors_header(path)
+        except LayoutError as exc:
+            report.problems.append(str(exc))
+            continue
+        header.pop("__metadata__", None)
+        for name, h in header.items():
+            entry = specs.get(name)
+            if entry is None:
+                report.problems.append(f"{file}: holds {name}, which the manifest does not list")
+                continue
+            if weight_map.get(name) != file or entry.get("file") != file:
+                report.problems.append(f"{name}: found in {file}, manifest/index say "
+                                       f"{entry.get('file')}/{weight_map.get(name)}")
+            if h.get("dtype") != entry["dtype"] or list(h.get("shape", [])) != list(entry["shape"]):
+                report.problems.append(f"{name}: header {h.get('dtype')} {h.get('shape')} != manifest "
+                                       f"{entry['dtype']} {entry['shape']}")
+                continue
+            b0, b1 = h["data_offsets"]
+            digest = _sha256_range(path, data_start + b0, b1 - b0)
+            if digest != entry.get("sha256"):
+                report.problems.append(f"{name}: sha256 {digest[:16]}... != manifest {str(entry.get('sha256'))[:16]}...")
+            report.tensors += 1
+            report.bytes += b1 - b0
+        for name, w in weight_map.items():
+            if w == file and name not in header:
+                report.problems.append(f"{name}: index says {file} but its header lacks it")
+
+
+def _check_source(root: Path, manifest: dict[str, Any], source: str, report: VerifyReport) -> None:
+    from atomtool.inspect.source import CheckpointSource
+
+    src = CheckpointSource.open(source)
+    if src.root is None:
+        report.problems.append(f"{source}: not available locally")
+        return
+    src_files = {n: t.file for n, t in src.tensors.items()}
+    out = _Tensors(root, tensor_files(root))
+    srct = _Tensors(src.root, src_files)
+    with out.stack, srct.stack:
+        _compare_parts(manifest, src_files, out, srct, report)
+
+
+def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Tensors, srct: _Tensors,
+                   report: VerifyReport) -> None:
+    specs = {n: entry_to_spec(n, e) for n, e in manifest["tensors"].items()}
+    seen: dict[str, str] = {}
+    for spec in specs.values():
+        for p in spec.parts:
+            if p.source in seen:
+                report.problems.append(f"{p.source}: appears in {seen[p.source]} and {spec.name}")
+            seen[p.source] = spec.name
+            if p.source not in src_files:
+                report.problems.append(f"{spec.name}: part {p.source} is not in the source")
+    for name in sorted(set(src_files) - set(seen)):
+        report.problems.append(f"{name}: source tensor appears in no output tensor")
+    for spec in specs.values():
+        if any(p.source not in src_files for p in spec.parts) or spec.name not in out.files:
+            continue
+        try:
+            t = out.get(spec.name)
+        except Exception as exc:  # noqa: BLE001 -- report and go on
+            report.problems.append(f"{spec.name}: unreadable ({exc})")
+            continue
+        for p in spec.parts:
+            s = srct.get(p.source)
+            try:
+                expect = checked_cast(s, torch_dtype(spec.dtype), name=p.source)
+            except AtomtoolError as exc:
+                report.problems.append(str(exc))
+                continue
+            if spec.op in ("copy", "cast"):
+                got, pad = t, None
+            else:
+                base = t[p.stack_index] if spec.op == "stack" else t
+                r0, r1 = p.rows  # type: ignore[misc]
+                got, pad = base[r0:r1], base[r1:r1 + p.pad_rows]
+            if not _same_bits(got, expect):
+                how = "bit-exact" if s.dtype == t.dtype else f"as {spec.dtype}"
+                report.problems.append(f"{spec.name}: part {p.source} does not reproduce the source ({how})")
+            elif pad is not None and pad.numel() and bool(pad.reshape(-1).view(torch.uint8).any()):
+                report.problems.append(f"{spec.name}: padding after {p.source} is not zero")
+            else:
+                report.parts += 1
+        if spec.scheme == "fp8_block" and spec.name.endswith(".weight") and spec.op in ("concat", "stack") \
+                and spec.block_size:
+            scale_name = spec.name[: -len("weight")] + "weight_scale_inv"
+            if scale_name in out.files:
+                _check_dequant(spec, t, out.get(scale_name), srct, report)
+
+
+def _check_dequant(spec: OutputTensor, w: torch.Tensor, s: torch.Tensor, srct: _Tensors, report: VerifyReport) -> None:
+    block = tuple(spec.block_size)  # type: ignore[arg-type]
+    slots = range(w.shape[0]) if spec.op == "stack" else [None]
+    for slot in slots:
+        ws = w[slot] if slot is not None else w
+        ss = s[slot] if slot is not None else s
+        deq = _dequant(ws, ss, block)
+        for p in spec.parts:
+            if p.stack_index != slot:
+                continue
+            sname = p.source[: -len("weight")] + "weight_scale_inv"
+            if sname not in srct.files:
+                continue
+            ref = _dequant(srct.get(p.source), srct.get(sname), block)
+            r0, r1 = p.rows  # type: ignore[misc]
+            if not torch.equal(deq[r0:r1], ref):
+                report.problems.append(f"{spec.name}: dequantized rows of {p.source} differ from the dequantized source")
+            else:
+                report.dequantized += 1
+
+
+def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport:
+    """Check a layout against its manifest and, with ``source``, against the source checkpoint.
+
+    Args:
+        layout: layout directory written by ``atomtool convert``.
+        source: local source checkpoint directory (or cached Hub repo id) to compare every part with.
+    Returns:
+        a :class:`VerifyReport`; ``report.problems`` lists every mismatch (empty = verified).
+    Raises:
+        LayoutError: the manifest is missing or malformed (nothing else can be checked).
+        SourceError: the source cannot be opened.
+    """
+    root = Path(layout)
+    manifest = read_manifest(root)
+    report = VerifyReport(layout=str(layout), source=source)
+    for name, entry in manifest["tensors"].items():
+        _check_tiling(entry_to_spec(name, entry), report.problems)
+    _check_layout_files(root, manifest, report)
+    if source is not None:
+        _check_source(root, manifest, source, report)
+    return report
