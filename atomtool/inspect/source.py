@@ -136,13 +136,16 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
     config = _load_json_object(root / CONFIG_FILE, ConfigError) if (root / CONFIG_FILE).is_file() else None
     weight_map, index_meta = None, None
     index_path = root / INDEX_FILE
+    index_label = f"{source}/{INDEX_FILE}" if is_remote else str(index_path)
     if index_path.is_file():
         weight_map, index_meta = _load_index(index_path)
         files = sorted(set(weight_map.values()))
         for f in files:
             if not (root / f).is_file():
-                where = "the HF cache" if is_remote else str(root)
-                raise SourceError(f"{index_path}: names shard {f!r}, which does not exist in {where}")
+                if is_remote:
+                    raise SourceError(f"{index_label}: names shard {f!r}, which is not in the local HF cache "
+                                      f"({root})")
+                raise SourceError(f"{index_label}: names shard {f!r}, which does not exist in {root}")
     elif (root / SINGLE_FILE).is_file():
         files = [SINGLE_FILE]
     else:
@@ -163,7 +166,7 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
 
     headers = _parallel(read, files)
     label = (lambda f: f"{source}/{f}") if is_remote else (lambda f: str(root / f))
-    tensors, warnings = _merge(headers, weight_map, label, str(index_path))
+    tensors, warnings = _merge(headers, weight_map, label, index_label)
     return CheckpointSource(
         source=source, root=root, config=config, tensors=tensors, files=files, is_remote=is_remote,
         metadata={f: h.metadata for f, h in headers.items()}, revision=revision, commit=commit,

@@ -1,0 +1,211 @@
+"""CheckpointSource over the Hub protocol: a loopback server (tests/fake_hub.py) serves fixture repos with
+Range support; huggingface_hub does the transport. Requests are counted: at most two per shard (header
+range reads) plus config.json and the index (HEAD + GET each through hf_hub_download), never tensor data.
+The local reader of the same directory is the reference for what the remote reader must return.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import constants, hf_hub_download
+from safetensors.torch import save_file
+
+from atomtool.errors import HeaderError, SourceError
+from atomtool.inspect.source import CheckpointSource, first_range_bytes
+from tests.checkpoints import write_hf_checkpoint
+from tests.fake_hub import FakeHub, set_endpoint
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("repos")
+    sharded = write_hf_checkpoint(base / "sharded", "glm_moe_dsa", max_shard_size="40KB", tokenizer=False)
+    single = write_hf_checkpoint(base / "single", "qwen3", tokenizer=False)
+    cfg_only = base / "cfg_only"
+    cfg_only.mkdir()
+    shutil.copy(single / "config.json", cfg_only / "config.json")
+
+    missing = base / "missing"
+    shutil.copytree(sharded, missing)
+    sorted(missing.glob("model-*.safetensors"))[0].unlink()
+
+    hostile = base / "hostile"
+    shutil.copytree(sharded, hostile)
+    victim = sorted(hostile.glob("model-*.safetensors"))[-1]
+    blob = bytearray(victim.read_bytes())
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["dtype"] = "F8_E4M3FN"  # not a safetensors dtype
+    text = json.dumps(header).encode()
+    text += b" " * (n - len(text)) if len(text) <= n else b""
+    victim.write_bytes(len(text).to_bytes(8, "little") + text + bytes(blob[8 + n:]))
+
+    # a shard whose header is longer than the first range (big __metadata__): needs the second request
+    bigmeta = base / "bigmeta"
+    bigmeta.mkdir()
+    shutil.copy(single / "config.json", bigmeta / "config.json")
+    save_file({"a.weight": torch.zeros(4, 4)}, bigmeta / "model-00001-of-00002.safetensors",
+              metadata={"format": "pt", "notes": "x" * 300_000})
+    save_file({"b.weight": torch.zeros(1024, 1024)}, bigmeta / "model-00002-of-00002.safetensors")
+    (bigmeta / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                        "b.weight": "model-00002-of-00002.safetensors"}}))
+    return {"org/sharded": sharded, "org/single": single, "org/cfg-only": cfg_only, "org/missing": missing,
+            "org/hostile": hostile, "org/bigmeta": bigmeta}
+
+
+@pytest.fixture
+def hub(repos, monkeypatch, tmp_path):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+    with FakeHub(repos, commit=COMMIT) as server:
+        set_endpoint(monkeypatch, server.endpoint)
+        yield server
+
+
+def as_tuples(src: CheckpointSource) -> dict:
+    return {k: (t.file, t.dtype, t.shape, t.data_offsets) for k, t in src.tensors.items()}
+
+
+def test_sharded_repo_matches_local_reader(hub, repos):
+    remote = CheckpointSource.open("org/sharded")
+    local = CheckpointSource.open(str(repos["org/sharded"]))
+    assert remote.is_remote and remote.root is None and remote.commit == COMMIT
+    assert remote.source == "org/sharded" and remote.revision is None
+    assert as_tuples(remote) == as_tuples(local)
+    assert remote.files == local.files and len(remote.files) > 3
+    assert remote.config == local.config and remote.metadata == local.metadata
+    assert remote.index_metadata == local.index_metadata
+
+
+def test_request_count_at_most_two_per_shard(hub, repos):
+    src = CheckpointSource.open("org/sharded")
+    names = {f: [k for k, t in src.tensors.items() if t.file == f] for f in src.files}
+    by_file: dict[str, list] = {}
+    for r in hub.requests:
+        assert r.repo == "org/sharded" and r.status < 400
+        by_file.setdefault(r.file, []).append(r)
+    assert set(by_file) == set(src.files) | {"config.json", "model.safetensors.index.json"}
+    for f in ("config.json", "model.safetensors.index.json"):
+        assert sorted(r.method for r in by_file[f]) == ["GET", "HEAD"]
+    for f in src.files:
+        reqs = by_file[f]
+        assert 1 <= len(reqs) <= 2 and all(r.method == "GET" and r.range for r in reqs)
+        assert all(r.revision == COMMIT for r in reqs)  # shards read at config.json's commit
+        assert reqs[0].range == f"bytes=0-{first_range_bytes(names[f]) - 1}"
+    # the first range is sized from the index's names: one request per shard suffices here
+    assert sum(len(by_file[f]) for f in src.files) == len(src.files)
+
+
+def test_long_header_takes_a_second_range_and_no_tensor_data(hub, repos):
+    src = CheckpointSource.open("org/bigmeta")
+    assert src.metadata["model-00001-of-00002.safetensors"]["notes"] == "x" * 300_000
+    big = hub.for_file("model-00001-of-00002.safetensors")
+    assert len(big) == 2 and [r.status for r in big] == [206, 206]
+    path = repos["org/bigmeta"] / "model-00001-of-00002.safetensors"
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    assert sum(r.body_bytes for r in big) == 8 + n  # header bytes only
+    small = hub.for_file("model-00002-of-00002.safetensors")
+    assert len(small) == 1 and small[0].body_bytes < 8192  # 4 MiB shard: header only
+    assert src.tensors["b.weight"].shape == (1024, 1024)
+
+
+def test_single_file_repo(hub, repos):
+    src = CheckpointSource.open("org/single")
+    assert src.files == ["model.safetensors"]
+    assert as_tuples(src) == as_tuples(CheckpointSource.open(str(repos["org/single"])))
+    reqs = hub.for_file("model.safetensors")
+    assert 1 <= len(reqs) <= 2 and all(r.range for r in reqs)
+    assert [r.status for r in hub.for_file("model.safetensors.index.json")] == [404]
+
+
+def test_config_only_repo(hub):
+    src = CheckpointSource.open("org/cfg-only")
+    assert src.tensors == {} and src.files == [] and src.config["model_type"] == "qwen3"
+
+
+def test_hf_token_is_sent(hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_for_test")
+    CheckpointSource.open("org/sharded")
+    assert hub.requests and all(r.authorization == "Bearer hf_secret_for_test" for r in hub.requests)
+
+
+def test_revision_pins_every_read(hub):
+    src = CheckpointSource.open("org/sharded", revision=COMMIT)
+    assert src.revision == COMMIT and src.commit == COMMIT
+    assert {r.revision for r in hub.requests} == {COMMIT}
+    with pytest.raises(SourceError, match=r"^org/sharded: revision not found \(config.json\)$"):
+        CheckpointSource.open("org/sharded", revision="v9")
+
+
+def test_unknown_repo(hub):
+    with pytest.raises(SourceError) as e:
+        CheckpointSource.open("org/nope")
+    assert str(e.value).startswith(f"org/nope: Hub repo not found at {hub.endpoint}")
+
+
+def test_index_names_missing_shard(hub, repos):
+    gone = sorted(repos["org/sharded"].glob("model-*.safetensors"))[0].name
+    with pytest.raises(SourceError) as e:
+        CheckpointSource.open("org/missing")
+    assert str(e.value) == (f"org/missing/model.safetensors.index.json: names shard '{gone}', which does not "
+                            "exist in the repo")
+
+
+def test_hostile_remote_header(hub, repos):
+    victim = sorted(repos["org/hostile"].glob("model-*.safetensors"))[-1].name
+    with pytest.raises(HeaderError) as e:
+        CheckpointSource.open("org/hostile")
+    msg = str(e.value)
+    assert msg.startswith(f"org/hostile/{victim}: tensor ") and "unknown dtype 'F8_E4M3FN'" in msg
+    assert "\n" not in msg
+
+
+def test_offline_uses_cache(hub, repos, monkeypatch):
+    CheckpointSource.open("org/sharded")  # caches config.json + index.json, not the shards
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.reset()
+    with pytest.raises(SourceError) as e:
+        CheckpointSource.open("org/sharded")
+    assert "not in the local HF cache" in str(e.value) and "HF_HUB_OFFLINE is set" in str(e.value)
+    with pytest.raises(SourceError, match="org/single: HF_HUB_OFFLINE is set, and the repo is not in the local"):
+        CheckpointSource.open("org/single")
+    assert hub.requests == []
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for f in CheckpointSource.open("org/sharded").files:  # the user downloads the weights
+        hf_hub_download("org/sharded", f, endpoint=hub.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.reset()
+    src = CheckpointSource.open("org/sharded")
+    assert hub.requests == []
+    assert src.is_remote and src.commit == COMMIT and src.root is not None
+    assert as_tuples(src) == as_tuples(CheckpointSource.open(str(repos["org/sharded"])))
+    assert (src.root / src.files[0]).is_file()
+
+
+def test_network_down_falls_back_to_cache(hub, repos, monkeypatch):
+    for f in ["config.json", "model.safetensors"]:
+        hf_hub_download("org/single", f, endpoint=hub.endpoint)
+    dead = "http://127.0.0.1:9"  # discard port: connection refused
+    import huggingface_hub.utils._http as hf_http
+
+    monkeypatch.setattr(hf_http.time, "sleep", lambda s: None)  # skip huggingface_hub's retry backoff waits
+    set_endpoint(monkeypatch, dead)
+    src = CheckpointSource.open("org/single")
+    assert as_tuples(src) == as_tuples(CheckpointSource.open(str(repos["org/single"])))
+    with pytest.raises(SourceError) as e:
+        CheckpointSource.open("org/sharded")
+    msg = str(e.value)
+    assert msg.startswith(f"org/sharded: cannot reach {dead}") and "not in the local HF cache" in msg
+    assert "\n" not in msg
