@@ -1,9 +1,8 @@
-"""Tiny dense checkpoints for the engine tests (transformers save_pretrained + a byte-level BPE tokenizer).
+"""Engine test helpers: HF greedy oracle, engine construction, a byte-level BPE tokenizer.
 
-Until the shared tests/checkpoints.py fixtures and convert's in-memory plan cover everything the engine
-tests need, this module writes its own: a tiny random Llama / Qwen2 / Qwen3 model in float32 with a
-byte-level BPE tokenizer trained on a few sentences (multi-byte characters included, so incremental
-detokenization is exercised).
+Checkpoints come from the shared fixtures (tests/checkpoints.py, written by transformers' save_pretrained).
+The byte-level BPE tokenizer here is trained on a few sentences with multi-byte characters, so incremental
+detokenization meets characters split over several tokens (the shared fixture tokenizer is ASCII-only).
 """
 
 from __future__ import annotations
@@ -20,15 +19,12 @@ CORPUS = [
     "stop STOP end of story. The end.",
 ] * 4
 
-ARCH = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
 
+def byte_bpe_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` (tokenizers library) trained on :data:`CORPUS`.
 
-def write_tokenizer(path: Path, vocab_size: int = 320) -> None:
-    """Train a byte-level BPE (tokenizers library) and save it as a transformers fast tokenizer."""
+    ``<s>`` = 0 (bos), ``</s>`` = 1 (eos); multi-byte characters (é, 東, 🙂) span several byte tokens.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,85 +34,34 @@ def write_tokenizer(path: Path, vocab_size: int = 320) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(str(path))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def tiny_config(arch: str, **overrides):
-    import transformers
+def load_hf(path: Path, state_dict: dict[str, torch.Tensor] | None = None):
+    """The transformers model of a checkpoint dir in float32 (optionally with replacement weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg_cls = getattr(transformers, ARCH[arch][0])
-    kw = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
-              tie_word_embeddings=False, rms_norm_eps=1e-6)
-    kw.update(overrides)
-    return cfg_cls(**kw)
-
-
-def write_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Write a tiny random float32 ``arch`` model (llama | qwen2 | qwen3) + tokenizer to ``path``."""
-    import transformers
-
-    path = Path(path)
-    cfg = tiny_config(arch, **overrides)
-    torch.manual_seed(seed)
-    model = getattr(transformers, ARCH[arch][1])(cfg).to(torch.float32).eval()
-    with torch.no_grad():  # make the random model less degenerate: larger weights, spread-out logits
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
-            elif "bias" in name:
-                p.normal_(0, 0.05)
-            else:
-                p.uniform_(0.8, 1.2)
-    model.save_pretrained(str(path), safe_serialization=True)
-    write_tokenizer(path, cfg.vocab_size)
-    return path
+    if state_dict is None:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    cfg = AutoConfig.from_pretrained(str(path))
+    cfg.quantization_config = None
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
+    assert not [m for m in missing if "lm_head" not in m] and not unexpected, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
 
 
-def load_hf(path: Path):
-    from transformers import AutoModelForCausalLM
+def make_engine(path: Path, **engine_kwargs):
+    """``LLMEngine.from_model`` over ``path`` (the real loader), CPU float32, a small KV pool by default."""
+    from atomtool.serve.engine.llm_engine import LLMEngine
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def fused_state_dict(hf_model) -> dict[str, torch.Tensor]:
-    """HF state dict with the layout's dense fusions applied (q‖k‖v -> qkv_proj, gate‖up -> gate_up_proj).
-
-    Only used to build models without the loader (unit tests of the engine); the loader itself goes through
-    convert's plan.
-    """
-    sd = {k: v for k, v in hf_model.state_dict().items()}
-    out: dict[str, torch.Tensor] = {}
-    layers = {k.split(".")[2] for k in sd if k.startswith("model.layers.")}
-    for i in sorted(layers, key=int):
-        p = f"model.layers.{i}."
-        for suf in ("weight", "bias"):
-            qkv = [sd.pop(f"{p}self_attn.{n}_proj.{suf}", None) for n in "qkv"]
-            if qkv[0] is not None:
-                out[f"{p}self_attn.qkv_proj.{suf}"] = torch.cat(qkv)
-        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([sd.pop(f"{p}mlp.gate_proj.weight"),
-                                                      sd.pop(f"{p}mlp.up_proj.weight")])
-    out.update(sd)
-    if hf_model.config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
-
-
-def make_engine(path: Path, hf_model=None, **engine_kwargs):
-    """An LLMEngine over the checkpoint at ``path`` built from the fused HF weights (CPU, float32)."""
-    import json
-
-    from atomtool.inspect.dsa import flatten_dsa_config
-    from atomtool.serve.engine.llm_engine import LLMEngine, load_tokenizer
-    from atomtool.serve.models.llama import LlamaForCausalLM
-
-    hf_model = hf_model if hf_model is not None else load_hf(path)
-    cfg = flatten_dsa_config(json.loads((Path(path) / "config.json").read_text()))
-    model = LlamaForCausalLM(cfg, None, torch.float32, "cpu")
-    model.load_weights(fused_state_dict(hf_model).items())
     engine_kwargs.setdefault("kv_cache_memory", 1 << 22)
-    return LLMEngine(model, load_tokenizer(Path(path)), cfg, device="cpu", model_dir=path, **engine_kwargs)
+    engine_kwargs.setdefault("device", "cpu")
+    return LLMEngine.from_model(path, **engine_kwargs)
 
 
 @torch.no_grad()

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from atomtool.convert.plan_types import OutputTensor
 from atomtool.errors import ConfigError, EngineError, SourceError
 from atomtool.serve.models.base import CausalLM
 from atomtool.serve.models.registry import get_model_class, resolve_architecture
@@ -73,14 +72,21 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
 
 
-def _layout_tensors(model_dir: Path, specs: dict[str, OutputTensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a layout's safetensors shards (read with the safetensors library)."""
+def _layout_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a layout, shard by shard (index from convert's layout module, data via safetensors)."""
     from safetensors import safe_open
 
-    files = sorted(p for p in os.listdir(model_dir) if p.endswith(".safetensors"))
-    for fname in files:
-        with safe_open(str(model_dir / fname), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+    from atomtool.convert.layout import tensor_files
+
+    by_file: dict[str, list[str]] = {}
+    for name, fname in tensor_files(model_dir).items():
+        by_file.setdefault(fname, []).append(name)
+    for fname, names in by_file.items():
+        path = model_dir / fname
+        if not path.is_file():
+            raise EngineError(f"{path}: layout shard is missing (tensors {', '.join(names[:5])}, ...)")
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
                 yield name, f.get_tensor(name)
 
 
@@ -111,7 +117,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         specs = load_layout_specs(model_dir)
         torch_dtype = resolve_dtype(dtype, config, dev)
         model = get_model_class(arch)(config, specs, torch_dtype, dev)
-        model.load_weights(_layout_tensors(model_dir, specs))
+        model.load_weights(_layout_tensors(model_dir))
     else:
         from atomtool.convert.materialize import iter_output_tensors
         from atomtool.convert.plan import build_plan
