@@ -1,0 +1,98 @@
+"""The DSA lightning indexer of one *full* layer (DeepSeek-V3.2-Exp; research/dsa.md §5.2-5.3).
+
+Shared (IndexShare) layers build no indexer: they reuse the top-k of the previous full layer, decided by
+:func:`atomtool.inspect.dsa.layer_roles` and nothing else.
+
+Math (HF transformers ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``, float32):
+
+    q_i = wq_b(c_q) -> [T, Hi, Di]               c_q: the normed q latent shared with MLA
+    k_i = LayerNorm(wk(x); eps 1e-6) -> [T, Di]  x: the attention input (post input_layernorm)
+    w   = float(weights_proj(x)) * Hi^-0.5 * Di^-0.5
+    rotary on the FIRST ``index_rope_dim`` dims of every q_i head and of k_i ("pe first"), NeoX pairing for
+    DeepSeek-V3.2, interleaved for GLM; I[t,s] = Σ_h w[t,h] ReLU(q_i[t,h]·k_i[s]); top-k causal.
+
+``wk`` and ``weights_proj`` consume the same x as the MLA down-projections, so the converter may fuse them
+into ``fused_qkv_a_proj``; then the attention layer hands their outputs in (``k_raw``, ``w_raw``). Otherwise
+they are separate tensors here (FP8 checkpoints).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atomtool.convert.plan_types import OutputTensor
+from atomtool.serve.engine.batch import ForwardBatch
+from atomtool.serve.layers.linear import make_linear
+from atomtool.serve.ops import (
+    get_op,
+    torch_ref_mla,  # noqa: F401  (registers indexer_topk)
+)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: writes this step's index keys into the ``index_k`` plane and selects top-k.
+
+    Args:
+        cfg: flattened config (hidden_size, q_lora_rank, index_n_heads, index_head_dim, index_topk,
+            index_rope_dim).
+        prefix: layout module path (``model.layers.0.self_attn.indexer``); specs: layout specs or None.
+        fused: wk / weights_proj live in the attention's fused input projection (no own tensors).
+        interleaved: rotary pairing of the indexer (True: GPT-J pairs (2i, 2i+1); False: NeoX half split).
+    """
+
+    def __init__(self, cfg: dict, prefix: str, specs: dict[str, OutputTensor] | None, fused: bool,
+                 interleaved: bool, dtype: torch.dtype, device):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.n_heads = int(cfg["index_n_heads"])
+        self.head_dim = int(cfg["index_head_dim"])
+        self.topk = int(cfg["index_topk"])
+        self.rope_dim = int(cfg.get("index_rope_dim", cfg["qk_rope_head_dim"]))
+        self.interleaved = interleaved
+        self.fused = fused
+
+        def lin(name: str, n_in: int, n_out: int):
+            return make_linear(f"{prefix}.{name}", n_in, n_out, bias=False, dtype=dtype, device=device,
+                               specs=specs, config_flat=cfg)
+
+        self.wq_b = lin("wq_b", cfg["q_lora_rank"], self.n_heads * self.head_dim)
+        # HF: nn.LayerNorm(index_head_dim, eps=1e-6), with bias (dsa.md §3).
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype, device=device)
+        self.k_norm.requires_grad_(False)
+        if not fused:
+            self.wk = lin("wk", hidden, self.head_dim)
+            self.weights_proj = lin("weights_proj", hidden, self.n_heads)
+        self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, c_q: torch.Tensor, k_raw: torch.Tensor | None, w_raw: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                index_k_cache: torch.Tensor) -> torch.Tensor | None:
+        """Store the step's index keys, then select.
+
+        x: [T, hidden] attention input; c_q: [T, q_lora_rank] normed q latent; k_raw [T, Di] / w_raw [T, Hi]:
+        the fused projection's indexer outputs (None when not fused); cos, sin: [T, index_rope_dim/2]
+        float32; index_k_cache: [N, bs, Di].
+        Returns [T, index_topk] int32 request-local positions (-1 padded), or None when every sequence of
+        the batch has at most ``index_topk`` tokens (attention is then dense; the keys are still written).
+        """
+        dev = x.device
+        if k_raw is None:
+            k_raw = self.wk(x)
+            w_raw = self.weights_proj(x)
+        k = F.layer_norm(k_raw.float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
+                         self.k_norm.eps).to(x.dtype)
+        T = x.shape[0]
+        q = self.wq_b(c_q).view(T, self.n_heads, self.head_dim)
+        r = self.rope_dim
+        if r:
+            rope = get_op("rotary_embedding", dev)
+            q = torch.cat((rope(q[..., :r], cos, sin, self.interleaved), q[..., r:]), dim=-1)
+            k = torch.cat((rope(k[:, None, :r], cos, sin, self.interleaved)[:, 0], k[:, r:]), dim=-1)
+        get_op("store_cache", dev)(k, index_k_cache, batch.slot_mapping)
+        if max(batch.seq_lens_cpu) <= self.topk:
+            return None
+        weights = w_raw.float() * self.weight_scale
+        return get_op("indexer_topk", dev)(q, weights, index_k_cache, batch.cu_seqlens_q, batch.seq_lens,
+                                           batch.block_tables, self.topk)

@@ -1,0 +1,112 @@
+"""DeepSeek-V3 style MLP blocks: a dense SwiGLU MLP and the MoE block (``noaux_tc`` router, stacked routed
+experts, shared experts). Parameter names are the atomtool layout's (``gate_up_proj``, ``experts.w13``,
+``experts.w2``, ``gate.weight``, ``gate.e_score_correction_bias``).
+
+Follows HF transformers ``DeepseekV3MLP`` / ``DeepseekV3MoE`` / ``DeepseekV3TopkRouter`` (DeepSeek-V3
+technical report §2.1.2): ``y = Σ_routed w_e · Expert_e(x) + SharedExperts(x)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atomtool.convert.plan_types import OutputTensor
+from atomtool.serve.layers.linear import fused_row_ranges, make_linear
+from atomtool.serve.ops import (
+    get_op,
+    torch_ref_mla,  # noqa: F401  (registers the MLA/MoE reference ops)
+)
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with the fused ``gate_up_proj`` ([2I, H], gate rows then
+    up rows; FP8 block or float per the layout specs) and ``down_proj`` ([H, I]). x: [T, H] -> [T, H]."""
+
+    def __init__(self, cfg: dict, prefix: str, specs: dict[str, OutputTensor] | None, intermediate_size: int,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        gate_up = f"{prefix}.gate_up_proj"
+        self.gate_up_proj = make_linear(gate_up, hidden, 2 * intermediate_size, bias=False, dtype=dtype,
+                                        device=device, specs=specs, config_flat=cfg)
+        (gs, ge), (us, ue) = fused_row_ranges(gate_up, specs, [intermediate_size, intermediate_size])
+        self._gate, self._up = slice(gs, ge), slice(us, ue)
+        self._contiguous = gs == 0 and ge == us and ue == self.gate_up_proj.out_features
+        self.down_proj = make_linear(f"{prefix}.down_proj", intermediate_size, hidden, bias=False, dtype=dtype,
+                                     device=device, specs=specs, config_flat=cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if not self._contiguous:  # FP8 alignment padding between gate and up rows
+            h = torch.cat((h[:, self._gate], h[:, self._up]), dim=-1)
+        return self.down_proj(get_op("silu_and_mul", x.device)(h))
+
+
+class TopkRouter(nn.Module):
+    """The MoE gate: ``weight`` [E, H] (kept in the model dtype, computed in float32 as HF does) and the
+    float32 ``e_score_correction_bias`` [E] (aux-loss-free balancing bias; only affects the choice)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] float32."""
+        return F.linear(x.float(), self.weight.float())
+
+
+class StackedExperts(nn.Module):
+    """Routed experts stacked per layer: ``w13`` [E, 2I, H] (gate ‖ up), ``w2`` [E, H, I], float. FP8 block
+    checkpoints are dequantized (and their alignment padding dropped) by the model's loader."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.w13 = nn.Module()
+        self.w2 = nn.Module()
+        self.w13.weight = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        self.w2.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+            requires_grad=False)
+
+
+class DeepseekMoE(nn.Module):
+    """DeepSeek-V3 MoE block.
+
+    config keys: hidden_size, moe_intermediate_size, n_routed_experts, num_experts_per_tok, n_group,
+    topk_group, norm_topk_prob, routed_scaling_factor, n_shared_experts (0 or absent: no shared expert).
+    x: [T, H] -> [T, H] in x's dtype.
+    """
+
+    def __init__(self, cfg: dict, prefix: str, specs: dict[str, OutputTensor] | None, dtype: torch.dtype,
+                 device):
+        super().__init__()
+        h = cfg["hidden_size"]
+        inter = cfg["moe_intermediate_size"]
+        self.num_experts = cfg["n_routed_experts"]
+        self.top_k = cfg["num_experts_per_tok"]
+        self.n_group = cfg.get("n_group") or 1
+        self.topk_group = cfg.get("topk_group") or 1
+        self.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+        self.routed_scaling_factor = float(cfg.get("routed_scaling_factor", 1.0))
+        self.gate = TopkRouter(h, self.num_experts, dtype, device)
+        self.experts = StackedExperts(self.num_experts, h, inter, dtype, device)
+        n_shared = cfg.get("n_shared_experts") or 0
+        self.shared_experts = (SwiGLUMLP(cfg, f"{prefix}.shared_experts", specs, inter * n_shared, dtype, device)
+                               if n_shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, ids = get_op("grouped_topk", x.device)(
+            logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+            self.norm_topk_prob, self.routed_scaling_factor)
+        out = get_op("fused_moe", x.device)(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,185 @@
+"""Plain-torch reference ops for MLA, the DSA lightning indexer and MoE: exact, CPU-capable, the truth the
+Triton kernels (helper E) are tested against. Same conventions as :mod:`atomtool.serve.ops.torch_ref`
+(T tokens, B sequences, paged planes ``[N, bs, *shape]``, query j of sequence b at position
+``seq_lens[b] - q_len[b] + j``, float32 reductions).
+
+Math: research/dsa.md §5 (MLA absorbed form, indexer, selection, sparse attention) and DeepSeek-V3's
+``noaux_tc`` router (HF transformers ``DeepseekV3TopkRouter``, whose float32 computation these mirror).
+
+Registered in the op dispatch (:func:`atomtool.serve.ops.get_op`) under the names ``mla_attention``,
+``indexer_topk``, ``grouped_topk``, ``fused_moe`` and ``store_cache`` users share.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atomtool.serve.ops import register_op
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """First ``num_tokens`` entries of one sequence from a paged plane ``[N, bs, *shape]`` (a copy)."""
+    bs = cache.shape[1]
+    nblocks = -(-num_tokens // bs)
+    blocks = block_table[:nblocks].long()
+    return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:num_tokens]
+
+
+def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Multi-head Latent Attention over a paged latent cache, absorbed form (DeepSeek-V2 §2.1; dsa.md §5.1/5.4).
+
+    Every query head attends to one shared latent key/value per token (MQA over the latent):
+    ``logit[t,h,s] = scale * (q_nope_absorbed[t,h] · c_kv[s] + q_pe[t,h] · k_pe[s])``,
+    ``out[t,h] = Σ_s softmax_s(logit) c_kv[s]``. The caller un-absorbs the output with W_UV.
+
+    Args:
+        q_nope_absorbed: [T, H, R] (R = kv_lora_rank), ``q_nope @ W_UK`` per head.
+        q_pe: [T, H, P] (P = qk_rope_head_dim), rotary already applied.
+        latent_cache: [N, bs, R + P] paged plane, row = ``[c_kv | k_pe]``; the step's tokens must already be
+            stored.
+        cu_seqlens_q: [B+1] int32 query offsets; seq_lens: [B] int32 KV length per sequence after the step;
+        block_tables: [B, M] int32, -1 padded.
+        scale: softmax scale, ``qk_head_dim**-0.5 * mscale**2`` (not (R+P)**-0.5).
+        topk_indices: optional [T, K] int32 request-local positions selected by the DSA indexer, -1 padded;
+            query t then attends only to those positions (and still only causally). None: dense causal.
+    Returns:
+        [T, H, R] in q_nope_absorbed's dtype (logits and softmax in float32).
+    """
+    T, H, R = q_nope_absorbed.shape
+    out = q_nope_absorbed.new_empty(T, H, R)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, L in enumerate(lens):
+        s, e = cu[b], cu[b + 1]
+        ql = e - s
+        if ql == 0:
+            continue
+        lat = _gather(latent_cache, block_tables[b], L).float()
+        ckv, kpe = lat[:, :R], lat[:, R:]
+        scores = (torch.einsum("qhr,kr->qhk", q_nope_absorbed[s:e].float(), ckv)
+                  + torch.einsum("qhp,kp->qhk", q_pe[s:e].float(), kpe)) * scale
+        qpos = torch.arange(L - ql, L, device=scores.device)[:, None]
+        kpos = torch.arange(L, device=scores.device)[None, :]
+        invalid = kpos > qpos  # [ql, L]
+        if topk_indices is not None:
+            idx = topk_indices[s:e].long()
+            selected = torch.zeros(ql, L + 1, dtype=torch.bool, device=scores.device)
+            # -1 (padding) lands in the extra column L, which is dropped.
+            selected.scatter_(1, torch.where(idx < 0, L, idx.clamp(max=L)), True)
+            invalid = invalid | ~selected[:, :L]
+        scores.masked_fill_(invalid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.einsum("qhk,kr->qhr", probs, ckv).to(out.dtype)
+    return out
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    """DSA lightning-indexer scores and deterministic top-k selection (DeepSeek-V3.2; dsa.md §5.2-5.3).
+
+    ``I[t,s] = Σ_h weights[t,h] · ReLU(q[t,h] · k[s])`` over the sequence's cached index keys ``k[s]`` with
+    ``s <= pos(t)`` (causal). ``weights`` carry every scale (HF: ``weights_proj(x) · Hi^-0.5 · Di^-0.5``;
+    ReLU commutes with the positive ``Di^-0.5``).
+
+    Selection: a query with at most ``topk`` valid keys selects all of them (dense). Otherwise the ``topk``
+    largest scores; ties go to the lowest position (stable sort), so results are reproducible and batch-
+    independent. Each row lists its selected positions in ascending order, then -1 padding.
+
+    Args:
+        q: [T, Hi, Di] index queries (rotary applied); weights: [T, Hi] float32;
+        index_k_cache: [N, bs, Di] paged plane holding every cached token's index key (this step's included);
+        cu_seqlens_q, seq_lens, block_tables: as in :func:`mla_attention`; topk: K.
+    Returns:
+        [T, K] int32 request-local positions, -1 padded.
+    """
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, L in enumerate(lens):
+        s, e = cu[b], cu[b + 1]
+        ql = e - s
+        if ql == 0:
+            continue
+        qpos = torch.arange(L - ql, L, device=q.device)
+        if L <= topk:  # every row has <= K valid keys: select all causally visible positions
+            pos = torch.arange(topk, device=q.device)[None, :].expand(ql, topk)
+            out[s:e] = torch.where(pos <= qpos[:, None], pos, -1).to(torch.int32)
+            continue
+        k = _gather(index_k_cache, block_tables[b], L).float()  # [L, Di]
+        logits = torch.einsum("qhd,kd->qhk", q[s:e].float(), k)
+        scores = torch.einsum("qh,qhk->qk", weights[s:e].float(), F.relu(logits))
+        invalid = torch.arange(L, device=q.device)[None, :] > qpos[:, None]
+        scores.masked_fill_(invalid, float("-inf"))
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+        valid = ~invalid.gather(1, order)
+        sel = torch.where(valid, order, L)  # invalid -> sentinel L, sorted last
+        sel = torch.sort(sel, dim=-1).values
+        out[s:e] = torch.where(sel >= L, -1, sel).to(torch.int32)
+    return out
+
+
+def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor | None, top_k: int,
+                 n_group: int, topk_group: int, norm_topk_prob: bool,
+                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ``noaux_tc`` MoE routing (DeepSeek-V3 report §2.1.2; HF ``DeepseekV3TopkRouter``).
+
+    ``scores = sigmoid(logits)``; the choice uses ``scores + bias``: each of ``n_group`` expert groups is
+    rated by the sum of its two best biased scores, the best ``topk_group`` groups stay eligible, and the
+    ``top_k`` best eligible experts are chosen (ties -> lowest expert id). Weights are the *unbiased* scores
+    of the chosen experts, normalised to sum 1 when ``norm_topk_prob`` (+1e-20, as HF), then multiplied by
+    ``routed_scaling_factor``.
+
+    Args:
+        router_logits: [T, E] (computed in float32); e_score_correction_bias: [E] float32 or None.
+    Returns:
+        (weights [T, top_k] float32, ids [T, top_k] int64), experts in descending choice order.
+    """
+    scores = router_logits.float().sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    T, E = choice.shape
+    if n_group > 1 and topk_group < n_group:
+        per = E // n_group
+        grouped = choice.view(T, n_group, per)
+        group_scores = torch.sort(grouped, dim=-1, descending=True).values[..., : min(2, per)].sum(-1)
+        keep = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~group_mask.repeat_interleave(per, dim=1), float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts: ``y[t] = Σ_j w[t,j] · W2[e] (silu(G[e] x[t]) * U[e] x[t])``, ``e = ids[t,j]``.
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32;
+    topk_ids: [T, k] int. Experts are visited in ascending id and accumulated in x's dtype (HF
+    ``DeepseekV3Experts`` order). Returns [T, H] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    E = w13.shape[0]
+    ids = topk_ids.long()
+    hit = torch.unique(ids).tolist()
+    for e in hit:
+        if e < 0 or e >= E:
+            continue
+        tok, slot = torch.where(ids == e)
+        h = F.linear(x[tok], w13[e])
+        g, u = h.chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, w2[e])
+        y = y * topk_weights[tok, slot, None].to(y.dtype)
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+for _name, _fn in (("mla_attention", mla_attention), ("indexer_topk", indexer_topk),
+                   ("grouped_topk", grouped_topk), ("fused_moe", fused_moe)):
+    register_op(_name, "torch", _fn)
