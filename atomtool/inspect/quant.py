@@ -259,6 +259,55 @@ def exclusion_matches(spec: QuantSpec, entry: str, name: str) -> bool:
     return name == entry
 
 
+_LAYER_LIT = re.compile(r"layers\.(\d+)\.")
+
+
+class ExclusionIndex:
+    """Exclusion entries bucketed by the literal ``layers.N.`` they contain, so that matching ~100k tensor
+    names against ~600 entries (GLM-5 FP8 lists every norm and router) stays linear: an entry whose
+    literal text (alias applied, not a regex) contains ``layers.N.`` can only match names containing it."""
+
+    def __init__(self, spec: QuantSpec):
+        self.spec = spec
+        self.generic: list[str] = []
+        self.by_layer: dict[str, list[str]] = defaultdict(list)
+        substring = spec.method in ("fp8", "fbgemm_fp8", "awq", "bitsandbytes")
+        for e in spec.exclusions:
+            literal = _glm_alias(e) if substring else e
+            m = None if e.startswith(("re:", "-:", "+:")) or spec.method == "gptq" else _LAYER_LIT.search(literal)
+            if m:
+                self.by_layer[m.group(1)].append(e)
+            else:
+                self.generic.append(e)
+
+    def candidates(self, name: str) -> list[str]:
+        """Entries that could match ``name``."""
+        out = list(self.generic)
+        for n in set(_LAYER_LIT.findall(name)):
+            out.extend(self.by_layer.get(n, ()))
+        return out
+
+    def excluded(self, name: str) -> bool:
+        return any(exclusion_matches(self.spec, e, name) for e in self.candidates(name))
+
+    def matched(self, names: Iterable[str]) -> set[str]:
+        """Entries matching at least one of ``names``."""
+        hit: set[str] = set()
+        for n in names:
+            for e in self.candidates(n):
+                if e not in hit and exclusion_matches(self.spec, e, n):
+                    hit.add(e)
+        return hit
+
+
+def exclusion_index(spec: QuantSpec) -> ExclusionIndex:
+    """The (cached) :class:`ExclusionIndex` of ``spec``."""
+    idx = spec.__dict__.get("_index")
+    if idx is None:
+        idx = spec.__dict__["_index"] = ExclusionIndex(spec)
+    return idx
+
+
 _EXPERT_RE = re.compile(r"(^|\.)experts(\.|$)")
 
 
@@ -285,7 +334,7 @@ def declared_quantized(spec: QuantSpec | None, module: str) -> bool:
                    for t in (g.get("targets") or [])]
         if targets and not any(t == "Linear" or exclusion_matches(spec, t, module) for t in targets):
             return False
-    return not any(exclusion_matches(spec, e, module) for e in spec.exclusions)
+    return not exclusion_index(spec).excluded(module)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -484,7 +533,8 @@ def exclusion_findings(spec: QuantSpec | None, tensors: Iterable[str], modules: 
     if spec is None or not spec.exclusions or not names:  # config-only: nothing to match against
         return []
     out = []
-    unmatched = [e for e in spec.exclusions if not any(exclusion_matches(spec, e, n) for n in names)]
+    hit = exclusion_index(spec).matched(names)
+    unmatched = [e for e in spec.exclusions if e not in hit]
     for e in unmatched:
         hint = " (GLM alias: indexers_proj -> indexer.weights_proj)" if "indexers_proj" in e else ""
         out.append(Finding("exclusion-matches-nothing", "warning", None,
