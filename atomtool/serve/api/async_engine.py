@@ -69,7 +69,7 @@ class RequestGroup:
 
     Iterate with ``async for out in group``: yields each :class:`RequestOutput` as it arrives (tagged
     by ``request_id``) until every request has finished; raises :class:`EngineError` if the engine
-    failed one of them. ``abort()`` aborts whatever has not finished (client gone, error elsewhere).
+    failed one of them (the caller then calls ``abort()``). ``abort()`` aborts whatever has not finished (client gone, error elsewhere).
     """
 
     engine: AsyncEngine
@@ -84,8 +84,7 @@ class RequestGroup:
         while self.unfinished:
             item = await self.queue.get()
             if isinstance(item, _Failure):
-                self.unfinished.discard(item.request_id)
-                self.abort()
+                # The caller aborts the rest of the group (and accounts for it) on this error.
                 raise EngineError(f"request {item.request_id} failed in the engine: {item.error}")
             if item.finished:
                 self.unfinished.discard(item.request_id)

@@ -141,9 +141,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     name = served_model_name or model
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the load
 
-    from atomtool.serve.engine.llm_engine import LLMEngine
-
     from atomtool.serve.api.app import create_app
+    from atomtool.serve.engine.llm_engine import LLMEngine
 
     print(f"atomtool serve: loading {model} ...", file=sys.stderr, flush=True)
     engine = LLMEngine.from_model(model, dtype=dtype, device=device, max_model_len=max_model_len,

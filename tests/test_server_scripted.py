@@ -1,0 +1,123 @@
+"""Server behaviour that needs an engine on a leash (tests/test_server_support.ScriptedEngine):
+
+- a multi-byte UTF-8 character split over byte-level tokens is never split across streamed pieces;
+- an engine step that raises fails the requests in flight with an OpenAI error, and the server keeps
+  serving the next request;
+- a rejected ``add_request`` (InvalidRequestError) is a 400 and leaves no request behind;
+- a slow engine lets us disconnect a non-streaming request and see it aborted.
+
+The real engine is used for everything else (tests/test_server_api.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from atomtool.serve.api.app import create_app
+from atomtool.serve.api.server import ServerThread
+from tests.checkpoints import make_tokenizer
+from tests.test_server_support import ScriptedEngine, sse_events
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is one token (as GPT-2's base alphabet),
+    so any non-ASCII character is split over 2-4 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+TEXT = "añb€c😀 dóne"
+
+
+def test_streaming_never_splits_a_multibyte_character():
+    tok = byte_level_tokenizer()
+    script = tok.encode(TEXT, add_special_tokens=False)
+    assert len(script) > len(TEXT) + 5  # precondition: characters really are split over tokens
+    assert "\ufffd" in tok.decode(script[:2])  # a lone lead byte decodes to U+FFFD
+    engine = ScriptedEngine(tok, script)
+    with ServerThread(create_app(engine, "m")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model="m", prompt="x", max_tokens=len(script), stream=True)]
+        full = client.completions.create(model="m", prompt="x", max_tokens=len(script)).choices[0].text
+    assert full == TEXT
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+    assert len([p for p in pieces if p]) >= len(TEXT) - 1  # streamed piece by piece, not in one lump
+
+
+def test_chat_without_template_is_a_400():
+    tok = byte_level_tokenizer()
+    with ServerThread(create_app(ScriptedEngine(tok, [5]), "m")) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": [
+            {"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    assert "no chat template" in r.json()["error"]["message"]
+    assert "--chat-template" in r.json()["error"]["message"]
+
+
+def test_step_failure_fails_requests_in_flight_and_server_keeps_serving():
+    tok = make_tokenizer()
+    engine = ScriptedEngine(tok, tok.encode("abcdef", add_special_tokens=False), fail_on_step=3)
+    with ServerThread(create_app(engine, "m")) as url:
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"model": "m", "prompt": "hi", "max_tokens": 6, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        # two tokens arrived, then the error event and [DONE]
+        assert [e["choices"][0]["text"] for e in events[:2]] == ["a", "b"]
+        assert events[2]["error"]["type"] == "server_error"
+        assert "injected step failure" in events[2]["error"]["message"]
+        assert events[-1] == "[DONE]"
+        assert engine.num_free_blocks() == engine.num_total_blocks()  # aborted: blocks back
+        # the next request is served normally
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        assert client.completions.create(model="m", prompt="hi", max_tokens=4).choices[0].text == "abcd"
+        assert httpx.get(url + "/health").status_code == 200
+        # a non-streaming request hit by a failing step gets a 500 in OpenAI's error format
+        engine.fail_on_step = engine.steps + 2
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 6})
+        assert r.status_code == 500
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert "injected step failure" in r.json()["error"]["message"]
+        metrics = httpx.get(url + "/metrics").text
+        assert 'atomtool:request_success_total{finished_reason="error",model_name="m"} 2.0' in metrics
+
+
+def test_add_request_rejection_is_a_400_and_aborts_siblings():
+    tok = make_tokenizer()
+    engine = ScriptedEngine(tok, [10], max_model_len=8)
+    with ServerThread(create_app(engine, "m")) as url:
+        # the server's own length check passes (8 > 7 tokens), the engine's InvalidRequestError is a 400
+        engine.max_model_len = 4
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "abcdef", "max_tokens": 1, "n": 3})
+        assert r.status_code == 400, r.text
+        assert "max_model_len is 4" in r.json()["error"]["message"]
+        time.sleep(0.2)
+        assert not engine.has_unfinished()
+
+
+def test_non_streaming_disconnect_aborts_the_request():
+    tok = make_tokenizer()
+    engine = ScriptedEngine(tok, [10], step_delay=0.02, max_model_len=100_000)
+    with ServerThread(create_app(engine, "m")) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 10_000,
+                                                      "ignore_eos": True}, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.has_unfinished()
+        assert engine.steps < 10_000
+        assert 'finished_reason="abort"' in httpx.get(url + "/metrics").text
