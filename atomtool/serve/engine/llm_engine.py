@@ -17,7 +17,7 @@ import torch
 from atomtool.errors import EngineError, InvalidRequestError
 from atomtool.serve.engine.block_manager import BlockManager
 from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
-from atomtool.serve.engine.kv_cache import KVCachePool, kv_budget_bytes
+from atomtool.serve.engine.kv_cache import KVCachePool, bytes_per_block, kv_budget_bytes
 from atomtool.serve.engine.model_runner import ModelRunner
 from atomtool.serve.engine.outputs import RequestOutput
 from atomtool.serve.engine.sampler import Sampler
@@ -87,9 +87,13 @@ class LLMEngine:
         max_blocks = max_num_seqs * math.ceil(want_len / block_size)
         num_blocks = KVCachePool.num_blocks_for(planes, block_size, budget, max_blocks)
         capacity = num_blocks * block_size
+        if num_blocks < 1:
+            raise EngineError(f"the KV cache budget ({budget} bytes) cannot hold one block of {block_size} tokens "
+                              f"({bytes_per_block(planes, block_size)} bytes); raise --kv-cache-memory / "
+                              "--gpu-memory-utilization")
         if max_model_len is None:
             max_model_len = min(limit, capacity)
-        if num_blocks < 1 or capacity < max_model_len:
+        if capacity < max_model_len:
             raise EngineError(f"the KV cache budget ({budget} bytes) holds {capacity} tokens, fewer than "
                               f"max_model_len {max_model_len}; raise the KV budget or lower max_model_len")
         self.max_model_len = int(max_model_len)
