@@ -38,7 +38,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self.prefix_hits = 0  # tokens served from the prefix cache (stats)
+        self.prefix_hits = 0  # tokens served from the prefix cache (stats; counted by the scheduler on admission)
 
     @property
     def num_total_blocks(self) -> int:
@@ -77,7 +77,6 @@ class BlockManager:
             parent = h
         seq.num_hashed_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * bs
-        self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def register_full_blocks(self, seq: Sequence) -> None:

@@ -44,6 +44,25 @@ def kv_budget_bytes(device: torch.device, *, kv_cache_memory: int | None, gpu_me
     return DEFAULT_CPU_KV_BYTES
 
 
+def activation_reserve_bytes(config: dict, dtype: torch.dtype, max_num_batched_tokens: int,
+                             max_num_seqs: int) -> int:
+    """Estimated peak activation memory of one step, kept out of the GPU KV budget.
+
+    Per scheduled token: residual + hidden + attention in/out + the widest MLP (dense ``intermediate_size`` or
+    routed ``moe_intermediate_size * num_experts_per_tok``, gate+up+act), times 2 for temporaries; plus
+    float32 logits and sampling buffers for ``max_num_seqs`` rows; plus a 512 MiB floor for the allocator and
+    kernels' workspaces. (The torch reference attention also materialises [H, q, L] float32 scores per
+    sequence; on a GPU it is meant for checks, with small token budgets.)
+    """
+    hidden = int(config.get("hidden_size", 0))
+    heads = int(config.get("num_attention_heads", 1))
+    inter = max(int(config.get("intermediate_size", 0) or 0),
+                int(config.get("moe_intermediate_size", 0) or 0) * int(config.get("num_experts_per_tok", 1) or 1))
+    per_token = (4 * hidden + 3 * inter + 4 * heads * 192) * torch.empty((), dtype=dtype).element_size() * 2
+    vocab = int(config.get("vocab_size", 0))
+    return max_num_batched_tokens * per_token + max_num_seqs * vocab * 4 * 4 + (512 << 20)
+
+
 class KVCachePool:
     """Allocates the planes. ``caches[i][name]`` is layer i's plane ``[num_blocks, block_size, *shape]``."""
 

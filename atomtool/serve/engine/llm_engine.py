@@ -17,7 +17,12 @@ import torch
 from atomtool.errors import EngineError, InvalidRequestError
 from atomtool.serve.engine.block_manager import BlockManager
 from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
-from atomtool.serve.engine.kv_cache import KVCachePool, bytes_per_block, kv_budget_bytes
+from atomtool.serve.engine.kv_cache import (
+    KVCachePool,
+    activation_reserve_bytes,
+    bytes_per_block,
+    kv_budget_bytes,
+)
 from atomtool.serve.engine.model_runner import ModelRunner
 from atomtool.serve.engine.outputs import RequestOutput
 from atomtool.serve.engine.sampler import Sampler
@@ -82,8 +87,10 @@ class LLMEngine:
             raise EngineError(f"max_model_len {max_model_len} exceeds what the model supports ({limit} tokens)")
         want_len = max_model_len or limit
         planes = model.kv_plane_specs()
+        reserve = activation_reserve_bytes(config, getattr(model, "dtype", torch.bfloat16), max_num_batched_tokens,
+                                           max_num_seqs) if self.device.type == "cuda" else 0
         budget = kv_budget_bytes(self.device, kv_cache_memory=kv_cache_memory,
-                                 gpu_memory_utilization=gpu_memory_utilization)
+                                 gpu_memory_utilization=gpu_memory_utilization, activation_reserve=reserve)
         max_blocks = max_num_seqs * math.ceil(want_len / block_size)
         num_blocks = KVCachePool.num_blocks_for(planes, block_size, budget, max_blocks)
         capacity = num_blocks * block_size

@@ -99,6 +99,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
+            self.bm.prefix_hits += seq.num_computed_tokens
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
