@@ -97,7 +97,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            if seq.num_cached_tokens == 0:
+            if seq.num_preemptions == 0:  # first admission: prompt tokens served from the prefix cache
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.bm.prefix_hits += seq.num_computed_tokens
             self.running.append(seq)
