@@ -66,7 +66,7 @@ def _load_backend(backend: str) -> bool:
         return True
     try:
         importlib.import_module(f"atomtool.serve.ops.{backend}")
-    except ImportError:
+    except Exception:  # ImportError, or a toolchain that fails at import time (no driver): backend unavailable
         return False
     _loaded.add(backend)
     return True
