@@ -149,14 +149,16 @@ def build_report(
                                 f"config.json: unknown architecture {arch!r}; inspect reports what it can, serve "
                                 f"supports: {', '.join(supported_architectures())}"))
     flat: dict[str, Any] = dict(tc)
+    schedule_ok = False
     if config is not None:
         try:
             flat = flatten_dsa_config(raw)
+            schedule_ok = True
         except ConfigError as exc:  # report what can be known; the schedule itself is unusable
             findings.append(Finding("config-invalid", "error", None, str(exc)))
     dsa = None
     roles: list[str] | None = None
-    if config is not None and is_dsa_config(flat) and "indexer_types" in flat:
+    if schedule_ok and is_dsa_config(flat) and "indexer_types" in flat:
         roles = list(flat["indexer_types"])
         dsa = DsaInfo(int(flat["index_topk"]), int(flat["index_n_heads"]), int(flat["index_head_dim"]),
                       int(flat["index_rope_dim"]), bool(flat["indexer_rope_interleave"]), roles)

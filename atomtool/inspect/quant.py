@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from atomtool.errors import ConfigError
 from atomtool.inspect.families import Family
 from atomtool.inspect.types import FLOAT_DTYPES, Finding, ModuleInfo, TensorInfo
 
@@ -146,7 +147,19 @@ class QuantSpec:
 
 def parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, Any] | None = None) -> QuantSpec | None:
     """Read ``quantization_config`` (or a ModelOpt ``hf_quant_config.json``, which vLLM prefers) into a
-    :class:`QuantSpec`. Returns None when neither is present."""
+    :class:`QuantSpec`. Returns None when neither is present.
+
+    Raises:
+        ConfigError: a field has the wrong type (e.g. ``weight_block_size: [128, "x"]``).
+    """
+    try:
+        return _parse_quant_config(qcfg, hf_quant_config)
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
+        src = "hf_quant_config.json" if hf_quant_config else "config.json: quantization_config"
+        raise ConfigError(f"{src}: malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, Any] | None) -> QuantSpec | None:
     if hf_quant_config and isinstance(hf_quant_config.get("quantization"), dict):
         q = hf_quant_config["quantization"]
         qcfg = {"quant_method": "modelopt", **q}
