@@ -71,13 +71,13 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     block_k = 128 if bk % 128 == 0 else (64 if bk % 64 == 0 else (32 if bk % 32 == 0 else 16))
     if bk % block_k:
         raise ValueError(f"fp8 linear: block size {bk} along K must be a multiple of 16")
-    block_m = 16 if M <= 16 else (64 if M <= 64 else 128)
-    block_n = 64 if block_m <= 64 else 128
+    # one tile shape whatever M is, so a row's result does not depend on how many rows share the batch
+    block_m, block_n = 64, 128
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _fp8_block_gemm_kernel[grid](a, w, s, bias if bias is not None else s, out, M, N, K, bn, bk,
                                  a.stride(0), w.stride(0), s.stride(0), out.stride(0),
                                  HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                 DOT_DTYPE=dot_dtype(x.dtype), num_warps=4 if block_m <= 64 else 8,
+                                 DOT_DTYPE=dot_dtype(x.dtype), num_warps=8,
                                  num_stages=3)
     return out.view(*lead, N)
 

@@ -1,0 +1,291 @@
+"""Triton kernels, compiled on a CUDA GPU, against the torch reference at realistic sizes.
+
+Tolerances (stated per op; bf16 has 8 mantissa bits, so one rounding is a relative 2^-9 ~ 0.2%):
+- rms_norm, rotary, silu_and_mul (bf16): |out - ref| <= 1e-2 + 1e-2 |ref| (a bf16 ulp or two; the kernels
+  round at the same points as the reference).
+- paged_attention, mla_attention (bf16): <= 1e-2 + 1e-2 |ref| (probabilities rounded to bf16 before the PV
+  product, as FlashAttention does); float32: <= 2e-5 (summation order only).
+- indexer_topk: exact equality with the reference on integer-valued bf16 inputs (every score is exact, ties
+  included); on random bf16 inputs each selected position scores within 1% of the K-th best exact score.
+- FP8 block linear and fused MoE (bf16): relative Frobenius error ||out - ref|| / ||ref|| <= 1e-2 (the
+  reference rounds the dequantized weight / each expert's product to bf16); float32 MoE <= 1e-4 abs.
+Batch invariance: a sequence's attention / indexer output is bitwise identical alone and in a batch.
+CUDA graphs: ops captured in one graph and replayed on new inputs equal eager runs bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atomtool.serve.ops import torch_ref, torch_ref_mla
+
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def tri():
+    import atomtool.serve.ops.triton as t
+
+    return t
+
+
+def _close(out, ref, atol, rtol):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def _rel(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def _paged(seq_lens, bs, gen, extra=5):
+    B = len(seq_lens)
+    mb = max(-(-s // bs) for s in seq_lens) + 1
+    nb = B * mb + extra
+    perm = torch.randperm(nb, generator=gen)
+    bt = torch.full((B, mb), -1, dtype=torch.int32)
+    i = 0
+    for b, s in enumerate(seq_lens):
+        n = -(-s // bs)
+        bt[b, :n] = perm[i:i + n].int()
+        i += n
+    return nb, bt.to(DEV)
+
+
+def _cu(q_lens):
+    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+
+
+def _lens(x):
+    return torch.tensor(x, dtype=torch.int32, device=DEV)
+
+
+# ------------------------------------------------------------------------------ elementwise / norm
+
+def test_rms_norm_rotary_silu_bf16(tri):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(257, 7168, generator=g).to(DEV, torch.bfloat16)
+    r = torch.randn(257, 7168, generator=g).to(DEV, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(7168, generator=g)).to(DEV, torch.bfloat16)
+    _close(tri.rms_norm(x, w, 1e-6), torch_ref.rms_norm(x, w, 1e-6), 1e-2, 1e-2)
+    out, res = tri.rms_norm(x, w, 1e-6, r)
+    ref_out, ref_res = torch_ref.rms_norm(x, w, 1e-6, r)
+    _close(out, ref_out, 1e-2, 1e-2)
+    assert torch.equal(res, ref_res)
+    q = torch.randn(300, 64, 192, generator=g).to(DEV, torch.bfloat16)
+    ang = (torch.arange(300)[:, None] * torch.rand(32, generator=g)[None]).to(DEV)
+    for il in (False, True):
+        _close(tri.rotary_embedding(q[..., 128:], ang.cos(), ang.sin(), il),
+               torch_ref.rotary_embedding(q[..., 128:], ang.cos(), ang.sin(), il), 1e-2, 1e-2)
+    h = torch.randn(300, 2 * 2048, generator=g).to(DEV, torch.bfloat16)
+    _close(tri.silu_and_mul(h), torch_ref.silu_and_mul(h), 1e-2, 1e-2)
+
+
+# ------------------------------------------------------------------------------ paged attention
+
+ATTN_BATCH = ([517, 64, 1, 1, 1], [517, 700, 1000, 17, 4096])  # prefill, prefix-context chunk, decodes
+
+
+def _attn_inputs(dtype, H=32, Hkv=8, D=128, bs=16, q_lens=ATTN_BATCH[0], seq_lens=ATTN_BATCH[1], seed=1):
+    g = torch.Generator().manual_seed(seed)
+    nb, bt = _paged(seq_lens, bs, g)
+    q = torch.randn(sum(q_lens), H, D, generator=g).to(DEV, dtype)
+    kc = torch.randn(nb, bs, Hkv, D, generator=g).to(DEV, dtype)
+    vc = torch.randn(nb, bs, Hkv, D, generator=g).to(DEV, dtype)
+    return q, kc, vc, _cu(q_lens), _lens(seq_lens), bt, D ** -0.5
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 1e-2, 1e-2), (torch.float32, 2e-5, 1e-5)])
+def test_paged_attention(tri, dtype, atol, rtol):
+    args = _attn_inputs(dtype)
+    _close(tri.paged_attention(*args), torch_ref.paged_attention(*args), atol, rtol)
+    # decode-only batch (another launch configuration)
+    args = _attn_inputs(dtype, q_lens=[1] * 6, seq_lens=[1, 15, 16, 17, 2048, 3001], seed=2)
+    _close(tri.paged_attention(*args), torch_ref.paged_attention(*args), atol, rtol)
+
+
+def test_paged_attention_batch_invariant(tri):
+    q, kc, vc, cu, sl, bt, scale = _attn_inputs(torch.bfloat16)
+    full = tri.paged_attention(q, kc, vc, cu, sl, bt, scale)
+    for b in (1, 3):  # the chunk with prefix context, a decode
+        s, e = int(cu[b]), int(cu[b + 1])
+        alone = tri.paged_attention(q[s:e], kc, vc, _cu([e - s]), sl[b:b + 1], bt[b:b + 1], scale)
+        assert torch.equal(alone, full[s:e])
+
+
+def test_store_kv(tri):
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(100, 8, 128, generator=g).to(DEV, torch.bfloat16)
+    v = torch.randn(100, 8, 128, generator=g).to(DEV, torch.bfloat16)
+    slots = torch.randperm(64 * 16, generator=g)[:100].to(DEV)
+    slots[::7] = -1
+    a = [torch.zeros(64, 16, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    b = [t.clone() for t in a]
+    tri.store_kv(k, v, *a, slots)
+    torch_ref.store_kv(k, v, *b, slots)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------------------ MLA + DSA
+
+def _mla_inputs(dtype, H, q_lens, seq_lens, R=512, P=64, bs=64, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    nb, bt = _paged(seq_lens, bs, g)
+    T = sum(q_lens)
+    lat = torch.randn(nb, bs, R + P, generator=g).to(DEV, dtype)
+    qn = torch.randn(T, H, R, generator=g).to(DEV, dtype)
+    qp = torch.randn(T, H, P, generator=g).to(DEV, dtype)
+    return qn, qp, lat, _cu(q_lens), _lens(seq_lens), bt
+
+
+def _topk_like(q_lens, seq_lens, K, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for ql, L in zip(q_lens, seq_lens, strict=True):
+        for j in range(ql):
+            pos = L - ql + j
+            sel = torch.randperm(pos + 1, generator=g)[:min(K, pos + 1)].sort().values
+            rows.append(torch.cat([sel, torch.full((K - len(sel),), -1)]))
+    return torch.stack(rows).int().to(DEV)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 1e-2, 1e-2), (torch.float32, 2e-5, 1e-5)])
+@pytest.mark.parametrize("H,q_lens,seq_lens", [(16, [300, 40, 1], [300, 3000, 2100]),
+                                               (128, [1, 1, 1, 1], [1, 2048, 2049, 5000])])
+def test_mla_attention_dense_and_sparse(tri, dtype, atol, rtol, H, q_lens, seq_lens):
+    args = _mla_inputs(dtype, H, q_lens, seq_lens)
+    scale = 192 ** -0.5
+    _close(tri.mla_attention(*args, scale), torch_ref_mla.mla_attention(*args, scale), atol, rtol)
+    topk = _topk_like(q_lens, seq_lens, 2048)
+    _close(tri.mla_attention(*args, scale, topk), torch_ref_mla.mla_attention(*args, scale, topk), atol, rtol)
+
+
+def _indexer_inputs(q_lens, seq_lens, integer, Hi=64, Di=128, bs=64, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    nb, bt = _paged(seq_lens, bs, g)
+    T = sum(q_lens)
+    if integer:
+        q = torch.randint(-2, 3, (T, Hi, Di), generator=g).float()
+        kc = torch.randint(-2, 3, (nb, bs, Di), generator=g).float()
+        w = torch.randint(-2, 3, (T, Hi), generator=g).float()
+    else:
+        q, kc, w = torch.randn(T, Hi, Di, generator=g), torch.randn(nb, bs, Di, generator=g), torch.rand(T, Hi, generator=g)
+    return (q.to(DEV, torch.bfloat16), w.to(DEV), kc.to(DEV, torch.bfloat16), _cu(q_lens), _lens(seq_lens), bt)
+
+
+INDEXER_BATCH = ([1, 1, 1, 1, 500, 37], [2047, 2048, 2049, 5000, 2500, 4000])
+
+
+def test_indexer_topk_exact_on_integer_scores(tri):
+    args = _indexer_inputs(*INDEXER_BATCH, integer=True)
+    out, ref = tri.indexer_topk(*args, 2048), torch_ref_mla.indexer_topk(*args, 2048)
+    assert torch.equal(out, ref)
+    # batch invariance: the 500-token chunk alone selects exactly the same positions
+    q, w, kc, cu, sl, bt = args
+    s, e = int(cu[4]), int(cu[5])
+    alone = tri.indexer_topk(q[s:e], w[s:e], kc, _cu([e - s]), sl[4:5], bt[4:5], 2048)
+    assert torch.equal(alone, out[s:e])
+
+
+def test_indexer_topk_random_bf16_selects_top_scores(tri, gpu_report):
+    q_lens, seq_lens = [1, 3], [5000, 3000]
+    q, w, kc, cu, sl, bt = _indexer_inputs(q_lens, seq_lens, integer=False)
+    out = tri.indexer_topk(q, w, kc, cu, sl, bt, 2048)
+    ref = torch_ref_mla.indexer_topk(q, w, kc, cu, sl, bt, 2048)
+    overlap = []
+    for b, L in enumerate(seq_lens):
+        k_all = kc[bt[b, : -(-L // 64)].long()].reshape(-1, kc.shape[-1])[:L].float()
+        for t in range(int(cu[b]), int(cu[b + 1])):
+            pos = L - (int(cu[b + 1]) - t)
+            scores = (w[t, :, None] * torch.relu(q[t].float() @ k_all[:pos + 1].T)).sum(0)
+            kth = scores.sort(descending=True).values[2047]
+            sel = out[t].long()
+            assert (sel >= 0).all() and sel.unique().numel() == 2048
+            assert (scores[sel] >= kth - 0.01 * kth.abs()).all()
+            overlap.append(len(set(sel.tolist()) & set(ref[t].tolist())) / 2048)
+    gpu_report["indexer_bf16_selection_overlap_with_reference_min"] = min(overlap)
+
+
+# ------------------------------------------------------------------------------ FP8 linear, MoE
+
+def _fp8_weight(N, K, gen, block=(128, 128), lead=()):
+    w = torch.randn(*lead, N, K, generator=gen) * 0.05
+    s = torch.rand(*lead, -(-N // block[0]), -(-K // block[1]), generator=gen) * 0.02 + 0.01
+    q = (w / s.repeat_interleave(block[0], -2)[..., :N, :].repeat_interleave(block[1], -1)[..., :K]).clamp(-448, 448)
+    return q.to(torch.float8_e4m3fn).to(DEV), s.to(DEV)
+
+
+@pytest.mark.parametrize("M", [1, 77, 1024])
+def test_fp8_block_linear(tri, M, gpu_report):
+    g = torch.Generator().manual_seed(7)
+    w, s = _fp8_weight(4096 + 64, 7168, g)  # N not a multiple of 128
+    x = torch.randn(M, 7168, generator=g).to(DEV, torch.bfloat16)
+    err = _rel(tri.linear(x, w, None, s), torch_ref.linear(x, w, None, s))
+    gpu_report[f"fp8_linear_rel_err_M{M}"] = err
+    assert err <= 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_fused_moe_bf16_and_fp8(tri, T, gpu_report):
+    g = torch.Generator().manual_seed(8)
+    E, k, H, inter = 64, 6, 1024, 512
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    tw = torch.rand(T, k, generator=g).to(DEV)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    err = _rel(tri.fused_moe(x, w13, w2, tw, ids), torch_ref_mla.fused_moe(x, w13, w2, tw, ids))
+    gpu_report[f"fused_moe_bf16_rel_err_T{T}"] = err
+    assert err <= 1e-2
+    q13, s13 = _fp8_weight(2 * inter, H, g, lead=(E,))
+    q2, s2 = _fp8_weight(H, inter, g, lead=(E,))
+    d13 = torch.stack([torch_ref.dequant_fp8_block(q13[e], s13[e], (128, 128), torch.bfloat16) for e in range(E)])
+    d2 = torch.stack([torch_ref.dequant_fp8_block(q2[e], s2[e], (128, 128), torch.bfloat16) for e in range(E)])
+    err8 = _rel(tri.fused_moe(x, q13, q2, tw, ids, s13, s2), torch_ref_mla.fused_moe(x, d13, d2, tw, ids))
+    gpu_report[f"fused_moe_fp8_rel_err_T{T}"] = err8
+    assert err8 <= 1e-2
+
+
+def test_fused_moe_fp32(tri):
+    g = torch.Generator().manual_seed(9)
+    T, E, k, H, inter = 50, 16, 4, 256, 128
+    x = torch.randn(T, H, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    tw = torch.rand(T, k, generator=g).to(DEV)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(DEV)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(DEV)
+    _close(tri.fused_moe(x, w13, w2, tw, ids), torch_ref_mla.fused_moe(x, w13, w2, tw, ids), 1e-4, 1e-4)
+
+
+# ------------------------------------------------------------------------------ CUDA graph capture
+
+def test_ops_replay_in_a_cuda_graph(tri):
+    """The decode-path ops launch without host syncs: capture once, change the inputs in place, replay."""
+    q_lens, seq_lens = [1, 1, 1], [700, 2049, 33]
+    qn, qp, lat, cu, sl, bt = _mla_inputs(torch.bfloat16, 16, q_lens, seq_lens)
+    iq, iw, ikc, _, _, _ = _indexer_inputs(q_lens, seq_lens, integer=False)
+    ikc = torch.randn(lat.shape[0], lat.shape[1], 128, device=DEV).bfloat16()
+    x = torch.randn(3, 1024, device=DEV).bfloat16()
+    w13 = (torch.randn(8, 1024, 1024, device=DEV) * 0.05).bfloat16()
+    w2 = (torch.randn(8, 1024, 512, device=DEV) * 0.05).bfloat16()
+    ids = torch.tensor([[0, 3], [7, 3], [5, 1]], device=DEV)
+    tw = torch.rand(3, 2, device=DEV)
+
+    def step():
+        topk = tri.indexer_topk(iq, iw, ikc, cu, sl, bt, 64)
+        return tri.mla_attention(qn, qp, lat, cu, sl, bt, 0.1, topk), tri.fused_moe(x, w13, w2, tw, ids)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in (qn, iq, x):
+        t.copy_(torch.randn_like(t))
+    sl.copy_(_lens([650, 2049, 40]))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(outs, eager, strict=True):
+        assert torch.equal(a, b)
