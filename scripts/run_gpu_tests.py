@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["## Failures", ""] + [f"- `{n}`: {m}" for n, m in failed] + [""]
     lines += ["## Measured numbers", "", "```json", json.dumps(metrics, indent=2, default=str), "```", ""]
     (out / "summary.md").write_text("\n".join(lines))
+    print("\n".join((out / "pytest.log").read_text().splitlines()[-80:]))
     print("\n".join(lines[:8]))
     print(f"summary: {out / 'summary.md'}")
     return proc.returncode

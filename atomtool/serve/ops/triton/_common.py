@@ -68,11 +68,3 @@ def dot_acc(a, b, acc, DOT_DTYPE: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
-
-
-@triton.jit
-def seq_of_program(starts_ptr, pid, num_seqs, BLOCK_B: tl.constexpr):
-    """Index b of the last sequence whose start (``starts_ptr[b]``, non-decreasing) is <= pid."""
-    offs = tl.arange(0, BLOCK_B)
-    starts = tl.load(starts_ptr + offs, mask=offs < num_seqs, other=2147483647)
-    return tl.sum((starts <= pid).to(tl.int32), axis=0) - 1

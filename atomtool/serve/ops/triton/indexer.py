@@ -21,6 +21,8 @@ _INT64_MIN = -(2**63)
 _POS_MAX = 2**31 - 1
 #: bytes of sort keys one launch may hold; longer batches are scored in row chunks
 _KEY_BUDGET = 1 << 30
+#: the key of an invalid (non-causal / padding) position, below every real key
+INVALID_KEY: tl.constexpr = tl.constexpr(_INT64_MIN)
 
 
 @triton.jit
@@ -45,7 +47,7 @@ def _indexer_keys_kernel(
     t64 = t.to(tl.int64)
     key_row = key_ptr + tl.program_id(0).to(tl.int64) * s_key
     if nb * BLOCK_N > qpos:  # the whole block lies after the query: only invalid keys
-        tl.store(key_row + s, tl.full([BLOCK_N], -9223372036854775808, tl.int64), mask=s < S)
+        tl.store(key_row + s, tl.full([BLOCK_N], INVALID_KEY, tl.int64), mask=s < S)
         return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -62,7 +64,7 @@ def _indexer_keys_kernel(
     bits = score.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
     key = (ordered << 32) | (2147483647 - s).to(tl.int64)
-    key = tl.where(s_ok, key, -9223372036854775808)
+    key = tl.where(s_ok, key, tl.full([BLOCK_N], INVALID_KEY, tl.int64))
     tl.store(key_row + s, key, mask=s < S)
 
 

@@ -121,6 +121,6 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         tk.stride(0),
         SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=pow2(P, 16), BLOCK_B=pow2(B),
-        DOT_DTYPE=dot_dtype(q_nope_absorbed.dtype), num_warps=8 if r_pad >= 256 else 4,
+        DOT_DTYPE=dot_dtype(q_nope_absorbed.dtype), num_warps=8 if r_pad >= 256 else 4, num_stages=2,
     )
     return out
