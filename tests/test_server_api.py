@@ -22,7 +22,7 @@ from atomtool.serve.api.app import create_app
 from atomtool.serve.api.server import ServerThread
 from atomtool.serve.engine.llm_engine import LLMEngine
 from tests.checkpoints import write_hf_checkpoint
-from tests.test_server_support import sse_events
+from tests.test_server_support import byte_level_tokenizer, sse_events
 
 ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory=4 << 20, max_model_len=128)
 NAME = "tiny-llama"
@@ -467,3 +467,28 @@ def test_json_nan_free_bodies(server):
     r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 3, "logprobs": 20})
     assert r.status_code == 200
     json.loads(r.text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+# ---------------------------------------------------------------------------------------- UTF-8
+def test_streaming_never_splits_utf8_with_a_byte_level_tokenizer(tmp_path):
+    """Real engine + a tokenizer whose tokens are single bytes: sampled text contains multi-byte characters
+    whose bytes arrive in different steps; the streamed pieces still concatenate to the exact decode."""
+    path = write_hf_checkpoint(tmp_path / "bytes", "llama", tokenizer=False, vocab_size=258)
+    tok = byte_level_tokenizer()
+    tok.save_pretrained(path)
+    kw = dict(ENGINE_KW, max_model_len=256)
+    params = dict(max_tokens=100, temperature=1.0, seed=0, ignore_eos=True)
+    ref = LLM(str(path), **kw).generate("héllo", SamplingParams(**params))[0]
+    expected = tok.decode(ref.token_ids, skip_special_tokens=True)
+    assert [c for c in expected if ord(c) > 127 and c != "\ufffd"]  # precondition: multi-byte chars were sampled
+    engine = LLMEngine.from_model(str(path), **kw)
+    with ServerThread(create_app(engine, NAME)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        whole = client.completions.create(model=NAME, prompt="héllo", extra_body={"ignore_eos": True}, **{
+            k: v for k, v in params.items() if k != "ignore_eos"}).choices[0].text
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt="héllo", stream=True, extra_body={"ignore_eos": True},
+            **{k: v for k, v in params.items() if k != "ignore_eos"})]
+    assert whole == expected
+    assert "".join(pieces) == expected
+    assert len([p for p in pieces if p]) > 20

@@ -20,22 +20,7 @@ import pytest
 from atomtool.serve.api.app import create_app
 from atomtool.serve.api.server import ServerThread
 from tests.checkpoints import make_tokenizer
-from tests.test_server_support import ScriptedEngine, sse_events
-
-
-def byte_level_tokenizer():
-    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is one token (as GPT-2's base alphabet),
-    so any non-ASCII character is split over 2-4 tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-
+from tests.test_server_support import ScriptedEngine, byte_level_tokenizer, sse_events
 
 TEXT = "añb€c😀 dóne"
 
@@ -121,3 +106,27 @@ def test_non_streaming_disconnect_aborts_the_request():
         assert not engine.has_unfinished()
         assert engine.steps < 10_000
         assert 'finished_reason="abort"' in httpx.get(url + "/metrics").text
+
+
+def test_server_chat_template_overrides_the_tokenizers(tmp_path):
+    tok = make_tokenizer()
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}=>{% endif %}")
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    for value in (str(template), template.read_text()):  # a file or the template itself
+        engine = ScriptedEngine(tok, [10])
+        with ServerThread(create_app(engine, "m", chat_template=value)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+            client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+            client.chat.completions.create(model="m", messages=messages, max_tokens=1,
+                                           extra_body={"add_generation_prompt": False})
+        prompts = [tok.decode(p) for p in engine.prompts.values()]
+        assert prompts == ["<system>s<user>hi=>", "<system>s<user>hi"]
+    # without an override the tokenizer's own template renders the conversation
+    engine = ScriptedEngine(tok, [10])
+    with ServerThread(create_app(engine, "m")) as url:
+        openai.OpenAI(base_url=url + "/v1", api_key="x").chat.completions.create(
+            model="m", messages=messages, max_tokens=1)
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert list(engine.prompts.values()) == [tok.encode(rendered, add_special_tokens=False)]

@@ -48,10 +48,12 @@ class ScriptedEngine:
         self.steps = 0
         self.fail_on_step = fail_on_step
         self.step_delay = step_delay
+        self.prompts: dict[str, list[int]] = {}  # request id -> prompt ids, as received
 
     def add_request(self, request_id: str, prompt, params) -> None:
         params.validate()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.prompts[request_id] = ids
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}")
         self._reqs[request_id] = _Req(request_id, ids, params,
@@ -94,6 +96,20 @@ class ScriptedEngine:
             if done:
                 del self._reqs[rid]
         return outs
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer with no merges: ``<s>``=0, ``</s>``=1, then one token per UTF-8 byte (GPT-2's
+    base alphabet), so every non-ASCII character is split over 2-4 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
 def sse_events(lines) -> list:
