@@ -11,9 +11,13 @@ benchmarks. Used by tests/test_inspect_remote.py and benchmarks/inspect_bench.py
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import subprocess
+import sys
 import threading
-from dataclasses import dataclass
+import urllib.request
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
@@ -97,6 +101,13 @@ class FakeHub:
     def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         path = unquote(h.path.split("?", 1)[0])
         rng = h.headers.get("Range")
+        if path == "/__log":  # control endpoints for FakeHubProcess (not recorded)
+            with self._lock:
+                body = json.dumps([asdict(r) for r in self.requests]).encode()
+            return self._send(h, 200, {"Content-Type": "application/json"}, body, head)
+        if path == "/__reset":
+            self.reset()
+            return self._send(h, 200, {}, b"ok", head)
         if "/resolve/" not in path:
             self._record(h, "", "", path, rng, 404, 0)
             return self._send(h, 404, {"X-Error-Code": "RepoNotFound"}, b"not found", head)
@@ -147,3 +158,52 @@ def set_endpoint(monkeypatch, endpoint: str) -> None:
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
 
+
+
+class FakeHubProcess:
+    """The same server in a child process (``python tests/fake_hub.py``), so that benchmark timings do not
+    share the GIL with the server. ``requests`` / ``reset()`` / ``for_file()`` as in :class:`FakeHub`."""
+
+    def __init__(self, repos: dict[str, Path], commit: str = "a" * 40):
+        args = [sys.executable, str(Path(__file__).resolve()), "--commit", commit]
+        for repo, root in repos.items():
+            args += ["--repo", f"{repo}={root}"]
+        self._args = args
+        self.endpoint = ""
+
+    def __enter__(self) -> FakeHubProcess:
+        self._proc = subprocess.Popen(self._args, stdout=subprocess.PIPE, text=True)
+        self.endpoint = self._proc.stdout.readline().strip()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+
+    @property
+    def requests(self) -> list[Request]:
+        with urllib.request.urlopen(self.endpoint + "/__log") as r:
+            return [Request(**d) for d in json.loads(r.read())]
+
+    def reset(self) -> None:
+        urllib.request.urlopen(self.endpoint + "/__reset").read()
+
+    def for_file(self, name: str) -> list[Request]:
+        return [r for r in self.requests if r.file == name]
+
+
+def _main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="serve checkpoint directories like the Hugging Face Hub")
+    ap.add_argument("--repo", action="append", default=[], help="REPO_ID=DIRECTORY (repeatable)")
+    ap.add_argument("--commit", default="a" * 40)
+    args = ap.parse_args()
+    repos = dict(item.split("=", 1) for item in args.repo)
+    hub = FakeHub({k: Path(v) for k, v in repos.items()}, commit=args.commit)
+    print(hub.endpoint, flush=True)
+    hub._server.serve_forever()
+
+
+if __name__ == "__main__":
+    _main()

@@ -34,7 +34,7 @@ from atomtool.inspect.safetensors_header import (
     SafetensorsHeader,
     parse_header_bytes,
     parse_header_length,
-    read_header_file,
+    read_header_blob,
 )
 from atomtool.inspect.types import TensorInfo
 
@@ -158,13 +158,16 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
                 root.glob("pytorch_model*.bin")) else ""
             raise SourceError(f"{root}: no config.json and no *.safetensors weights{extra}")
 
-    def read(f: str) -> SafetensorsHeader:
+    def fetch(f: str) -> tuple[bytes, int]:
         try:
-            return read_header_file(root / f, file=f)
+            return read_header_blob(root / f)
         except OSError as e:
             raise SourceError(f"{root / f}: cannot read ({e.strerror or e})") from None
 
-    headers = _parallel(read, files)
+    def parse(f: str, got: tuple[bytes, int]) -> SafetensorsHeader:
+        return parse_header_bytes(got[0], file=f, label=str(root / f), file_size=got[1])
+
+    headers = _parallel(fetch, parse, files)
     label = (lambda f: f"{source}/{f}") if is_remote else (lambda f: str(root / f))
     tensors, warnings = _merge(headers, weight_map, label, index_label)
     return CheckpointSource(
@@ -174,33 +177,47 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
     )
 
 
-def _parallel(fn: Callable[[str], SafetensorsHeader], files: list[str]) -> dict[str, SafetensorsHeader]:
-    """Run ``fn`` over the shards in threads; the first error in shard order is raised."""
+def _parallel(fetch: Callable[[str], Any], parse: Callable[[str, Any], Any], files: list[str]) -> dict[str, Any]:
+    """``fetch`` the shards' header bytes in threads (I/O) while this thread ``parse``s them in shard order
+    (CPU; one parser avoids GIL contention). The first error in shard order is raised."""
     if len(files) <= 1:
-        return {f: fn(f) for f in files}
+        return {f: parse(f, fetch(f)) for f in files}
     with ThreadPoolExecutor(max_workers=min(MAX_WORKERS, len(files))) as pool:
-        futures = [(f, pool.submit(fn, f)) for f in files]
-        return {f: fut.result() for f, fut in futures}
+        futures = [(f, pool.submit(fetch, f)) for f in files]
+        try:
+            return {f: parse(f, fut.result()) for f, fut in futures}
+        except BaseException:
+            for _, fut in futures:
+                fut.cancel()
+            raise
 
 
 def _merge(headers: dict[str, SafetensorsHeader], weight_map: dict[str, str] | None,
            label: Callable[[str], str], index_label: str) -> tuple[dict[str, TensorInfo], list[str]]:
-    """All shards' tensors by name; a name in two shards is a HeaderError; the index must agree."""
+    """All shards' tensors by name; a name in two shards is a HeaderError; the index must agree.
+
+    The common case runs at C speed (dict.update, dict equality); only a mismatch walks the names to
+    find what to report.
+    """
     tensors: dict[str, TensorInfo] = {}
-    for f, h in headers.items():
-        for name, info in h.tensors.items():
-            if name in tensors:
-                other = tensors[name].file
-                raise HeaderError(f"{label(f)}: tensor {name!r} is also in shard {other!r}")
-            tensors[name] = info
+    for h in headers.values():
+        tensors.update(h.tensors)
+    if len(tensors) != sum(len(h.tensors) for h in headers.values()):
+        seen: dict[str, str] = {}
+        for f, h in headers.items():
+            for name in h.tensors:
+                if name in seen:
+                    raise HeaderError(f"{label(f)}: tensor {name!r} is also in shard {seen[name]!r}")
+                seen[name] = f
     warnings: list[str] = []
     if weight_map is not None:
-        for name, f in weight_map.items():
-            if name not in tensors or tensors[name].file != f:
-                raise SourceError(f"{index_label}: maps tensor {name!r} to {f!r}, whose header does not "
-                                  "declare it")
-        unlisted = sorted(set(tensors) - set(weight_map))
-        if unlisted:
+        declared = {name: info.file for name, info in tensors.items()}
+        if declared != weight_map:
+            for name, f in weight_map.items():
+                if declared.get(name) != f:
+                    raise SourceError(f"{index_label}: maps tensor {name!r} to {f!r}, whose header does not "
+                                      "declare it")
+            unlisted = sorted(set(declared) - set(weight_map))
             warnings.append(f"{index_label}: {len(unlisted)} tensor(s) in shard headers are missing from "
                             f"weight_map (stale index?), e.g. {unlisted[0]!r}")
     return tensors, warnings
@@ -257,6 +274,7 @@ def _load_index(path: Path) -> tuple[dict[str, str], dict[str, Any] | None]:
     for name, f in wm.items():
         if not isinstance(f, str):
             raise SourceError(f"{path}: weight_map entry for {name!r} is not a file name")
+    for f in sorted(set(wm.values())):  # a few hundred shard names for ~100k tensors
         _check_member(f, str(path))
     meta = obj.get("metadata")
     return wm, meta if isinstance(meta, dict) else None
@@ -349,12 +367,15 @@ def _open_online(repo: str, revision: str | None) -> CheckpointSource:
         if isinstance(p, str):
             cached[f] = Path(p)
 
-    def read(f: str) -> SafetensorsHeader | None:
+    def fetch(f: str) -> tuple[bytes, int | None, str] | None:
         if f in cached:
-            return read_header_file(cached[f], file=f)
-        return _read_remote_header(repo, f, pinned, names_by_file.get(f))
+            return (*read_header_blob(cached[f]), str(cached[f]))
+        return _fetch_remote_header(repo, f, pinned, names_by_file.get(f))
 
-    results = _parallel(read, files)  # type: ignore[arg-type]
+    def parse(f: str, got: tuple[bytes, int | None, str] | None) -> SafetensorsHeader | None:
+        return None if got is None else parse_header_bytes(got[0], file=f, label=got[2], file_size=got[1])
+
+    results = _parallel(fetch, parse, files)
     headers = {f: h for f, h in results.items() if h is not None}
     if index_path is None and not headers:  # no index and no model.safetensors: config-only repo
         files = []
@@ -377,22 +398,22 @@ def first_range_bytes(names: list[str] | None) -> int:
     """Size of the first range read of a shard: an upper estimate of 8 + header length.
 
     With the shard's tensor names known (from index.json) each header entry is at most the quoted name
-    plus ~112 bytes (``{"dtype":"F8_E4M3FNUZ","shape":[...4 dims],"data_offsets":[12 digits, 12 digits]}``),
+    plus ~100 bytes (``{"dtype":"F8_E4M3FNUZ","shape":[...4 dims],"data_offsets":[12 digits, 12 digits]}``),
     so one request almost always suffices without downloading tensor data; without names, 256 KiB
     (huggingface_hub uses 100 kB).
     """
     if not names:
         return SINGLE_FILE_FIRST_RANGE
-    est = 8 + 2 + sum(len(json.dumps(n)) + 112 for n in names) + 1024  # + __metadata__ and padding
+    est = 8 + 2 + sum(len(json.dumps(n)) + 100 for n in names) + 1024  # + __metadata__ and padding
     return min(-(-est // 4096) * 4096, 8 + MAX_HEADER_BYTES)
 
 
-def _read_remote_header(repo: str, file: str, revision: str | None,
-                        names: list[str] | None) -> SafetensorsHeader | None:
-    """Range-read one shard's header from the Hub: 1 request, 2 when the header exceeds the first range.
-
-    Returns None when the file does not exist (404 EntryNotFound). The file size comes from
-    Content-Range (``bytes 0-x/TOTAL``) so offsets are checked against the real end of file.
+def _fetch_remote_header(repo: str, file: str, revision: str | None,
+                         names: list[str] | None) -> tuple[bytes, int | None, str] | None:
+    """Range-read one shard's prefix + header from the Hub: 1 request, 2 when the header exceeds the first
+    range. Returns (bytes, file size, label for messages), or None when the file does not exist (404
+    EntryNotFound). The file size comes from Content-Range (``bytes 0-x/TOTAL``) so offsets are checked
+    against the real end of file; the length prefix is validated here (HeaderError), the JSON by the caller.
     """
     from huggingface_hub import hf_hub_url
     from huggingface_hub.errors import EntryNotFoundError
@@ -439,7 +460,7 @@ def _read_remote_header(repo: str, file: str, revision: str | None,
             get(len(blob), 8 + n, blob)
         except EntryNotFoundError:
             raise SourceError(f"{label}: disappeared between two range reads") from None
-    return parse_header_bytes(bytes(blob), file=file, label=label, file_size=total)
+    return bytes(blob[: 8 + n]), total, label
 
 
 def _total_size(r: Any) -> int | None:
