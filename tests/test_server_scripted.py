@@ -130,3 +130,28 @@ def test_server_chat_template_overrides_the_tokenizers(tmp_path):
             model="m", messages=messages, max_tokens=1)
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert list(engine.prompts.values()) == [tok.encode(rendered, add_special_tokens=False)]
+
+
+def test_engine_thread_death_fails_requests_and_health():
+    """A bug outside step() kills the engine thread: waiting clients get an error (not a hang), /health
+    reports 503 and new requests are refused with 503."""
+    tok = make_tokenizer()
+    engine = ScriptedEngine(tok, [10], step_delay=0.01, max_model_len=10_000)
+    calls = {"n": 0}
+    real = engine.has_unfinished
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("scheduler invariant violated")
+        return real()
+
+    engine.has_unfinished = broken
+    with ServerThread(create_app(engine, "m")) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 50}, timeout=30)
+        assert r.status_code == 500
+        assert "scheduler invariant violated" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 5}, timeout=30)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "the engine is not running"

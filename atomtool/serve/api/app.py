@@ -270,14 +270,14 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
 
-    def check_length(prompt_len: int, max_tokens: int | None) -> int:
-        """Validate the context budget; return max_tokens (default: whatever room is left)."""
+    def check_length(prompt_len: int, max_tokens: int | None, prompt_param: str) -> int:
+        """Validate the context budget (vLLM's messages); return max_tokens (default: the room left)."""
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param=prompt_param)
         if prompt_len >= max_model_len:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                            f"your request has {prompt_len} input tokens. Please reduce the length of the "
-                           "input messages.", param="messages", code="context_length_exceeded")
+                           "input messages.", param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return max_model_len - prompt_len
         if prompt_len + max_tokens > max_model_len:
@@ -310,7 +310,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             return await async_engine.submit(reqs)
         except InvalidRequestError:
             for rid, _, _ in reqs:
-                metrics.ended_early(rid, "rejected")
+                metrics.forget(rid)
             raise
         except AtomtoolError as exc:
             for rid, _, _ in reqs:
@@ -417,7 +417,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         prompts, lengths = completion_prompts(req.prompt)
         per_prompt = []
         for n_tok in lengths:
-            max_tokens = check_length(n_tok, req.max_tokens)
+            max_tokens = check_length(n_tok, req.max_tokens, "prompt")
             per_prompt.append([sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -486,7 +486,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                  continue_final_message=req.continue_final_message,
                                  template_kwargs=req.chat_template_kwargs)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = check_length(len(prompt_ids), requested)
+        max_tokens = check_length(len(prompt_ids), requested, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = [sampling_params(req, max_tokens, top_n, i) for i in range(req.n)]
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -121,6 +122,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._groups: dict[str, RequestGroup] = {}
+        self._dead: BaseException | None = None
         self._publish_snapshot()
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -184,6 +186,10 @@ class AsyncEngine:
 
     def _send(self, cmd: _Cmd) -> None:
         with self._wake:
+            if self._dead is not None:
+                if cmd.future is not None:
+                    cmd.future.set_exception(EngineError(f"the engine thread died: {self._dead}"))
+                return
             self._cmds.append(cmd)
             self._wake.notify()
 
@@ -202,6 +208,27 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        """Engine-thread entry: :meth:`_serve_loop`, and if that ever dies, fail everyone instead of hanging."""
+        try:
+            self._serve_loop()
+        except BaseException as exc:  # noqa: B036 - last resort: report, fail waiters, stop
+            logger.exception("the engine thread died")
+            with self._wake:
+                self._dead = exc
+                pending = list(self._cmds)
+                self._cmds.clear()
+            for cmd in pending:
+                if cmd.future is not None and not cmd.future.done():
+                    cmd.future.set_exception(EngineError(f"the engine thread died: {exc}"))
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Runs on the event loop: every open request group gets an error."""
+        self._dispatch([_Failure(rid, exc) for rid in list(self._groups)])
+
+    def _serve_loop(self) -> None:
         active: set[str] = set()
         while True:
             with self._wake:

@@ -88,6 +88,10 @@ class ServerMetrics:
             self._live.pop(out.request_id, None)
             self.finished(out.finish_reason or "stop")
 
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request the engine rejected (counted by the HTTP status counter only)."""
+        self._live.pop(request_id, None)
+
     def ended_early(self, request_id: str, reason: str) -> None:
         """A request ended without a final output (``abort`` on disconnect, ``error``)."""
         if self._live.pop(request_id, None) is not None:
