@@ -118,3 +118,29 @@ def test_batch_invariance(ckpt):
     mixed, mixed_logits = PagedDriver(model, seed=5).generate(others, 6, chunk=7)
     assert alone["r"] == mixed["r"]
     torch.testing.assert_close(torch.stack(alone_logits["r"]), torch.stack(mixed_logits["r"]), atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_v3_neox_rope_and_yarn_attention_factor(tmp_path):
+    """``rope_interleave: false`` (NeoX MLA rope) and YaRN with only ``mscale_all_dim``: HF then multiplies
+    cos/sin by ``0.1 ln(factor) + 1`` and the softmax scale by ``mscale(factor, mscale_all_dim)**2``."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 64}
+    path = write_hf_checkpoint(tmp_path / "ds", "deepseek_v3", seed=3, rope_interleave=False, rope_parameters=rope)
+    model = load_model(path, dtype="float32", device="cpu").model
+    prompt = _prompt(30, 11)
+    ref_tokens, ref_logits = hf_greedy(hf_model(path), prompt, 6)
+    out, logits = PagedDriver(model).generate({"a": prompt}, 6)
+    _check(out["a"], logits["a"], ref_tokens, ref_logits)
+
+
+def test_unsupported_mla_variants_are_errors():
+    from atomtool.errors import EngineError
+    from atomtool.inspect.dsa import flatten_dsa_config
+    from atomtool.serve.models.deepseek import DeepseekV3ForCausalLM
+    from tests.checkpoints import tiny_config
+
+    for overrides, msg in (({"q_lora_rank": None}, "without q_lora_rank"),
+                           ({"attention_bias": True}, "attention_bias")):
+        cfg = flatten_dsa_config(tiny_config("deepseek_v3", **overrides).to_dict())
+        with pytest.raises(EngineError, match=msg):
+            DeepseekV3ForCausalLM(cfg, None, torch.float32, "cpu")
