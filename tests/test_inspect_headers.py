@@ -404,3 +404,51 @@ def test_near_valid_headers_agree_with_safetensors(case):
     assert (got is None) == (ref is None), (hdr, data_len, ref)
     if got is not None:
         assert ref == {k: (v.dtype, v.shape) for k, v in got.tensors.items()}
+
+
+# ---------------------------------------------------------------- CLI: one line, exit 1, no traceback
+
+_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": 128}
+
+_HOSTILE = {
+    "past-eof": (craft({"w": entry("U8", [4], 0, 4)}, 4, declared=10_000), "runs past the end of the file"),
+    "huge": (craft("{}", 0, declared=2**63), "exceeds the 100000000-byte limit"),
+    "not-json": (craft("{oops"), "header is not valid JSON"),
+    "duplicate": (craft('{"w": ' + json.dumps(entry("U8", [2], 0, 2)) + ', "w": '
+                        + json.dumps(entry("U8", [2], 2, 4)) + "}", 4),
+                  "duplicate tensor name 'w'"),
+    "overlap": (craft({"a": entry("U8", [8], 0, 8), "b": entry("U8", [8], 4, 12)}, 12), "overlap"),
+    "bytes": (craft({"w": entry("BF16", [4], 0, 4)}, 4), "needs 8"),
+    "dtype": (craft({"w": entry("F8_E4M3FN", [4], 0, 4)}, 4), "unknown dtype 'F8_E4M3FN'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_cli_inspect_hostile_header(tmp_path, case):
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+
+    blob, needle = _HOSTILE[case]
+    (tmp_path / "config.json").write_text(json.dumps(_CONFIG))
+    shard = write(tmp_path, blob)
+    for extra in ([], ["--json"]):
+        result = CliRunner().invoke(app, ["inspect", str(tmp_path), *extra])
+        assert result.exit_code == 1, result.output
+        assert result.stdout == ""
+        assert result.stderr.startswith(f"error: {shard}: ") and result.stderr.count("\n") == 1, result.stderr
+        assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_inspect_hostile_header_subprocess(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps(_CONFIG))
+    shard = write(tmp_path, _HOSTILE["duplicate"][0])
+    proc = subprocess.run([sys.executable, "-m", "atomtool.cli", "inspect", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == f"error: {shard}: duplicate tensor name 'w' in header\n"

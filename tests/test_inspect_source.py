@@ -206,3 +206,25 @@ def test_file_instead_of_directory_and_revision_on_local(single):
         CheckpointSource.open(str(single / "model.safetensors"))
     with pytest.raises(SourceError, match="--revision applies to Hub repo ids"):
         CheckpointSource.open(str(single), revision="main")
+
+
+def test_cli_source_errors_are_one_line(sharded, single, tmp_path):
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+
+    d = copy(sharded, tmp_path)
+    gone = sorted(d.glob("model-*.safetensors"))[0]
+    gone.unlink()
+    bad_cfg = tmp_path / "badcfg"
+    shutil.copytree(single, bad_cfg)
+    (bad_cfg / "config.json").write_text("{,}")
+    cases = [
+        (d, f"error: {d / 'model.safetensors.index.json'}: names shard '{gone.name}', which does not exist"),
+        (bad_cfg, f"error: {bad_cfg / 'config.json'}: not valid JSON"),
+        (tmp_path / "nowhere" / "x", "error: "),
+    ]
+    for path, prefix in cases:
+        result = CliRunner().invoke(app, ["inspect", str(path)])
+        assert result.exit_code == 1 and result.stdout == ""
+        assert result.stderr.startswith(prefix) and result.stderr.count("\n") == 1, result.stderr
