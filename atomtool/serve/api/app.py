@@ -153,6 +153,21 @@ class _TokenText:
         return s
 
 
+class _EngineStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends (normal end, error, or a client gone before
+    the body generator even started, when the generator's own ``finally`` never runs)."""
+
+    def __init__(self, content: Any, on_close: Any) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 def _sse(obj: Any) -> str:
     if hasattr(obj, "model_dump_json"):
         return f"data: {obj.model_dump_json(exclude_unset=False)}\n\n"
@@ -320,6 +335,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     def choice_index(request_id: str) -> int:
         return int(request_id.rsplit("-", 1)[1])
 
+    def close_group(group: RequestGroup) -> None:
+        if group.unfinished:
+            abort_group(group, "abort")
+
     def abort_group(group: RequestGroup, reason: str) -> None:
         for rid in list(group.unfinished):
             metrics.ended_early(rid, reason)
@@ -448,7 +467,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                             "model": served_model_name, "choices": [],
                             "usage": usage_of(finals, req.n).model_dump()}
 
-            return StreamingResponse(stream_events(group, make_chunks, usage), media_type="text/event-stream")
+            return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
         finals, lps = await _unless_disconnected(raw, collect(group))
         choices = []
@@ -519,7 +538,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     return ChatCompletionChunk(id=response_id, created=created, model=served_model_name,
                                                choices=[], usage=usage_of(finals, req.n))
 
-            return StreamingResponse(stream_events(group, make_chunks, usage), media_type="text/event-stream")
+            return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
         finals, lps = await _unless_disconnected(raw, collect(group))
         choices = []
