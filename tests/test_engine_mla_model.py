@@ -144,3 +144,30 @@ def test_unsupported_mla_variants_are_errors():
         cfg = flatten_dsa_config(tiny_config("deepseek_v3", **overrides).to_dict())
         with pytest.raises(EngineError, match=msg):
             DeepseekV3ForCausalLM(cfg, None, torch.float32, "cpu")
+
+
+def test_deepseek_v32_with_index_cache_override(tmp_path):
+    """IndexCache on DeepSeek-V3.2 (``index_topk_freq`` 2 added to its config): layer 2 becomes shared, its
+    checkpoint indexer is dropped at load and it reuses layer 1's top-k. HF's V3.2 ignores the override, so
+    the oracle is HF with the shared layer's indexer patched to return the previous full layer's top-k."""
+    import json
+
+    path = write_hf_checkpoint(tmp_path / "ds", "deepseek_v32", seed=5, **DSA)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(index_topk_freq=2, index_skip_topk_offset=2)
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(path, dtype="float32", device="cpu").model
+    assert model.roles == ["full", "full", "shared"]
+    assert model.model.layers[2].self_attn.indexer is None
+    hf = hf_model(path)
+    last: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(hf.model.layers):
+        def forward(*args, _i=i, _orig=layer.self_attn.indexer.forward, **kwargs):
+            if model.roles[_i] == "full":
+                last["topk"] = _orig(*args, **kwargs)
+            return last["topk"]
+        layer.self_attn.indexer.forward = forward
+    prompt = _prompt(24, 12)
+    ref_tokens, ref_logits = hf_greedy(hf, prompt, 6)
+    out, logits = PagedDriver(model).generate({"a": prompt}, 6)
+    _check(out["a"], logits["a"], ref_tokens, ref_logits)
