@@ -99,24 +99,28 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = 18
     pytest.fail(f"server did not become healthy:\n{open(log_path).read()}")
 
 
-def test_sigterm_finishes_in_flight_stream_then_exits_0(ckpt, tmp_path):
+def test_sigterm_finishes_in_flight_stream_then_exits_0(tmp_path):
+    """``atomtool serve`` with no MODEL serves the built-in demo model; ATOMTOOL_API_KEY turns auth on;
+    SIGTERM during a streaming request lets it finish, refuses new connections, and exits 0."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "atomtool.cli", "serve", ckpt, "--port", str(port), "--device", "cpu",
-           "--dtype", "float32", "--kv-cache-memory", str(8 << 20), "--max-model-len", "512",
-           "--served-model-name", "tiny"]
+    cmd = [sys.executable, "-m", "atomtool.cli", "serve", "--port", str(port), "--device", "cpu"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ATOMTOOL_API_KEY": "k3y"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    auth = {"Authorization": "Bearer k3y"}
     try:
         wait_healthy(url, proc, log_path)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert [m["id"] for m in httpx.get(url + "/v1/models", headers=auth).json()["data"]] == ["atomtool-demo"]
         arrivals: list[tuple[float, str]] = []
         first = threading.Event()
 
         def reader() -> None:
-            body = {"model": "tiny", "prompt": "ab", "max_tokens": 150, "n": 2, "stream": True, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            body = {"model": "atomtool-demo", "prompt": "Beautiful is better than", "max_tokens": 150, "n": 2, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         arrivals.append((time.monotonic(), line[6:]))
