@@ -84,8 +84,10 @@ def describe_cast(src: str, dst: str) -> str:
     if _MANTISSA[dst] < _MANTISSA[src]:
         parts.append(f"rounds to {_MANTISSA[dst]} significant bits")
     if _MAX_EXP[dst] < _MAX_EXP[src]:
-        parts.append("values above 65504 would overflow (checked: overflow is an error)"
-                     if dst == "F16" else "range narrows (checked: overflow is an error)")
+        top = torch.finfo(TORCH_DTYPES[dst]).max
+        tiny = torch.finfo(TORCH_DTYPES[dst]).tiny
+        parts.append(f"|x| > {top:.6g} would overflow (checked: an error if any does), "
+                     f"|x| < {tiny:.2g} loses precision")
     return "lossy: " + ", ".join(parts)
 
 

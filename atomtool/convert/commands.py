@@ -118,7 +118,7 @@ def _print_plan(plan: ConversionPlan, report: InspectReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # pipes/files: do not fold names
     table = Table(title=f"conversion plan: {report.architecture} ({len(plan.tensors)} output tensors, "
                         f"dtype {plan.dtype_policy})", show_lines=False)
     for col in ("output tensor", "op", "dtype", "shape", "scheme", "parts"):

@@ -4,20 +4,22 @@ This is the one executor of the fusion plan. ``atomtool convert`` streams its ou
 (:mod:`atomtool.convert.writer`) and the serving engine calls :func:`iter_output_tensors` to load a raw HF
 checkpoint in memory, so a checkpoint is fused the same way whether it was converted first or not.
 
-Memory: sources are opened with ``safetensors.safe_open`` (mmap) and read one tensor at a time, so at most
-one output tensor plus one source tensor are resident besides the page cache.
+Memory: source tensors are read by byte range (``os.preadv``) straight into the output buffer, one output
+at a time, so resident memory is about one output tensor (plus one source tensor when a cast is needed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from atomtool.convert.cast import checked_cast, torch_dtype
+from atomtool.convert.cast import TORCH_DTYPES, checked_cast, torch_dtype
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError, SourceError
 
@@ -39,28 +41,98 @@ def _place(out: torch.Tensor, index: tuple, src: torch.Tensor) -> None:
 
 
 class SourceReader:
-    """Open-on-demand ``safe_open`` handles for the files of one checkpoint (closed by :meth:`close`).
+    """Reads source tensors of one checkpoint by their header byte ranges (``TensorInfo.data_offsets``).
+
+    Tensors are read with ``os.preadv`` straight into the caller's buffer -- for a fused output, into the
+    part's rows of the output tensor -- so each byte is copied once from the page cache and nothing stays
+    mapped: resident memory is the buffers we hold, not the files we have read (an mmap-based reader such
+    as ``safe_open`` keeps every page it touched in the process's RSS). Falls back to ``safe_open`` for
+    tensors whose plan entry carries no byte range.
 
     Args:
-        plan: gives each source tensor's file (``plan.sources[name].file``, relative to ``root``).
-        root: the checkpoint directory.
+        plan: gives each source tensor's file, dtype, shape and byte range (``plan.sources``).
+        root: the checkpoint directory (files are relative to it).
     """
 
     def __init__(self, plan: ConversionPlan, root: str | Path):
         self.plan = plan
         self.root = Path(root)
         self._stack = contextlib.ExitStack()
+        self._fds: dict[str, tuple[int, int]] = {}  # file -> (fd, data section start)
         self._handles: dict[str, object] = {}
 
+    def _info(self, name: str):
+        info = self.plan.sources.get(name)
+        if info is None:
+            raise SourceError(f"source tensor {name} is not in the plan's sources")
+        return info
+
+    def _open(self, file: str, name: str) -> tuple[int, int]:
+        entry = self._fds.get(file)
+        if entry is None:
+            path = self.root / file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise SourceError(f"{path}: cannot open shard ({exc.strerror}; needed for {name})") from None
+            self._stack.callback(os.close, fd)
+            head = os.pread(fd, 8, 0)
+            if len(head) < 8:
+                raise SourceError(f"{path}: too short for a safetensors file")
+            entry = (fd, 8 + struct.unpack("<Q", head)[0])
+            self._fds[file] = entry
+        return entry
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read source tensor ``name``'s bytes into the contiguous CPU tensor ``out`` (same byte size).
+
+        Raises:
+            SourceError: unknown tensor, missing/short file, or a byte-size mismatch.
+        """
+        info = self._info(name)
+        if not out.is_contiguous():
+            raise ConversionError(f"{name}: destination slot is not contiguous")
+        buf = out.reshape(-1).view(torch.uint8)
+        begin, end = info.data_offsets
+        if end - begin != buf.numel():
+            raise SourceError(f"{name}: {end - begin} bytes in {info.file}, expected {buf.numel()}")
+        if buf.numel() == 0:
+            return
+        self.read_range(name, 0, memoryview(buf.numpy()))
+
+    def read_range(self, name: str, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes of source tensor ``name`` starting at byte ``offset`` of the tensor.
+
+        Raises:
+            SourceError: unknown tensor, out-of-range request, missing or short file.
+        """
+        info = self._info(name)
+        begin, end = info.data_offsets
+        if offset < 0 or begin + offset + len(view) > end:
+            raise SourceError(f"{name}: byte range [{offset}, {offset + len(view)}) outside the tensor")
+        fd, start = self._open(info.file, name)
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], start + begin + offset + done)
+            if n <= 0:
+                raise SourceError(f"{self.root / info.file}: truncated while reading {name}")
+            done += n
+
     def get(self, name: str) -> torch.Tensor:
-        """The source tensor ``name`` as a CPU tensor in its stored dtype.
+        """The source tensor ``name`` as a new CPU tensor in its stored dtype.
 
         Raises:
             SourceError: the plan does not know the tensor, or its file is missing / lacks it.
         """
-        info = self.plan.sources.get(name)
-        if info is None:
-            raise SourceError(f"source tensor {name} is not in the plan's sources")
+        info = self._info(name)
+        dtype = TORCH_DTYPES.get(info.dtype)
+        if dtype is not None and self.can_read_into(name, dtype):
+            t = torch.empty(info.shape, dtype=dtype)
+            self.read_into(name, t)
+            return t
+        return self._get_safe_open(name, info)
+
+    def _get_safe_open(self, name: str, info) -> torch.Tensor:
         handle = self._handles.get(info.file)
         if handle is None:
             path = self.root / info.file
@@ -73,9 +145,67 @@ class SourceReader:
         except Exception as exc:  # safetensors raises SafetensorError / KeyError variants
             raise SourceError(f"{self.root / info.file}: cannot read {name}: {exc}") from exc
 
+    def can_read_into(self, name: str, dtype: torch.dtype) -> bool:
+        """True when ``name`` is stored in ``dtype`` with a byte range, so :meth:`read_into` applies."""
+        info = self.plan.sources.get(name)
+        return (info is not None and TORCH_DTYPES.get(info.dtype) == dtype
+                and info.data_offsets[1] - info.data_offsets[0] == info.numel * dtype.itemsize
+                and (info.data_offsets[1] > 0 or info.numel == 0))
+
     def close(self) -> None:
         self._stack.close()
+        self._fds.clear()
         self._handles.clear()
+
+
+def byte_segments(spec: OutputTensor, reader: SourceReader) -> list[tuple[str | None, int]] | None:
+    """The output tensor's bytes as an ordered list of ``(source name | None for zeros, byte count)``.
+
+    Every part of a copy/concat/stack is a row range of a contiguous tensor, hence one contiguous byte
+    range of the output; sorting parts by output offset and filling the gaps (padding) with zeros gives
+    the whole tensor as a sequence that can be streamed from the source files without building it in
+    memory. None when a part needs a dtype cast or lacks a byte range (then use :func:`materialize`).
+    """
+    dtype = TORCH_DTYPES.get(spec.dtype)
+    if dtype is None or any(not reader.can_read_into(p.source, dtype) for p in spec.parts):
+        return None
+    itemsize = dtype.itemsize
+    if spec.op in ("copy", "cast"):
+        (part,) = spec.parts
+        return [(part.source, reader.plan.sources[part.source].nbytes)]
+    lead = 2 if spec.op == "stack" else 1
+    if len(spec.shape) < lead:
+        return None
+    row = itemsize
+    for d in spec.shape[lead:]:
+        row *= d
+    slab = row * spec.shape[1] if spec.op == "stack" else 0
+    spans = []
+    for p in spec.parts:
+        if p.rows is None or (spec.op == "stack") != (p.stack_index is not None):
+            return None
+        start = (p.stack_index or 0) * slab + p.rows[0] * row
+        nbytes = (p.rows[1] - p.rows[0]) * row
+        if nbytes != reader.plan.sources[p.source].nbytes:
+            return None
+        spans.append((start, nbytes, p.source))
+    total = itemsize
+    for d in spec.shape:
+        total *= d
+    segments: list[tuple[str | None, int]] = []
+    pos = 0
+    for start, nbytes, name in sorted(spans):
+        if start < pos:
+            raise ConversionError(f"{spec.name}: parts overlap at byte {start}")
+        if start > pos:
+            segments.append((None, start - pos))
+        segments.append((name, nbytes))
+        pos = start + nbytes
+    if pos > total:
+        raise ConversionError(f"{spec.name}: parts run past the end of the tensor")
+    if pos < total:
+        segments.append((None, total - pos))
+    return segments
 
 
 def materialize(spec: OutputTensor, reader: SourceReader) -> torch.Tensor:
@@ -92,6 +222,10 @@ def materialize(spec: OutputTensor, reader: SourceReader) -> torch.Tensor:
     dtype = torch_dtype(spec.dtype, tensor=spec.name)
     if spec.op in ("copy", "cast"):
         (part,) = spec.parts
+        if reader.can_read_into(part.source, dtype):
+            t = torch.empty(spec.shape, dtype=dtype)
+            reader.read_into(part.source, t)
+            return t
         t = checked_cast(reader.get(part.source), dtype, name=part.source)
         if tuple(t.shape) != tuple(spec.shape):
             raise ConversionError(f"{spec.name}: source {part.source} has shape {list(t.shape)}, "
@@ -106,13 +240,18 @@ def materialize(spec: OutputTensor, reader: SourceReader) -> torch.Tensor:
     out = torch.zeros(nbytes, dtype=torch.uint8).view(dtype).view(spec.shape) if nbytes else \
         torch.empty(spec.shape, dtype=dtype)
     for part in spec.parts:
-        src = checked_cast(reader.get(part.source), dtype, name=part.source)
         if part.rows is None:
             raise ConversionError(f"{spec.name}: part {part.source} has no row range")
         r0, r1 = part.rows
         index = (part.stack_index, slice(r0, r1)) if spec.op == "stack" else (slice(r0, r1),)
         if spec.op == "stack" and part.stack_index is None:
             raise ConversionError(f"{spec.name}: stack part {part.source} has no stack index")
+        info = reader.plan.sources.get(part.source)
+        slot = out[index]
+        if info is not None and tuple(info.shape) == tuple(slot.shape) and reader.can_read_into(part.source, dtype):
+            reader.read_into(part.source, slot)  # rows of a contiguous tensor: contiguous; one copy
+            continue
+        src = checked_cast(reader.get(part.source), dtype, name=part.source)
         try:
             _place(out, index, src)
         except ConversionError as exc:

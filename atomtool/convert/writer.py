@@ -21,10 +21,12 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ from tqdm.auto import tqdm
 import atomtool
 from atomtool.convert.cast import torch_dtype
 from atomtool.convert.layout import FORMAT, INDEX_NAME, MANIFEST_NAME, VERSION, is_layout, spec_to_entry
-from atomtool.convert.materialize import _bytes, iter_output_tensors
+from atomtool.convert.materialize import SourceReader, _bytes, byte_segments, materialize
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError
 from atomtool.inspect.types import DTYPE_BYTES
@@ -200,42 +202,141 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: bytes per read/hash/write step of the streaming path (reused buffer; bounds memory)
+CHUNK_BYTES = 16 << 20
+
+
+class _AsyncWriter:
+    """Writes chunks in a background thread so reading + hashing the next chunk overlaps the write of the
+    previous one (preadv, sha256 and write all release the GIL). Chunks come from a small ring of reused
+    buffers (:meth:`buffer`), which bounds memory to ``depth`` x CHUNK_BYTES; a write error re-raises in
+    the caller at the next :meth:`buffer` or :meth:`sync`."""
+
+    def __init__(self, depth: int = 4, size: int = CHUNK_BYTES):
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(depth):
+            self._free.put(memoryview(bytearray(size)))
+        self._q: queue.Queue = queue.Queue()
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="atomtool-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                f, view, recycle = item
+                if self._err is None:
+                    try:
+                        _write_all(f, view)
+                    except BaseException as exc:  # handed to the caller
+                        self._err = exc
+                if recycle is not None:
+                    self._free.put(recycle)
+            finally:
+                self._q.task_done()
+
+    def _raise(self) -> None:
+        if self._err is not None:
+            raise self._err
+
+    def buffer(self) -> memoryview:
+        """A free chunk buffer (blocks while all are queued for writing)."""
+        buf = self._free.get()
+        self._raise()
+        return buf
+
+    def write(self, f, view: memoryview, recycle: memoryview | None = None) -> None:
+        """Queue ``view`` for writing to ``f``; ``recycle`` (a ring buffer) is freed once written."""
+        self._q.put((f, view, recycle))
+
+    def sync(self) -> None:
+        """Wait until every queued write is done."""
+        self._q.join()
+        self._raise()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+
+def _stream_tensor(f, reader: SourceReader, segments: list[tuple[str | None, int]], w: _AsyncWriter,
+                   zeros: memoryview, bar) -> tuple[str, int]:
+    """Copy an output tensor's byte segments from the sources to ``f`` in chunks; returns (sha256, bytes)."""
+    h = hashlib.sha256()
+    total = 0
+    for name, nbytes in segments:
+        off = 0
+        while off < nbytes:
+            n = min(len(zeros), nbytes - off)
+            if name is None:
+                chunk, ring = zeros[:n], None
+            else:
+                ring = w.buffer()
+                chunk = ring[:n]
+                reader.read_range(name, off, chunk)
+            h.update(chunk)
+            w.write(f, chunk, ring)
+            bar.update(n)
+            off += n
+        total += nbytes
+    return h.hexdigest(), total
+
+
 def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard], progress: bool
                   ) -> dict[str, dict[str, str]]:
-    order = [n for s in shards for n in s.names]
+    """Write every shard. Outputs that need no cast are streamed: their byte segments go from the source
+    files through a few reused chunk buffers (sha256 on the way) to the shard, so memory stays at a few
+    chunks whatever the tensor size. Outputs that need a cast are materialized (one tensor at a time)."""
     total = sum(s.size for s in shards)
     done: dict[str, dict[str, str]] = {}
     sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
-    it = iter_output_tensors(plan, src, names=order)
+    reader = SourceReader(plan, src)
+    zeros = memoryview(bytes(CHUNK_BYTES))
+    w = _AsyncWriter()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
               leave=False) as bar:
         try:
             for shard in shards:
                 path = tmp / shard.file
-                with open(path, "wb") as f:
-                    f.write(struct.pack("<Q", len(shard.header)))
-                    f.write(shard.header)
+                with open(path, "wb", buffering=0) as f:
+                    w.write(f, memoryview(struct.pack("<Q", len(shard.header)) + shard.header))
                     bar.update(8 + len(shard.header))
                     for name in shard.names:
-                        spec, t = next(it)
-                        assert spec.name == name
-                        data = _bytes(t).numpy()
+                        spec = plan.tensors[name]
                         b0, b1 = shard.offsets[name]
-                        if data.nbytes != b1 - b0 or t.dtype != torch_dtype(spec.dtype):
-                            raise ConversionError(f"{name}: produced {data.nbytes} bytes of {t.dtype}, "
-                                                  f"planned {b1 - b0} bytes of {spec.dtype}")
-                        digest = hashlib.sha256(data).hexdigest()
-                        f.write(data)
+                        segments = byte_segments(spec, reader)
+                        if segments is not None:
+                            digest, nbytes = _stream_tensor(f, reader, segments, w, zeros, bar)
+                        else:
+                            t = materialize(spec, reader)
+                            if t.dtype != torch_dtype(spec.dtype):
+                                raise ConversionError(f"{name}: produced {t.dtype}, planned {spec.dtype}")
+                            data = _bytes(t).numpy()
+                            digest, nbytes = hashlib.sha256(data).hexdigest(), data.nbytes
+                            w.write(f, memoryview(data))  # the view keeps the tensor alive until written
+                            bar.update(nbytes)
+                            del t, data
+                        if nbytes != b1 - b0:
+                            raise ConversionError(f"{name}: wrote {nbytes} bytes, planned {b1 - b0}")
                         done[name] = {"file": shard.file, "sha256": digest}
-                        bar.update(data.nbytes)
-                        del t, data
-                    f.flush()
+                    w.sync()
                     os.fsync(f.fileno())
                 if sleep:
                     time.sleep(sleep)
         finally:
-            it.close()
+            w.close()
+            reader.close()
     return done
+
+
+def _write_all(f, view: memoryview) -> None:
+    """Unbuffered files may write short; loop until every byte is out."""
+    while len(view):
+        n = f.write(view)
+        view = view[n:]
 
 
 def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], source: dict[str, Any]

@@ -1,0 +1,212 @@
+"""Benchmark ``atomtool convert`` against ``cp`` of the same files on the same disk, in the same run.
+
+Builds a synthetic GLM-MoE-DSA-shaped BF16 checkpoint (MLA attention with indexers on an IndexShare
+schedule, stacked-expert MoE layers: the fusion mix of a real one) of about ``--gb`` gigabytes in
+1 GB shards, then measures, on the same files:
+
+- ``cp``: ``cp -r SRC DST`` followed by ``sync`` (the conversion fsyncs its files, so the copy does too);
+  also reported without the sync;
+- ``convert``: ``python -m atomtool.cli convert SRC OUT --json`` as a subprocess: wall time end to end
+  (interpreter start, inspect, plan, write) and the write phase alone, plus its peak RSS (``wait4``).
+
+Both read the source from the page cache (it was just written; the machine's RAM holds it) and write to
+the same filesystem. The benchmark process itself never imports torch (the checkpoint is generated in a
+child), so the RSS a fork inherits does not inflate convert's peak. Prints one JSON line and a short
+table. Usage::
+
+    .venv/bin/python benchmarks/convert_bench.py            # ~2 GB
+    .venv/bin/python benchmarks/convert_bench.py --gb 20 --dir /mnt/nvme/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+H, Q_RANK, KV_RANK, ROPE, HEADS, NOPE, V = 2048, 768, 512, 64, 16, 128, 128
+INTER, MOE_INTER, EXPERTS, IDX_HEADS, IDX_DIM = 8192, 768, 32, 32, 128
+
+
+def _fill(shape, gen):
+    """BF16 values in [-1, 1) (cheap to make; content does not change copy speed)."""
+    import torch
+
+    return (torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1).to(torch.bfloat16)
+
+
+def layer_tensors(i: int, full: bool, moe: bool, gen) -> dict:
+    p = f"model.layers.{i}"
+    t = {
+        f"{p}.input_layernorm.weight": _fill((H,), gen),
+        f"{p}.post_attention_layernorm.weight": _fill((H,), gen),
+        f"{p}.self_attn.q_a_proj.weight": _fill((Q_RANK, H), gen),
+        f"{p}.self_attn.q_a_layernorm.weight": _fill((Q_RANK,), gen),
+        f"{p}.self_attn.q_b_proj.weight": _fill((HEADS * (NOPE + ROPE), Q_RANK), gen),
+        f"{p}.self_attn.kv_a_proj_with_mqa.weight": _fill((KV_RANK + ROPE, H), gen),
+        f"{p}.self_attn.kv_a_layernorm.weight": _fill((KV_RANK,), gen),
+        f"{p}.self_attn.kv_b_proj.weight": _fill((HEADS * (NOPE + V), KV_RANK), gen),
+        f"{p}.self_attn.o_proj.weight": _fill((H, HEADS * V), gen),
+    }
+    if full:
+        t.update({
+            f"{p}.self_attn.indexer.wq_b.weight": _fill((IDX_HEADS * IDX_DIM, Q_RANK), gen),
+            f"{p}.self_attn.indexer.wk.weight": _fill((IDX_DIM, H), gen),
+            f"{p}.self_attn.indexer.k_norm.weight": _fill((IDX_DIM,), gen),
+            f"{p}.self_attn.indexer.k_norm.bias": _fill((IDX_DIM,), gen),
+            f"{p}.self_attn.indexer.weights_proj.weight": _fill((IDX_HEADS, H), gen),
+        })
+    if not moe:
+        for n, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER))):
+            t[f"{p}.mlp.{n}.weight"] = _fill(shape, gen)
+        return t
+    t[f"{p}.mlp.gate.weight"] = _fill((EXPERTS, H), gen)
+    t[f"{p}.mlp.gate.e_score_correction_bias"] = _fill((EXPERTS,), gen).float()
+    for e in range(EXPERTS):
+        for n, shape in (("gate_proj", (MOE_INTER, H)), ("up_proj", (MOE_INTER, H)), ("down_proj", (H, MOE_INTER))):
+            t[f"{p}.mlp.experts.{e}.{n}.weight"] = _fill(shape, gen)
+    for n, shape in (("gate_proj", (MOE_INTER, H)), ("up_proj", (MOE_INTER, H)), ("down_proj", (H, MOE_INTER))):
+        t[f"{p}.mlp.shared_experts.{n}.weight"] = _fill(shape, gen)
+    return t
+
+
+def write_synthetic(root: Path, gb: float, shard_bytes: int = 10**9) -> tuple[int, int]:
+    """Write the synthetic checkpoint; returns (layers, bytes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    vocab = 32000
+    embed = {"model.embed_tokens.weight": _fill((vocab, H), gen), "lm_head.weight": _fill((vocab, H), gen),
+             "model.norm.weight": _fill((H,), gen)}
+    per_moe = sum(v.numel() * 2 for v in layer_tensors(0, True, True, torch.Generator().manual_seed(1)).values())
+    layers = max(2, round((gb * 1e9 - 2 * vocab * H * 2) / per_moe))
+    roles = ["full" if i % 2 == 0 else "shared" for i in range(layers)]
+    shards: list[dict] = [dict(embed)]
+    size = sum(v.numel() * v.element_size() for v in embed.values())
+    for i in range(layers):
+        for name, v in layer_tensors(i, roles[i] == "full", i > 0, gen).items():
+            nb = v.numel() * v.element_size()
+            if size + nb > shard_bytes and shards[-1]:
+                shards.append({})
+                size = 0
+            shards[-1][name] = v
+            size += nb
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(root / fname), metadata={"format": "pt"})
+        for name, v in shard.items():
+            weight_map[name] = fname
+            total += v.numel() * v.element_size()
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}))
+    config = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": H,
+              "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": HEADS,
+              "q_lora_rank": Q_RANK, "kv_lora_rank": KV_RANK, "qk_rope_head_dim": ROPE, "qk_nope_head_dim": NOPE,
+              "v_head_dim": V, "intermediate_size": INTER, "moe_intermediate_size": MOE_INTER,
+              "n_routed_experts": EXPERTS, "n_shared_experts": 1, "num_experts_per_tok": 4,
+              "first_k_dense_replace": 1, "vocab_size": vocab, "index_topk": 2048, "index_n_heads": IDX_HEADS,
+              "index_head_dim": IDX_DIM, "indexer_types": roles, "dtype": "bfloat16"}
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    return layers, total
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def time_cp(src: Path, dst: Path) -> tuple[float, float]:
+    """(seconds of cp alone, seconds of cp + sync)."""
+    os.sync()
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    t1 = time.perf_counter()
+    os.sync()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t0
+
+
+def time_convert(src: Path, out: Path) -> tuple[float, dict, int]:
+    """(wall seconds, convert's --json summary, peak RSS bytes) of one conversion subprocess."""
+    os.sync()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "atomtool.cli", "convert", str(src), str(out), "--json",
+                             "--shard-size", "1GB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout = proc.stdout.read()  # type: ignore[union-attr]
+    stderr = proc.stderr.read()  # type: ignore[union-attr]
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"convert failed: {stderr.decode()}")
+    return wall, json.loads(stdout), usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=2.0, help="synthetic checkpoint size in GB (default 2)")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on the repo's disk)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--generate-only", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.generate_only:  # child process: keeps torch out of the parent, whose RSS a fork would inherit
+        print(json.dumps(write_synthetic(Path(args.generate_only), args.gb)))
+        return
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="convert_bench_", dir=Path.cwd()))
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        src = base / "src"
+        gen = subprocess.run([sys.executable, __file__, "--gb", str(args.gb), "--generate-only", str(src)],
+                             check=True, capture_output=True, text=True)
+        layers, _ = json.loads(gen.stdout.strip().splitlines()[-1])
+        nbytes = dir_bytes(src)
+        cp_s, cp_sync_s = time_cp(src, base / "cp")
+        wall, summary, rss = time_convert(src, base / "out")
+        write_s = summary["seconds"]
+        result = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "gb": round(nbytes / 1e9, 3), "layers": layers,
+            "tensors_out": summary["tensors"],
+            "cp_gbps": round(nbytes / 1e9 / cp_s, 3), "cp_sync_gbps": round(nbytes / 1e9 / cp_sync_s, 3),
+            "convert_write_gbps": round(nbytes / 1e9 / write_s, 3), "convert_wall_gbps": round(nbytes / 1e9 / wall, 3),
+            "convert_write_vs_cp_sync": round(cp_sync_s / write_s, 3),
+            "convert_wall_vs_cp_sync": round(cp_sync_s / wall, 3),
+            "convert_peak_rss_mb": round(rss / 1e6, 1),
+            "largest_output_mb": round(max(1, _largest_output(base / "out")) / 1e6, 1),
+        }
+        print(json.dumps(result))
+        print(f"\n{result['gb']} GB checkpoint ({layers} layers -> {summary['tensors']} output tensors)")
+        print(f"  cp -r + sync      {result['cp_sync_gbps']:6.2f} GB/s   (cp alone {result['cp_gbps']:.2f} GB/s)")
+        print(f"  convert (write)   {result['convert_write_gbps']:6.2f} GB/s   = {result['convert_write_vs_cp_sync']:.2f}x cp+sync")
+        print(f"  convert (wall)    {result['convert_wall_gbps']:6.2f} GB/s   = {result['convert_wall_vs_cp_sync']:.2f}x cp+sync "
+              "(incl. interpreter start, inspect, plan)")
+        print(f"  convert peak RSS  {result['convert_peak_rss_mb']:.0f} MB (largest output tensor "
+              f"{result['largest_output_mb']:.0f} MB)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _largest_output(out: Path) -> int:
+    manifest = json.loads((out / "atomtool.json").read_text())
+    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+    best = 0
+    for e in manifest["tensors"].values():
+        n = sizes.get(e["dtype"], 4)
+        for d in e["shape"]:
+            n *= d
+        best = max(best, n)
+    return best
+
+
+if __name__ == "__main__":
+    main()
