@@ -167,22 +167,26 @@ def test_converted_layout_matches_hf(ref, tmp_path):
     assert_no_leaks(eng)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm_moe_dsa"])
+@pytest.fixture(scope="module", params=[("deepseek_v3", (24, 16)), ("glm_moe_dsa", (16, 16))],
+                ids=["deepseek_v3-padded", "glm_moe_dsa-aligned"])
 def fp8_ref(request, tmp_path_factory):
     """FP8 blocks of (24, 16): q_a (32 rows) and the experts' gate (32 rows) are not block-aligned, so
-    convert pads fused_qkv_a_proj and w13; indexer.weights_proj stays float, so the indexer parts are not
+    convert pads fused_qkv_a_proj and w13 (the engine dequantizes such experts at load); blocks of (16, 16)
+    are aligned and the experts stay FP8. indexer.weights_proj stays float, so the indexer parts are not
     fused. The oracle is transformers on the exactly dequantized weights (written as a float checkpoint)."""
-    arch = request.param
+    arch, block = request.param
     root = tmp_path_factory.mktemp(f"fp8-{arch}")
     extra = {"index_n_heads": 16} if arch != "deepseek_v3" else {}
     src = write_hf_checkpoint(root / "src", arch, seed=4, **extra)
-    dst = write_fp8_block_checkpoint(src, root / "fp8", block=(24, 16), float_dtype=None)
+    dst = write_fp8_block_checkpoint(src, root / "fp8", block=block, float_dtype=None)
     deq = root / "dequant"
     shutil.copytree(src, deq, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
     write_state_dict(deq, dequantize_fp8_block_checkpoint(dst))
     cfg = json.loads((src / "config.json").read_text())
     (deq / "config.json").write_text(json.dumps(cfg))
-    return Ref(dst, hf_model(deq))
+    ref = Ref(dst, hf_model(deq))
+    ref.experts_fp8 = block == (16, 16)
+    return ref
 
 
 @pytest.mark.parametrize("via_layout", [False, True], ids=["raw", "layout"])
@@ -191,6 +195,9 @@ def test_fp8_block_checkpoint_matches_dequantized_hf(fp8_ref, via_layout, tmp_pa
     eng = make_engine(path, block_size=4)
     attn = eng.model.model.layers[0].self_attn
     assert attn.fused_qkv_a_proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.indexer is None or not attn.indexer.fused  # weights_proj is float: not fused with FP8 parts
+    experts = eng.model.model.layers[1].mlp.experts
+    assert (experts.w13.weight.dtype == torch.float8_e4m3fn) == fp8_ref.experts_fp8
     outs = run_to_completion(eng, {str(i): (p, greedy(logprobs=2)) for i, p in enumerate(fp8_ref.prompts)})
     for i, p in enumerate(fp8_ref.prompts):
         check_matches(fp8_ref, p, outs[str(i)], logprobs=True)

@@ -136,6 +136,26 @@ def test_grouped_topk_and_fused_moe_match_hf(n_group, topk_group, norm):
     torch.testing.assert_close(out, hf_out, atol=1e-6, rtol=1e-5)
 
 
+def test_fused_moe_fp8_block_experts_equal_dequantized():
+    from tests.checkpoints import dequantize_fp8_block, quantize_fp8_block
+
+    g = torch.Generator().manual_seed(5)
+    E, H, inter, block = 4, 32, 24, (16, 16)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) * 0.3
+    w2 = torch.randn(E, H, inter, generator=g) * 0.3
+    q13, s13 = zip(*(quantize_fp8_block(w, block) for w in w13), strict=True)
+    q2, s2 = zip(*(quantize_fp8_block(w, block) for w in w2), strict=True)
+    d13 = torch.stack([dequantize_fp8_block(q, s, block) for q, s in zip(q13, s13, strict=True)])
+    d2 = torch.stack([dequantize_fp8_block(q, s, block) for q, s in zip(q2, s2, strict=True)])
+    x = torch.randn(7, H, generator=g)
+    ids = torch.randint(0, E, (7, 2), generator=g)
+    w = torch.rand(7, 2, generator=g)
+    got = fused_moe(x, torch.stack(q13), torch.stack(q2), w, ids, torch.stack(s13), torch.stack(s2), block)
+    torch.testing.assert_close(got, fused_moe(x, d13, d2, w, ids), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="both"):
+        fused_moe(x, torch.stack(q13), torch.stack(q2), w, ids, torch.stack(s13), None, block)
+
+
 def test_grouped_topk_ties_go_to_lowest_expert():
     logits = torch.zeros(2, 6)
     w, ids = grouped_topk(logits, None, 2, 1, 1, True, 1.0)

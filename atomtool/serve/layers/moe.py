@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomtool.convert.plan_types import OutputTensor
-from atomtool.serve.layers.linear import fused_row_ranges, make_linear
+from atomtool.serve.layers.linear import fp8_block_size, fused_row_ranges, make_linear
 from atomtool.serve.ops import (
     get_op,
     torch_ref_mla,  # noqa: F401  (registers the MLA/MoE reference ops)
@@ -61,19 +61,47 @@ class TopkRouter(nn.Module):
 
 
 class StackedExperts(nn.Module):
-    """Routed experts stacked per layer: ``w13`` [E, 2I, H] (gate ‖ up), ``w2`` [E, H, I], float. FP8 block
-    checkpoints are dequantized (and their alignment padding dropped) by the model's loader."""
+    """Routed experts stacked per layer: ``w13`` [E, 2I, H] (gate ‖ up), ``w2`` [E, H, I].
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device):
+    ``fp8_block`` (bn, bk): the weights stay float8_e4m3fn with ``weight_scale_inv`` [E, ceil(N/bn), ceil(K/bk)]
+    (the ``fused_moe`` op dequantizes). Otherwise float; FP8 checkpoints whose gate/up parts needed alignment
+    padding are dequantized (and un-padded) by the model's loader instead.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
+        self.block_size = fp8_block
+        wdtype = torch.float8_e4m3fn if fp8_block else dtype
         self.w13 = nn.Module()
         self.w2 = nn.Module()
-        self.w13.weight = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
-            requires_grad=False)
-        self.w2.weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
-            requires_grad=False)
+        for mod, (n, k) in ((self.w13, (2 * intermediate_size, hidden_size)),
+                            (self.w2, (hidden_size, intermediate_size))):
+            mod.weight = nn.Parameter(torch.empty(num_experts, n, k, dtype=wdtype, device=device),
+                                      requires_grad=False)
+            if fp8_block:
+                bn, bk = fp8_block
+                mod.weight_scale_inv = nn.Parameter(
+                    torch.ones(num_experts, -(-n // bn), -(-k // bk), dtype=torch.float32, device=device),
+                    requires_grad=False)
+
+    def scales(self) -> dict:
+        """Keyword arguments of ``fused_moe`` for FP8 experts (empty for float experts)."""
+        if self.block_size is None:
+            return {}
+        return {"w13_scale_inv": self.w13.weight_scale_inv, "w2_scale_inv": self.w2.weight_scale_inv,
+                "block_size": self.block_size}
+
+
+def experts_fp8_block(prefix: str, specs: dict[str, OutputTensor] | None, cfg: dict) -> tuple[int, int] | None:
+    """The FP8 block of a layer's stacked experts when the layout stores them FP8 without alignment padding
+    (``{prefix}.experts.w13.weight_scale_inv`` present, no ``pad_rows``); else None."""
+    if not specs or f"{prefix}.experts.w13.weight_scale_inv" not in specs:
+        return None
+    w13 = specs.get(f"{prefix}.experts.w13.weight")
+    if w13 is None or any(p.pad_rows for p in w13.parts):
+        return None
+    return fp8_block_size(cfg)
 
 
 class DeepseekMoE(nn.Module):
@@ -96,7 +124,8 @@ class DeepseekMoE(nn.Module):
         self.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
         self.routed_scaling_factor = float(cfg.get("routed_scaling_factor", 1.0))
         self.gate = TopkRouter(h, self.num_experts, dtype, device)
-        self.experts = StackedExperts(self.num_experts, h, inter, dtype, device)
+        self.experts = StackedExperts(self.num_experts, h, inter, dtype, device,
+                                      experts_fp8_block(prefix, specs, cfg))
         n_shared = cfg.get("n_shared_experts") or 0
         self.shared_experts = (SwiGLUMLP(cfg, f"{prefix}.shared_experts", specs, inter * n_shared, dtype, device)
                                if n_shared else None)
@@ -106,7 +135,8 @@ class DeepseekMoE(nn.Module):
         weights, ids = get_op("grouped_topk", x.device)(
             logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.routed_scaling_factor)
-        out = get_op("fused_moe", x.device)(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids)
+        out = get_op("fused_moe", x.device)(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids,
+                                            **self.experts.scales())
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

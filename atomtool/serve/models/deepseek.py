@@ -16,7 +16,8 @@ Per-layer facts and where they come from:
   row ranges, padding rows excluded) say which; without specs the BF16 converter layout is assumed.
 
 Weights: the atomtool layout names (see :meth:`DeepseekV3ForCausalLM.load_weights`). FP8 block weights
-(``.weight`` float8_e4m3fn + ``.weight_scale_inv``) are dequantized at load by this reference backend.
+(``.weight`` float8_e4m3fn + ``.weight_scale_inv``) stay FP8 and the ops dequantize (the torch reference
+backend) or compute in FP8; only FP8 experts whose gate/up parts the converter padded are dequantized at load.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from atomtool.serve.models.base import CausalLM
 
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
                     if hasattr(torch, n))
-#: stacked expert tensors, dequantized at load by this reference backend (fused_moe takes float weights)
+#: stacked expert tensors (FP8 ones are kept, or dequantized at load when the layout padded them)
 _EXPERT_SUFFIXES = (".mlp.experts.w13.weight", ".mlp.experts.w2.weight")
 
 
@@ -193,7 +194,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         return torch.cat([t[:, s:e] for s, e in ranges], dim=1) if ranges else t
 
     def _prepare(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Filter skipped tensors; dequantize FP8 stacked experts (weight + weight_scale_inv, any order)."""
+        """Filter skipped tensors. FP8 stacked experts whose module is float (the layout padded gate/up for
+        block alignment) are dequantized and un-padded here (weight + weight_scale_inv, any order)."""
+        params = dict(self.named_parameters())
         pending: dict[str, torch.Tensor] = {}
         scales: dict[str, torch.Tensor] = {}
         block = fp8_block_size(self.config_flat)
@@ -205,14 +208,18 @@ class DeepseekV3ForCausalLM(CausalLM):
         for name, t in weights:
             if self._skipped(name):
                 continue
-            if name.endswith(_EXPERT_SUFFIXES):
-                if t.dtype in _FP8_DTYPES:
-                    pending[name] = t
-                    if name in scales:
-                        yield ready(name)
-                else:
-                    yield name, self._strip_padding(name, t)
-            elif name.endswith(tuple(s + "_scale_inv" for s in _EXPERT_SUFFIXES)):
+            expert = name.endswith(_EXPERT_SUFFIXES)
+            expert_scale = name.endswith(tuple(s + "_scale_inv" for s in _EXPERT_SUFFIXES))
+            if name in params and (expert_scale or (expert and params[name].dtype in _FP8_DTYPES)):
+                # FP8 experts kept as stored
+                yield name, t
+            elif expert and t.dtype in _FP8_DTYPES:
+                pending[name] = t
+                if name in scales:
+                    yield ready(name)
+            elif expert:
+                yield name, self._strip_padding(name, t)
+            elif expert_scale:
                 base = name[: -len("_scale_inv")]
                 scales[base] = t
                 if base in pending:
@@ -226,8 +233,8 @@ class DeepseekV3ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load layout tensors ``(name, tensor)`` in any order (see the module docstring for the names).
 
-        Linear modules keep FP8 block weights with their ``weight_scale_inv`` (the ``linear`` op dequantizes);
-        stacked experts (``mlp.experts.w13/w2``) are dequantized here. MTP layers are ignored.
+        Linear modules and unpadded stacked experts keep FP8 block weights with their ``weight_scale_inv``;
+        padded FP8 experts are dequantized here. MTP layers are ignored.
 
         Raises:
             EngineError: unexpected, missing or mis-shaped tensors (named), or unpaired FP8 expert scales.

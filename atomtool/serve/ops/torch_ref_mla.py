@@ -156,25 +156,40 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
     return weights * routed_scaling_factor, ids
 
 
+def _dequant_expert(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype) -> torch.Tensor:
+    """One expert's FP8 block weight [N, K] with scales [ceil(N/bn), ceil(K/bk)] -> ``dtype``."""
+    bn, bk = block
+    n, k = w.shape
+    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w.float() * s).to(dtype)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
+              w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """Routed SwiGLU experts: ``y[t] = Σ_j w[t,j] · W2[e] (silu(G[e] x[t]) * U[e] x[t])``, ``e = ids[t,j]``.
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32;
-    topk_ids: [T, k] int. Experts are visited in ascending id and accumulated in x's dtype (HF
-    ``DeepseekV3Experts`` order). Returns [T, H] in x's dtype.
+    topk_ids: [T, k] int. FP8 block experts: w13/w2 float8_e4m3fn with ``w13_scale_inv``
+    [E, ceil(2I/bn), ceil(H/bk)] and ``w2_scale_inv`` [E, ceil(H/bn), ceil(I/bk)] float32, ``block_size``
+    (bn, bk); each hit expert is dequantized (``W = fp8 * scale_inv[i // bn, j // bk]``). Experts are visited
+    in ascending id and accumulated in x's dtype (HF ``DeepseekV3Experts`` order). Returns [T, H] in x's dtype.
     """
+    if (w13_scale_inv is None) != (w2_scale_inv is None):
+        raise ValueError("fused_moe: give both w13_scale_inv and w2_scale_inv, or neither")
     out = torch.zeros_like(x)
     E = w13.shape[0]
     ids = topk_ids.long()
-    hit = torch.unique(ids).tolist()
-    for e in hit:
+    for e in torch.unique(ids).tolist():
         if e < 0 or e >= E:
             continue
+        g13, g2 = w13[e], w2[e]
+        if w13_scale_inv is not None:
+            g13 = _dequant_expert(g13, w13_scale_inv[e], block_size, x.dtype)
+            g2 = _dequant_expert(g2, w2_scale_inv[e], block_size, x.dtype)
         tok, slot = torch.where(ids == e)
-        h = F.linear(x[tok], w13[e])
-        g, u = h.chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, w2[e])
+        g, u = F.linear(x[tok], g13).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, g2)
         y = y * topk_weights[tok, slot, None].to(y.dtype)
         out.index_add_(0, tok, y.to(out.dtype))
     return out
