@@ -235,6 +235,16 @@ def test_logprobs_match_transformers(client, offline, ckpt):
         for k, v in expect.items():
             assert lp.top_logprobs[i][k] == pytest.approx(v, abs=1e-4)
     assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(6)]
+    # streamed log-probs are the same entries, split over the chunks, with running text offsets
+    tokens, logps, offsets = [], [], []
+    for chunk in client.completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=0, logprobs=3,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        clp = chunk.choices[0].logprobs
+        tokens += clp.tokens
+        logps += clp.token_logprobs
+        offsets += clp.text_offset
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    assert logps == pytest.approx(lp.token_logprobs, abs=1e-6)
 
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})

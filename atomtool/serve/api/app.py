@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -169,9 +168,8 @@ class _EngineStream(StreamingResponse):
 
 
 def _sse(obj: Any) -> str:
-    if hasattr(obj, "model_dump_json"):
-        return f"data: {obj.model_dump_json(exclude_unset=False)}\n\n"
-    return f"data: {json.dumps(obj)}\n\n"
+    """One server-sent event carrying a pydantic model (strict JSON: non-finite floats become null)."""
+    return f"data: {obj.model_dump_json()}\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -446,26 +444,24 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if req.stream:
             offsets: dict[str, int] = {}
 
-            def make_chunks(out: Any, delta: str) -> list[dict]:
+            def make_chunks(out: Any, delta: str) -> list[CompletionResponse]:
                 lp = None
                 if want_lp:
-                    entries = _delta_logprobs(out)
-                    lp = completion_logprobs(entries, offsets.get(out.request_id, 0))
-                    offsets[out.request_id] = offsets.get(out.request_id, 0) + sum(len(t) for t in lp.tokens)
-                    lp = lp.model_dump()
-                if not delta and lp is None and not out.finished:
+                    start = offsets.get(out.request_id, 0)
+                    lp = completion_logprobs(_delta_logprobs(out), start)
+                    offsets[out.request_id] = start + sum(len(t) for t in lp.tokens)
+                if not delta and not (lp and lp.tokens) and not out.finished:
                     return []
-                return [{"id": response_id, "object": "text_completion", "created": created,
-                         "model": served_model_name,
-                         "choices": [{"index": choice_index(out.request_id), "text": delta, "logprobs": lp,
-                                      "finish_reason": out.finish_reason if out.finished else None}]}]
+                choice = CompletionChoice(index=choice_index(out.request_id), text=delta, logprobs=lp,
+                                          finish_reason=out.finish_reason if out.finished else None)
+                return [CompletionResponse(id=response_id, created=created, model=served_model_name,
+                                           choices=[choice])]
 
             usage = None
             if req.stream_options is not None and req.stream_options.include_usage:
-                def usage(finals: dict[str, Any]) -> dict:
-                    return {"id": response_id, "object": "text_completion", "created": created,
-                            "model": served_model_name, "choices": [],
-                            "usage": usage_of(finals, req.n).model_dump()}
+                def usage(finals: dict[str, Any]) -> CompletionResponse:
+                    return CompletionResponse(id=response_id, created=created, model=served_model_name,
+                                              choices=[], usage=usage_of(finals, req.n))
 
             return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
