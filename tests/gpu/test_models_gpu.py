@@ -156,3 +156,46 @@ def test_cuda_graph_decode_matches_eager(family):
     assert graph_t == eager_t
     for sid in prompts:
         torch.testing.assert_close(torch.stack(graph_l[sid]), torch.stack(eager_l[sid]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=[("llama", (24, 16)), ("glm_moe_dsa", (16, 16))],
+                ids=["llama-fp8-24x16", "glm_moe_dsa-fp8-16x16"])
+def fp8_family(request, tmp_path_factory):
+    """FP8 block checkpoints (DeepSeek format) and transformers on the exactly dequantized weights. Blocks
+    (16, 16) keep the GLM experts FP8 (the FP8 fused-MoE kernel runs); (24, 16) pads Llama's fused qkv."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import (
+        dequantize_fp8_block_checkpoint,
+        write_fp8_block_checkpoint,
+        write_state_dict,
+    )
+
+    arch, block = request.param
+    root = tmp_path_factory.mktemp(f"fp8-{arch}")
+    src = write_hf_checkpoint(root / "src", arch, seed=4, **FAMILIES[arch])
+    dst = write_fp8_block_checkpoint(src, root / "fp8", block=block, float_dtype=None)
+    deq = root / "dequant"
+    shutil.copytree(src, deq, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    write_state_dict(deq, dequantize_fp8_block_checkpoint(dst))
+    (deq / "config.json").write_text((src / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32, attn_implementation="eager")
+    return arch, dst, hf.eval().to("cuda")
+
+
+def test_fp8_block_checkpoint_float32_greedy_equals_dequantized_transformers(fp8_family):
+    from atomtool.serve.llm import LLM
+
+    arch, path, hf = fp8_family
+    llm = LLM(str(path), device="cuda", dtype="float32", backend="triton", kv_cache_memory=1 << 26,
+              max_model_len=256)
+    model = llm.engine.model
+    linears = [m for m in model.modules() if getattr(m, "weight_scale_inv", None) is not None]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    prompts = [_prompt(n, 300 + i) for i, n in enumerate(LENGTHS)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True))
+    for p, o in zip(prompts, outs, strict=True):
+        ref, _ = _hf_greedy(hf, p, N_NEW)
+        assert o.token_ids == ref, (arch, len(p))
