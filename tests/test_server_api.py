@@ -115,6 +115,13 @@ def test_completions_batch_of_prompts_and_token_ids(client, offline, server):
     assert [c.text for c in r.choices] == [ref.text for ref in refs]
     assert r.usage.prompt_tokens == sum(len(ref.prompt_token_ids) for ref in refs)
     # a prompt given as token ids is the same request
+    # n choices per prompt: choice index = prompt index * n + i
+    r = client.completions.create(model=NAME, prompt=PROMPTS[:2], max_tokens=6, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [refs[0].text, refs[0].text, refs[1].text, refs[1].text]
+    assert r.usage.prompt_tokens == len(refs[0].prompt_token_ids) + len(refs[1].prompt_token_ids)
+    assert r.usage.completion_tokens == 4 * 6
     ids = refs[0].prompt_token_ids
     r = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].text == refs[0].text
@@ -257,9 +264,21 @@ def test_logprobs_match_transformers(client, offline, ckpt):
         assert entry.token == entry.top_logprobs[0].token and entry.bytes == list(entry.token.encode())
 
 
+def slow_steps(monkeypatch, engine, seconds=0.02):
+    """Make each engine step take at least ``seconds`` so a request is reliably still running."""
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
 # ---------------------------------------------------------------------------------------- concurrency
-def test_32_concurrent_streaming_clients(server, offline):
+def test_32_concurrent_streaming_clients(server, offline, monkeypatch):
     url, engine, app = server
+    slow_steps(monkeypatch, engine, 0.03)  # steps slower than request arrival, so batching is observable
     prompts = [f"client {i}: " + "abcdefghij"[: i % 10] for i in range(32)]
     refs = offline.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
 
@@ -284,17 +303,6 @@ def test_32_concurrent_streaming_clients(server, offline):
     # they were batched together: far fewer engine steps than 32 requests x 8 tokens one at a time
     assert snapshot.steps - steps_before < 32 * 8 / 2
     assert not engine.has_unfinished()
-
-
-def slow_steps(monkeypatch, engine, seconds=0.02):
-    """Make each engine step take at least ``seconds`` so a request is reliably still running."""
-    step = engine.step
-
-    def slow():
-        time.sleep(seconds)
-        return step()
-
-    monkeypatch.setattr(engine, "step", slow)
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(server, monkeypatch):
