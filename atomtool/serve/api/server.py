@@ -167,5 +167,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
             signal.signal(sig, handler)
         with contextlib.suppress(OSError):
             sock.close()
+    if not server.started:
+        raise AtomtoolError("the API server failed to start (see the log above)")
     print("atomtool serve: shut down cleanly", file=sys.stderr, flush=True)
     return 0
