@@ -144,6 +144,7 @@ class _Planner:
         n = report.config_flat.get("num_hidden_layers")
         self.num_layers = n if isinstance(n, int) else None
         self.roles = list(report.dsa.roles) if report.dsa is not None else None
+        self._experts: dict[str, dict[int, dict[str, ModuleInfo]]] | None = None
 
     # ---- dtype policy -------------------------------------------------------------------------
     def _keep_fp32(self, name: str) -> bool:
@@ -240,16 +241,25 @@ class _Planner:
             msg += f" to the {group.block[0]}-row FP8 block" if group.block else ""
         self.notes.append(msg)
 
+    def _experts_by_layer(self) -> dict[str, dict[int, dict[str, ModuleInfo]]]:
+        """``{layer}.{experts_prefix}.`` -> expert index -> module name inside the expert -> module (once)."""
+        if self._experts is None:
+            assert self.family is not None and self.family.experts is not None
+            prefix = re.escape(self.family.experts.experts_prefix)
+            pat = re.compile(rf"^(?P<base>(?:.*\.)?layers\.\d+\.{prefix}\.)(?P<e>\d+)\.(?P<rest>.+)$")
+            self._experts = {}
+            for name, mod in self.modules.items():
+                m = pat.match(name)
+                if m:
+                    self._experts.setdefault(m.group("base"), {}).setdefault(int(m.group("e")), {})[
+                        m.group("rest")] = mod
+        return self._experts
+
     def _stack_experts(self, layer: str, idx: int) -> None:
         assert self.family is not None and self.family.experts is not None
         rule = self.family.experts
         base = f"{layer}.{rule.experts_prefix}."
-        pat = re.compile(re.escape(base) + r"(\d+)\.(.+)$")
-        experts: dict[int, dict[str, ModuleInfo]] = {}
-        for name, mod in self.modules.items():
-            m = pat.match(name)
-            if m:
-                experts.setdefault(int(m.group(1)), {})[m.group(2)] = mod
+        experts = self._experts_by_layer().get(base, {})
         if not experts:
             return
         count = len(experts)
@@ -289,7 +299,7 @@ class _Planner:
         for name in self.report.tensors:
             if name not in self.consumed:
                 self._emit_copy(self.report.tensors[name])
-        first = {o.name: min(natural_key(p.source) for p in o.parts) for o in self.outputs}
+        first = {o.name: natural_key(o.parts[0].source) for o in self.outputs}  # parts are in row order
         ordered = sorted(self.outputs, key=lambda o: first[o.name])
         tensors: dict[str, OutputTensor] = {}
         for o in ordered:
