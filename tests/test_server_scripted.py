@@ -155,3 +155,23 @@ def test_engine_thread_death_fails_requests_and_health():
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 5}, timeout=30)
         assert r.status_code == 503
         assert r.json()["error"]["message"] == "the engine is not running"
+
+
+def test_unexpected_add_request_exception_is_a_500_for_that_request_only():
+    tok = make_tokenizer()
+    engine = ScriptedEngine(tok, tok.encode("ok", add_special_tokens=False))
+    real = engine.add_request
+
+    def flaky(request_id, prompt, params):
+        if prompt == "boom":
+            raise RuntimeError("tokenizer exploded")
+        return real(request_id, prompt, params)
+
+    engine.add_request = flaky
+    with ServerThread(create_app(engine, "m")) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "boom", "max_tokens": 2})
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "RuntimeError: tokenizer exploded", "type": "server_error",
+                                     "param": None, "code": None}
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "fine", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"

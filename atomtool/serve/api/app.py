@@ -325,10 +325,12 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             for rid, _, _ in reqs:
                 metrics.forget(rid)
             raise
-        except AtomtoolError as exc:
+        except Exception as exc:  # the engine failed to take the request: an error for this request only
             for rid, _, _ in reqs:
                 metrics.ended_early(rid, "error")
-            raise APIError(503 if isinstance(exc, EngineError) else 500, str(exc), type="server_error") from exc
+            status = 503 if isinstance(exc, EngineError) else 500
+            message = str(exc) if isinstance(exc, AtomtoolError) else f"{type(exc).__name__}: {exc}"
+            raise APIError(status, message, type="server_error") from exc
 
     def choice_index(request_id: str) -> int:
         return int(request_id.rsplit("-", 1)[1])

@@ -70,7 +70,8 @@ class RequestGroup:
 
     Iterate with ``async for out in group``: yields each :class:`RequestOutput` as it arrives (tagged
     by ``request_id``) until every request has finished; raises :class:`EngineError` if the engine
-    failed one of them (the caller then calls ``abort()``). ``abort()`` aborts whatever has not finished (client gone, error elsewhere).
+    failed one of them (the caller then calls ``abort()``). ``abort()`` aborts whatever has not
+    finished (client gone, error elsewhere).
     """
 
     engine: AsyncEngine
