@@ -108,7 +108,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_pool, self.device)
+        self.runner = ModelRunner(model, self.kv_pool, self.device, enforce_eager=enforce_eager,
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
