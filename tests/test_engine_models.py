@@ -227,3 +227,27 @@ def test_fp8_block_checkpoint_matches_dequantized_hf(fp8_ref, via_layout, tmp_pa
     outs = run_to_completion(eng, {str(i): (p, greedy(logprobs=5)) for i, p in enumerate(fp8_ref.prompts)})
     for i, p in enumerate(fp8_ref.prompts):
         check_matches(fp8_ref, p, outs[str(i)], logprobs=True)
+
+
+def test_mistral_is_served_as_llama(tmp_path):
+    """MistralForCausalLM (listed as servable) runs through the Llama model; a configured sliding window
+    caps max_model_len (attention within the window equals full attention)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.checkpoints import make_tokenizer, randomize_
+
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                        sliding_window=None, bos_token_id=1, eos_token_id=2)
+    hf = MistralForCausalLM(cfg).eval()
+    randomize_(hf, seed=4)
+    hf.save_pretrained(tmp_path / "m")
+    make_tokenizer().save_pretrained(tmp_path / "m")
+    ref = Ref(tmp_path / "m", "mistral", hf=hf)
+    out = run_to_completion(ref.engine(), {"a": (ref.prompts[2], greedy(logprobs=5))})["a"]
+    check_matches(ref, ref.prompts[2], out, logprobs=True)
+    cfg.sliding_window = 48
+    hf.config.sliding_window = 48
+    hf.save_pretrained(tmp_path / "w")
+    make_tokenizer().save_pretrained(tmp_path / "w")
+    assert make_engine(tmp_path / "w").max_model_len == 48

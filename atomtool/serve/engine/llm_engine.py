@@ -122,7 +122,8 @@ class LLMEngine:
                    backend: str | None = None) -> LLMEngine:
         """Load a layout or raw HF checkpoint directory and build the engine.
 
-        backend: op backend (``auto`` | ``torch`` | ``triton`` | ``aiter``; see :mod:`atomtool.serve.ops`).
+        backend: op backend (``auto`` | ``torch`` | ``triton`` | ``aiter``; see :mod:`atomtool.serve.ops`);
+            process-wide, the models resolve their ops when built.
 
         Raises:
             SourceError / ConfigError / UnsupportedArchitectureError / EngineError (see
@@ -131,8 +132,7 @@ class LLMEngine:
         from atomtool.serve import ops
         from atomtool.serve.loader import load_model
 
-        if backend is not None:
-            ops.set_backend(backend)
+        ops.set_backend(backend)  # None / "auto": ATOMTOOL_BACKEND or automatic selection
         loaded = load_model(model_path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(loaded.model_dir)
         return cls(loaded.model, tokenizer, loaded.config, device=loaded.device, model_dir=loaded.model_dir,
