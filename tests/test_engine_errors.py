@@ -166,3 +166,13 @@ def test_bad_engine_arguments(ckpt):
     if not torch.cuda.is_available():
         with pytest.raises(EngineError, match="no CUDA"):
             make_engine(ckpt, device="cuda")
+
+
+def test_unknown_backend_argument(ckpt):
+    from atomtool.serve import ops
+
+    try:
+        with pytest.raises(EngineError, match="unknown op backend 'cuda-magic'"):
+            make_engine(ckpt, backend="cuda-magic")
+    finally:
+        ops.set_backend(None)

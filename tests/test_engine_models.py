@@ -251,3 +251,35 @@ def test_mistral_is_served_as_llama(tmp_path):
     hf.save_pretrained(tmp_path / "w")
     make_tokenizer().save_pretrained(tmp_path / "w")
     assert make_engine(tmp_path / "w").max_model_len == 48
+
+
+def test_llm_generate_api(tmp_path):
+    from atomtool.serve import LLM, SamplingParams
+
+    path = write_hf_checkpoint(tmp_path / "q", "qwen3", seed=8)
+    hf = load_hf(path)
+    llm = LLM(str(path), device="cpu", kv_cache_memory=1 << 22)
+    prompts = ["hello", [5, 6, 7, 8]]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                  SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [3, 5]
+    assert outs[0].token_ids == hf_greedy(hf, llm.tokenizer.encode("hello"), 3)[0]
+    assert outs[1].token_ids == hf_greedy(hf, [5, 6, 7, 8], 5)[0]
+    single = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert single[0].token_ids == outs[0].token_ids
+    stats = llm.engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0
+    assert stats["prefix_cache_hit_tokens"] >= 0 and stats["generated_tokens"] == 11
+
+
+def test_bfloat16_engine_close_to_hf_bfloat16(tmp_path):
+    path = write_hf_checkpoint(tmp_path / "l", "llama", seed=9)
+    eng = make_engine(path, dtype="bfloat16")
+    assert eng.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert eng.kv_pool.caches[0]["k"].dtype == torch.bfloat16
+    prompt = [5, 9, 33, 70, 12, 100, 44]
+    out = run_to_completion(eng, {"a": (prompt, greedy(n=1, logprobs=5))})["a"]
+    hf = load_hf(path).to(torch.bfloat16)
+    _, lps = hf_greedy(hf, prompt, 1)
+    assert out.logprobs[0]["logprob"] == pytest.approx(float(lps[0, out.token_ids[0]]), abs=0.1)
+    assert float(lps[0, out.token_ids[0]]) >= float(lps[0].max()) - 0.1  # ours is (nearly) HF's argmax too
