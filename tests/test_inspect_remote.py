@@ -86,6 +86,8 @@ def test_sharded_repo_matches_local_reader(hub, repos):
     assert remote.files == local.files and len(remote.files) > 3
     assert remote.config == local.config and remote.metadata == local.metadata
     assert remote.index_metadata == local.index_metadata
+    assert remote.read_json("generation_config.json") == local.read_json("generation_config.json")
+    assert remote.read_json("hf_quant_config.json") is None  # 404 on the Hub
 
 
 def test_request_count_at_most_two_per_shard(hub, repos):
@@ -183,8 +185,10 @@ def test_offline_uses_cache(hub, repos, monkeypatch):
     assert hub.requests == []
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    for f in CheckpointSource.open("org/sharded").files:  # the user downloads the weights
+    online = CheckpointSource.open("org/sharded")
+    for f in online.files:  # the user downloads the weights
         hf_hub_download("org/sharded", f, endpoint=hub.endpoint)
+    assert online.read_json("hf_quant_config.json") is None  # the Hub's 404 is remembered in the cache
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     hub.reset()
     src = CheckpointSource.open("org/sharded")
@@ -192,6 +196,10 @@ def test_offline_uses_cache(hub, repos, monkeypatch):
     assert src.is_remote and src.commit == COMMIT and src.root is not None
     assert as_tuples(src) == as_tuples(CheckpointSource.open(str(repos["org/sharded"])))
     assert (src.root / src.files[0]).is_file()
+    assert src.read_json("hf_quant_config.json") is None  # its absence was cached while online
+    with pytest.raises(SourceError, match="org/sharded: tokenizer_config.json is not in the local HF cache and "
+                                          "the Hub cannot be reached"):
+        src.read_json("tokenizer_config.json")
 
 
 def test_network_down_falls_back_to_cache(hub, repos, monkeypatch):

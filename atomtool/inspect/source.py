@@ -119,7 +119,16 @@ class CheckpointSource:
             return _load_json_object(self.root / name, ConfigError)
         if not self.is_remote:
             return None
-        p = _hub_download_json(self.source, name, self.commit or self.revision)
+        from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
+
+        rev = self.commit or self.revision
+        if try_to_load_from_cache(self.source, name, revision=rev) is _CACHED_NO_EXIST:
+            return None
+        try:
+            p = _hub_download_json(self.source, name, rev)
+        except _NetworkDown as e:
+            raise SourceError(f"{self.source}: {name} is not in the local HF cache and the Hub cannot be "
+                              f"reached ({e})") from None
         return None if p is None else _load_json_object(p, ConfigError)
 
 
