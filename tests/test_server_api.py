@@ -262,6 +262,14 @@ def test_logprobs_match_transformers(client, offline, ckpt):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the top token
         assert entry.token == entry.top_logprobs[0].token and entry.bytes == list(entry.token.encode())
+    streamed = []
+    for chunk in client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hello"}],
+                                                max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                                stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
 
 
 def slow_steps(monkeypatch, engine, seconds=0.02):
