@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from atomtool.serve.engine.block_manager import BlockManager
 from atomtool.serve.engine.scheduler import Scheduler
 from atomtool.serve.engine.sequence import Sequence, SequenceStatus
@@ -122,3 +125,65 @@ def test_preemption_recomputes_latest_arrival():
     assert [s.request_id for s in out.seqs] == ["a"]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
     assert sched.waiting[0] is b and b.num_tokens == 9  # keeps its generated token, recomputed later
+
+
+def _check_invariants(bm, sched):
+    refs = [0] * bm.num_total_blocks
+    for s in sched.running:
+        assert len(s.block_table) * bm.block_size >= s.num_computed_tokens
+        for b in s.block_table:
+            refs[b] += 1
+    for s in sched.waiting:
+        assert s.block_table == []
+    assert [b.ref_count for b in bm.blocks] == refs
+    assert set(bm.free) == {i for i, r in enumerate(refs) if r == 0}
+    for h, bid in bm.hash_to_block.items():
+        assert bm.blocks[bid].hash == h
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_blocks=st.integers(8, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 20),
+    max_num_seqs=st.integers(1, 6),
+)
+def test_random_workloads_keep_invariants_and_finish(data, num_blocks, block_size, budget, max_num_seqs):
+    """Random prompts (shared prefixes included), budgets and aborts: ref counts always match the block
+    tables, every step respects the budget, every request finishes, and no block leaks."""
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    capacity = num_blocks * block_size
+    n_req = data.draw(st.integers(1, 8))
+    seqs = []
+    for i in range(n_req):
+        max_new = data.draw(st.integers(1, 6))
+        length = data.draw(st.integers(1, max(1, capacity - max_new)))
+        prefix = data.draw(st.sampled_from([[], [1, 2, 3, 4, 5, 6, 7, 8]]))
+        tokens = (prefix + [data.draw(st.integers(0, 3)) for _ in range(length)])[:capacity - max_new]
+        s = Sequence(f"r{i}", tokens, SamplingParams(max_tokens=max_new))
+        seqs.append(s)
+        sched.add(s)
+    aborted = set(data.draw(st.lists(st.sampled_from([s.request_id for s in seqs]), max_size=2)))
+    for step in range(2000):
+        if not sched.has_unfinished():
+            break
+        if step == 3:
+            for s in seqs:
+                if s.request_id in aborted and not s.is_finished:
+                    sched.finish(s)
+        out = sched.schedule()
+        assert sum(out.num_new_tokens) <= budget and len(out.seqs) <= max_num_seqs
+        for s, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            assert n >= 1
+            s.num_computed_tokens += n
+            bm.register_full_blocks(s)
+            if s.num_computed_tokens == s.num_tokens:
+                s.append_token(s.num_tokens % 5)
+                if s.num_output_tokens >= s.params.max_tokens:
+                    sched.finish(s)
+        _check_invariants(bm, sched)
+    assert not sched.has_unfinished()
+    assert all(s.is_finished for s in seqs)
+    assert bm.num_free_blocks == num_blocks
