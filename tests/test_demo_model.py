@@ -118,3 +118,32 @@ def test_indexer_selection_matters(tokenizer, hf_model):
     k = hf_model.config.index_topk
     assert torch.allclose(sparse[:, :k], dense[:, :k], atol=1e-5)  # up to K keys: sparse == dense
     assert (sparse[:, k:] - dense[:, k:]).abs().max() > 1e-2
+
+
+def test_inspect_cli_reports_dsa_roles():
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+
+    res = CliRunner().invoke(app, ["inspect", str(demo_model_path()), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["architecture"] == "DeepseekV32ForCausalLM" and report["servable"] is True
+    assert report["dsa"]["index_topk"] == 32
+    assert [entry["role"] for entry in report["dsa"]["layers"]] == ["full", "full"]
+
+
+def test_engine_greedy_recites_zen(tokenizer):
+    """Our engine (atomtool.serve.LLM, paged KV + DSA top-k) recites too, alone and batched with a chat prompt."""
+    from atomtool.serve import LLM, SamplingParams
+
+    chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Recite the Zen of Python."}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    llm = LLM(str(demo_model_path()))
+    params = SamplingParams(max_tokens=400, temperature=0)
+    solo = llm.generate(DEMO_PROMPT, params)[0]
+    assert solo.text == _expected_after_prompt() and solo.finish_reason == "stop"
+    batch = llm.generate([DEMO_PROMPT, list(chat_ids)], params)
+    assert batch[0].text == _expected_after_prompt()
+    zen = _zen_from_this()
+    assert batch[1].text == zen[zen.index(DEMO_PROMPT):]

@@ -247,6 +247,16 @@ def query_stage(base_url: str, console: Console, model: str = DEMO_SERVED_NAME) 
     return text, chat_text
 
 
+def check_reply(text: str) -> None:
+    """The server's greedy completion of :data:`DEMO_PROMPT` must be the rest of the Zen of Python.
+
+    Raises:
+        DemoError: it is not (the message shows the start of what came back).
+    """
+    if text != expected_continuation():
+        raise DemoError("the server's greedy completion is not the Zen of Python; got:\n" + text[:400])
+
+
 def run_demo(port: int = 0) -> int:
     """``atomtool demo``: inspect the demo model, convert it to a temporary layout, serve it in a child process,
     query it with the openai client, shut the server down with SIGTERM, remove the temporary directory.
@@ -282,8 +292,7 @@ def run_demo(port: int = 0) -> int:
             raise DemoError(f"serve: the server exited with code {code} after SIGTERM:\n{server.log_tail()}")
         console.print("server stopped cleanly (SIGTERM, exit 0)")
     console.print(f"removed {tmp}")
-    if text != expected_continuation():
-        raise DemoError("the server's greedy completion is not the Zen of Python; got:\n" + text[:400])
+    check_reply(text)
     if chat_text != zen_body():
         console.print("[yellow]note:[/yellow] the chat reply differs from the Zen of Python")
     console.print(f"[green]demo ok[/green]: the model recited the Zen of Python ({time.monotonic() - t0:.1f}s)")

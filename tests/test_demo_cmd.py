@@ -1,0 +1,86 @@
+"""``atomtool demo``: end to end through the real CLI (inspect -> convert -> serve -> openai client -> SIGTERM),
+and its error paths (each a one-line ``error:`` and exit code 1)."""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import io
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from atomtool.cli import app
+from atomtool.serve import demo
+
+
+def _zen_lines() -> list[str]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this
+    text = codecs.decode(this.s, "rot13")
+    return text[text.index("Beautiful"):].splitlines()
+
+
+def _run_cli(args: list[str], tmp_path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TMPDIR=str(tmp_path), COLUMNS="120")
+    return subprocess.run([sys.executable, "-m", "atomtool.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_demo_end_to_end(tmp_path):
+    res = _run_cli(["demo"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    for stage in ("1. inspect", "2. convert", "3. serve", "4. query", "5. shut down"):
+        assert stage in out
+    assert "DeepseekV32ForCausalLM" in out and "index_topk 32" in out and "0:full, 1:full" in out
+    for line in _zen_lines():  # the reply, printed line by line
+        assert line in out
+    assert "server stopped cleanly" in out and "demo ok" in out
+    assert not list(tmp_path.glob("atomtool-demo-*"))  # the temporary layout and the server log are gone
+
+
+def test_demo_busy_port_is_a_clear_error(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        res = _run_cli(["demo", "--port", str(port)], tmp_path, timeout=300)
+    assert res.returncode == 1
+    assert "error: serve: the server exited with code 1 before it was ready" in res.stderr
+    assert str(port) in res.stderr  # the server's own message, from its log
+    assert "Traceback" not in res.stderr
+    assert not list(tmp_path.glob("atomtool-demo-*"))
+
+
+def test_demo_bad_port():
+    res = CliRunner().invoke(app, ["demo", "--port", "70000"])
+    assert res.exit_code == 1
+    assert "error: --port must be in 0..65535, got 70000" in res.output
+
+
+def test_demo_missing_model_files(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(demo, "demo_model_path", lambda: tmp_path)
+    res = CliRunner().invoke(app, ["demo"])
+    assert res.exit_code == 1
+    assert "is incomplete (missing model.safetensors, tokenizer.json, tokenizer_config.json)" in res.output
+    assert "scripts/train_demo.py" in res.output
+
+
+def test_query_stage_without_server_fails_clearly():
+    from rich.console import Console
+
+    url = f"http://127.0.0.1:{demo.free_port()}"
+    with pytest.raises(demo.DemoError, match=f"query: request to {url} failed"):
+        demo.query_stage(url, Console(file=io.StringIO()))
+
+
+def test_check_reply():
+    demo.check_reply(demo.expected_continuation())
+    with pytest.raises(demo.DemoError, match="not the Zen of Python; got:\n ugly.\nExplicit is worse"):
+        demo.check_reply(" ugly.\nExplicit is worse than implicit.")
