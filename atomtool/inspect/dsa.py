@@ -28,7 +28,8 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 def is_dsa_config(flat: dict[str, Any]) -> bool:
     """True when the (flattened) config describes MLA + DSA attention (index_* fields or a DSA model_type)."""
-    return flat.get("model_type") in DSA_MODEL_TYPES or "index_topk" in flat or "indexer_types" in flat
+    mt = flat.get("model_type")
+    return (isinstance(mt, str) and mt in DSA_MODEL_TYPES) or "index_topk" in flat or "indexer_types" in flat
 
 
 def flatten_dsa_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -58,15 +59,27 @@ def flatten_dsa_config(raw: dict[str, Any]) -> dict[str, Any]:
             flat.setdefault(name, value)
     if not is_dsa_config(flat):
         return flat
-    flat.setdefault("index_topk", 2048)
-    flat.setdefault("index_n_heads", 64 if flat.get("model_type") == "deepseek_v32" else 32)
-    flat.setdefault("index_head_dim", 128)
+    defaults = {"index_topk": 2048, "index_n_heads": 64 if flat.get("model_type") == "deepseek_v32" else 32,
+                "index_head_dim": 128}
+    for key, default in defaults.items():
+        if flat.get(key) is None:
+            flat[key] = default
+        if not _is_int(flat[key]) or flat[key] < 1:
+            raise ConfigError(f"config.json: {key} must be a positive integer, got {flat[key]!r}")
     if flat.get("index_rope_dim") is None:
-        flat["index_rope_dim"] = int(flat.get("qk_rope_head_dim", 64))
+        rope = flat.get("qk_rope_head_dim", 64)
+        flat["index_rope_dim"] = 64 if rope is None else rope
+    if not _is_int(flat["index_rope_dim"]) or not 0 <= flat["index_rope_dim"] <= flat["index_head_dim"]:
+        raise ConfigError(f"config.json: index_rope_dim (default qk_rope_head_dim) must be an integer in "
+                          f"[0, index_head_dim={flat['index_head_dim']}], got {flat['index_rope_dim']!r}")
     # DeepSeek-V3.2's indexer uses NeoX rope (vllm#28968); GLM sets indexer_rope_interleave: true.
     flat["indexer_rope_interleave"] = bool(flat.get("indexer_rope_interleave", False))
     flat["indexer_types"] = layer_roles(flat)
     return flat
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def layer_roles(flat: dict[str, Any]) -> list[str]:
