@@ -5,9 +5,11 @@
   also with chunked prefill; logits within 2e-3 of HF's.
 - bf16: last-token logits of 300 random prompts, run as one batched prefill, against HF float32 logits.
   Written tolerance (tiny random models have logits of order 1; bf16 carries ~0.4% relative error per
-  rounding): mean |Δlogit| <= 0.05, at least 95% of prompts with max |Δlogit| <= 0.25 (MoE / DSA choices
-  that flip near ties move the rest), top-1 agreement >= 90%, and no worse than the torch reference
-  backend run in bf16 (see the test). The numbers go to the scripts/run_gpu_tests.py summary.
+  rounding): mean |Δlogit| <= 0.05, at least 90% of prompts with max |Δlogit| <= 0.25 (MoE routing and
+  DSA top-k choices that flip near ties in bf16 move the rest by O(1): measured 92-99% for the MoE
+  families, 100% for the dense ones, identical with the torch reference backend), top-1 agreement >= 90%,
+  and no worse than the torch reference backend run in bf16 (see the test). The numbers go to the
+  scripts/run_gpu_tests.py summary.
 - bf16 batch invariance: a request's greedy tokens and logits alone equal those inside a mixed batch
   (prefill chunks + decodes of other requests).
 - CUDA graphs: decode steps replayed from captured graphs give the eager tokens, logits within 1e-4 (fp32).
@@ -127,9 +129,11 @@ def test_bf16_logits_and_top1_agreement(family, gpu_report):
     ours, torch_bf16 = stats(logits), stats(ref_bf16)
     gpu_report[f"bf16/{name}"] = {"triton": ours, "torch_reference_bf16": torch_bf16, "prompts": len(prompts)}
     assert ours["mean_abs_logit_diff"] <= 0.05
-    assert ours["frac_prompts_max_diff_le_0.25"] >= 0.95
+    assert ours["frac_prompts_max_diff_le_0.25"] >= 0.9
     assert ours["top1_agreement"] >= 0.9
+    # the kernels add nothing beyond bf16's own error (measured on the H200: equal to 4 digits)
     assert ours["mean_abs_logit_diff"] <= 1.5 * torch_bf16["mean_abs_logit_diff"] + 0.005
+    assert ours["frac_prompts_max_diff_le_0.25"] >= torch_bf16["frac_prompts_max_diff_le_0.25"] - 0.02
     assert ours["top1_agreement"] >= torch_bf16["top1_agreement"] - 0.03
 
 
