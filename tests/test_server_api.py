@@ -359,6 +359,7 @@ def test_unknown_model_is_404(server, client):
     ({"top_k": -5}, "top_k must be -1, 0 or a positive integer", None),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens must be in [0, max_tokens]", None),
     ({"logprobs": 21}, "logprobs", "logprobs"),
+    ({"seed": 2**64}, "seed: Input should be less than or equal to", "seed"),
     ({"presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
     ({"echo": True}, "echo is not supported", "echo"),
     ({"stream_options": {"include_usage": True}}, "stream_options can only be set when stream is true",
