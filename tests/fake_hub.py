@@ -41,12 +41,14 @@ class FakeHub:
     """Serve ``repos`` (repo id -> local directory) at ``endpoint`` (http://127.0.0.1:PORT).
 
     Each repo has one commit, ``commit`` (40 hex digits); revisions ``main`` and the commit resolve to it.
+    Repos in ``gated`` answer 403 with the Hub's GatedRepo error code.
     Use as a context manager; ``requests`` lists every request served; ``reset()`` clears it.
     """
 
-    def __init__(self, repos: dict[str, Path], commit: str = "a" * 40):
+    def __init__(self, repos: dict[str, Path], commit: str = "a" * 40, gated: frozenset[str] = frozenset()):
         self.repos = {k: Path(v) for k, v in repos.items()}
         self.commit = commit
+        self.gated = gated  # repo ids answered with 403 GatedRepo, as the Hub does without access
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         hub = self
@@ -117,6 +119,9 @@ class FakeHub:
         if root is None:
             self._record(h, repo, rev, file, rng, 404, 0)
             return self._send(h, 404, {"X-Error-Code": "RepoNotFound"}, b"repo not found", head)
+        if repo in self.gated:
+            self._record(h, repo, rev, file, rng, 403, 0)
+            return self._send(h, 403, {"X-Error-Code": "GatedRepo"}, b"gated", head)
         if rev not in ("main", self.commit):
             self._record(h, repo, rev, file, rng, 404, 0)
             return self._send(h, 404, {"X-Error-Code": "RevisionNotFound"}, b"revision not found", head)

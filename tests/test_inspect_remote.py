@@ -68,7 +68,7 @@ def hub(repos, monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
-    with FakeHub(repos, commit=COMMIT) as server:
+    with FakeHub({**repos, "org/gated": repos["org/single"]}, commit=COMMIT, gated=frozenset({"org/gated"})) as server:
         set_endpoint(monkeypatch, server.endpoint)
         yield server
 
@@ -153,7 +153,14 @@ def test_revision_pins_every_read(hub):
 def test_unknown_repo(hub):
     with pytest.raises(SourceError) as e:
         CheckpointSource.open("org/nope")
-    assert str(e.value).startswith(f"org/nope: Hub repo not found at {hub.endpoint}")
+    assert str(e.value) == (f"org/nope: not a local directory, and no Hub repo of that name at {hub.endpoint} "
+                            "(private or gated? set HF_TOKEN)")
+
+
+def test_gated_repo(hub):
+    with pytest.raises(SourceError) as e:
+        CheckpointSource.open("org/gated")
+    assert str(e.value) == "org/gated: gated repo; accept its terms on the Hub and set HF_TOKEN (config.json)"
 
 
 def test_index_names_missing_shard(hub, repos):

@@ -323,7 +323,8 @@ def _hub_error(repo: str, what: str, e: Exception) -> Exception:
     if isinstance(e, hfe.GatedRepoError):
         return SourceError(f"{repo}: gated repo; accept its terms on the Hub and set HF_TOKEN ({what})")
     if isinstance(e, hfe.RepositoryNotFoundError):
-        return SourceError(f"{repo}: Hub repo not found at {_endpoint()} (private? set HF_TOKEN)")
+        return SourceError(f"{repo}: not a local directory, and no Hub repo of that name at {_endpoint()} "
+                           "(private or gated? set HF_TOKEN)")
     if isinstance(e, hfe.RevisionNotFoundError):
         return SourceError(f"{repo}: revision not found ({what})")
     if isinstance(e, hfe.LocalEntryNotFoundError):
