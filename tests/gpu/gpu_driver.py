@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atomtool.serve.engine.batch import ForwardBatch
-from atomtool.serve.engine.cuda_graphs import DecodeCudaGraphs
+from atomtool.serve.engine.cuda_graphs import DecodeCudaGraphs, maybe_capture_decode_graphs
 
 
 @dataclass
@@ -46,9 +46,10 @@ class CudaDriver:
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     def enable_graphs(self, max_num_seqs: int, sizes=None) -> None:
-        self.graphs = DecodeCudaGraphs(self.forward_logits, self.device, max_num_seqs=max_num_seqs,
-                                       max_model_len=self.max_model_len, block_size=self.block_size, sizes=sizes)
-        self.graphs.capture()
+        self.graphs = maybe_capture_decode_graphs(self.model, self.caches, self.device, enforce_eager=False,
+                                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                                  block_size=self.block_size, sizes=sizes)
+        assert self.graphs is not None, "graphs were not captured (torch backend?)"
 
     def add(self, sid: str, tokens: list[int]) -> None:
         self.seqs[sid] = _Seq(list(tokens))

@@ -125,3 +125,30 @@ class DecodeCudaGraphs:
             self.positions[B:bs].zero_()
         self.graphs[bs].replay()
         return self.outputs[bs][:B].clone()
+
+
+def maybe_capture_decode_graphs(model, kv_caches, device: torch.device | str, *, enforce_eager: bool,
+                                max_num_seqs: int, max_model_len: int, block_size: int,
+                                sizes: Sequence[int] | None = None) -> DecodeCudaGraphs | None:
+    """Capture decode graphs for ``model`` when they can be used; None otherwise.
+
+    None when ``enforce_eager``, when ``device`` is not CUDA, or when the op backend there is the torch
+    reference (it reads lengths on the host, which a graph cannot replay). Call it after the weights and the
+    KV pool (``kv_caches``, the list of per-layer plane dicts) are allocated; the returned object's
+    ``can_run(batch)`` / ``run(batch) -> logits [B, vocab]`` replace ``model.compute_logits(model(batch,
+    kv_caches)[batch.logits_indices])`` for pure-decode batches.
+    """
+    from atomtool.serve.ops import backend_for
+
+    device = torch.device(device)
+    if enforce_eager or device.type != "cuda" or backend_for(device) == "torch":
+        return None
+
+    def forward(batch: ForwardBatch) -> torch.Tensor:
+        hidden = model(batch, kv_caches)
+        return model.compute_logits(hidden[batch.logits_indices])
+
+    graphs = DecodeCudaGraphs(forward, device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                              block_size=block_size, sizes=sizes)
+    graphs.capture()
+    return graphs
