@@ -97,9 +97,10 @@ def test_non_streaming_disconnect_aborts_the_request():
     tok = make_tokenizer()
     engine = ScriptedEngine(tok, [10], step_delay=0.02, max_model_len=100_000)
     with ServerThread(create_app(engine, "m")) as url:
-        with pytest.raises(httpx.ReadTimeout):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up (closes the connection) after 2 s
             httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 10_000,
-                                                      "ignore_eos": True}, timeout=0.5)
+                                                      "ignore_eos": True}, timeout=httpx.Timeout(2.0, connect=30))
+        assert engine.steps > 0  # it was running
         deadline = time.monotonic() + 10
         while engine.has_unfinished() and time.monotonic() < deadline:
             time.sleep(0.05)
