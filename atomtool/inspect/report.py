@@ -12,7 +12,9 @@ from collections import defaultdict
 from typing import Any
 
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from atomtool.inspect.types import Finding, InspectReport
 
@@ -188,12 +190,17 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
 
     if r.modules:
         t = Table(title=f"Linear modules ({len(r.modules)})", title_justify="left")
-        t.add_column("module", overflow="fold", ratio=1)
-        for col in ("n", "scheme", "dtype", "logical shape", "config", "treated as"):
-            t.add_column(col, no_wrap=True)
         items = [(m.name, (m.scheme, m.dtype, m.shape, m.declared_quantized, m.treated_as)) for m in r.modules]
-        for pattern, n, (scheme, dtype, shape, declared, treated) in group_by_pattern(items):
-            t.add_row(pattern, str(n), scheme, dtype, _shape(shape), "quantized" if declared else "-", treated)
+        rows = group_by_pattern(items)
+        widest = max(len(p) for p, _, _ in rows)
+        t.add_column("module", overflow="fold", min_width=max(12, min(widest, console.width - 70)))
+        for col in ("n", "scheme", "dtype"):
+            t.add_column(col, no_wrap=True)
+        t.add_column("shape")
+        t.add_column("config", no_wrap=True)  # does quantization_config quantize it?
+        t.add_column("treated as", no_wrap=True)
+        for pattern, n, (scheme, dtype, shape, declared, treated) in rows:
+            t.add_row(pattern, str(n), scheme, dtype, _shape(shape), "quant" if declared else "-", treated)
         console.print(t)
 
     tot = r.totals
@@ -231,7 +238,7 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
             head = f"[{style.get(sev, '')}]{sev:7}[/] {code}" + (f" x{n}" if n > 1 else "")
             head += f"  {where}" if where and n > 1 else ""
             console.print(head, highlight=False)
-            console.print(f"        {msg}", highlight=False, markup=False)
+            console.print(Padding(Text(msg), (0, 0, 0, 8)))
     else:
         console.print("No findings.")
 
