@@ -122,6 +122,7 @@ def test_prompt_longer_than_max_model_len(ckpt):
     (dict(max_tokens=0), "max_tokens must be"),
     (dict(logprobs=99), "logprobs must be"),
     (dict(min_tokens=50, max_tokens=4), "min_tokens must be"),
+    (dict(seed=2**64), "seed must be an integer in the int64 range"),
 ])
 def test_invalid_sampling_params(ckpt, kwargs, msg):
     eng = make_engine(ckpt)

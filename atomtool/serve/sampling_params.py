@@ -45,6 +45,8 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be an integer in the int64 range, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         return self
