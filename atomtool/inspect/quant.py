@@ -15,7 +15,7 @@ import fnmatch
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +58,17 @@ COMMONLY_FLOAT = ("lm_head", "weights_proj", "eh_proj", "shared_head.head", "mlp
 _LAYER_RE = re.compile(r"^(.*?\blayers\.(\d+)\.)(.*)$")
 
 
+_ROLE_SET = frozenset(_DOTTED_ROLES)
+
+
 def split_role(name: str) -> tuple[str, str] | None:
     """Split a tensor name into ``(module, role)`` by the longest known role suffix, or None."""
-    for role in _DOTTED_ROLES:
-        if name.endswith("." + role):
-            return name[: -len(role) - 1], role
+    parts = name.rsplit(".", 3)
+    for k in (3, 2, 1):  # roles have up to 3 dotted components (weight.quant_state.bitsandbytes__nf4)
+        if len(parts) > k:
+            role = ".".join(parts[-k:])
+            if role in _ROLE_SET:
+                return name[: -len(role) - 1], role
     for role in _UNDERSCORE_ROLES:
         if name.endswith("_" + role) and "." in name:
             return name[: -len(role) - 1], role
@@ -243,72 +249,92 @@ def exclusion_matches(spec: QuantSpec, entry: str, name: str) -> bool:
     fnmatch globs (``X*`` also as ``X`` and ``X.*``), exact, legacy substring; gpt-oss mxfp4: fnmatch on the
     module and its children; gptq ``dynamic`` ``-:`` keys: ``re.match``.
     """
-    m = spec.method
-    if m in ("fp8", "fbgemm_fp8", "awq", "bitsandbytes"):
-        return _glm_alias(entry) in name
-    if m in ("compressed-tensors", "quark"):
+    return _entry_matcher(spec.method, entry)(name)
+
+
+def _glob(pattern: str) -> Callable[[str], bool]:
+    rx = re.compile(fnmatch.translate(pattern))
+    return lambda n: rx.match(n) is not None
+
+
+def _regex(pattern: str, fallback_substring: bool = False) -> Callable[[str], bool]:
+    try:
+        rx = re.compile(pattern)
+    except re.error:
+        return (lambda n: pattern in n) if fallback_substring else (lambda n: False)
+    return lambda n: rx.match(n) is not None
+
+
+def _entry_matcher(method: str, entry: str) -> Callable[[str], bool]:
+    """Compile one exclusion entry into a predicate over names (see :func:`exclusion_matches`)."""
+    if method in ("fp8", "fbgemm_fp8", "awq", "bitsandbytes"):
+        lit = _glm_alias(entry)
+        return lambda n: lit in n
+    wild = any(c in entry for c in "*?[")
+    if method in ("compressed-tensors", "quark"):
         if entry.startswith("re:"):
-            try:
-                return re.match(entry[3:], name) is not None
-            except re.error:
-                return False
-        if name == entry:
-            return True
-        return m == "quark" and any(c in entry for c in "*?[") and fnmatch.fnmatchcase(name, entry)
-    if m == "modelopt":
-        if name == entry or fnmatch.fnmatchcase(name, entry) or fnmatch.fnmatchcase(name, entry + ".*"):
-            return True
-        if entry.endswith("*") and fnmatch.fnmatchcase(name, entry[:-1]):
-            return True
-        return not any(c in entry for c in "*?[") and entry in name
-    if m == "mxfp4":
-        return fnmatch.fnmatchcase(name, entry) or fnmatch.fnmatchcase(name, entry + ".*") or name == entry
-    if m == "gptq":
-        pat = entry[2:] if entry.startswith("-:") else entry
-        try:
-            return re.match(pat, name) is not None
-        except re.error:
-            return pat in name
-    return name == entry
+            return _regex(entry[3:])
+        if method == "quark" and wild:
+            g = _glob(entry)
+            return lambda n: n == entry or g(n)
+        return lambda n: n == entry
+    if method == "modelopt":
+        globs = [_glob(entry), _glob(entry + ".*")] + ([_glob(entry[:-1])] if entry.endswith("*") else [])
+        if wild:
+            return lambda n: n == entry or any(g(n) for g in globs)
+        return lambda n: entry in n  # exact and legacy substring
+    if method == "mxfp4":
+        g1, g2 = _glob(entry), _glob(entry + ".*")
+        return lambda n: n == entry or g1(n) or g2(n)
+    if method == "gptq":
+        return _regex(entry[2:] if entry.startswith("-:") else entry, fallback_substring=True)
+    return lambda n: n == entry
 
 
 _LAYER_LIT = re.compile(r"layers\.(\d+)\.")
 
 
 class ExclusionIndex:
-    """Exclusion entries bucketed by the literal ``layers.N.`` they contain, so that matching ~100k tensor
-    names against ~600 entries (GLM-5 FP8 lists every norm and router) stays linear: an entry whose
-    literal text (alias applied, not a regex) contains ``layers.N.`` can only match names containing it."""
+    """Exclusion entries compiled once and bucketed by the literal ``layers.N.`` they contain, so that
+    matching ~100k tensor names against ~600 entries (GLM-5 FP8 lists every norm and router) stays linear:
+    an entry whose literal text (alias applied, not a regex) contains ``layers.N.`` can only match names
+    containing it."""
 
     def __init__(self, spec: QuantSpec):
         self.spec = spec
-        self.generic: list[str] = []
-        self.by_layer: dict[str, list[str]] = defaultdict(list)
+        self.generic: list[tuple[str, Callable[[str], bool]]] = []
+        self.by_layer: dict[str, list[tuple[str, Callable[[str], bool]]]] = defaultdict(list)
+        self._cache: dict[tuple[str, ...], list[tuple[str, Callable[[str], bool]]]] = {}
         substring = spec.method in ("fp8", "fbgemm_fp8", "awq", "bitsandbytes")
         for e in spec.exclusions:
+            item = (e, _entry_matcher(spec.method, e))
             literal = _glm_alias(e) if substring else e
             m = None if e.startswith(("re:", "-:", "+:")) or spec.method == "gptq" else _LAYER_LIT.search(literal)
             if m:
-                self.by_layer[m.group(1)].append(e)
+                self.by_layer[m.group(1)].append(item)
             else:
-                self.generic.append(e)
+                self.generic.append(item)
 
-    def candidates(self, name: str) -> list[str]:
-        """Entries that could match ``name``."""
-        out = list(self.generic)
-        for n in set(_LAYER_LIT.findall(name)):
-            out.extend(self.by_layer.get(n, ()))
+    def candidates(self, name: str) -> list[tuple[str, Callable[[str], bool]]]:
+        """(entry, predicate) pairs that could match ``name``."""
+        key = tuple(sorted(set(_LAYER_LIT.findall(name))))
+        out = self._cache.get(key)
+        if out is None:
+            out = list(self.generic)
+            for n in key:
+                out.extend(self.by_layer.get(n, ()))
+            self._cache[key] = out
         return out
 
     def excluded(self, name: str) -> bool:
-        return any(exclusion_matches(self.spec, e, name) for e in self.candidates(name))
+        return any(match(name) for _, match in self.candidates(name))
 
     def matched(self, names: Iterable[str]) -> set[str]:
         """Entries matching at least one of ``names``."""
         hit: set[str] = set()
         for n in names:
-            for e in self.candidates(n):
-                if e not in hit and exclusion_matches(self.spec, e, n):
+            for e, match in self.candidates(n):
+                if e not in hit and match(n):
                     hit.add(e)
         return hit
 
@@ -588,8 +614,11 @@ def fusion_findings(modules: dict[str, ModuleInfo], family: Family | None) -> li
     return out
 
 
+_DIGITS = re.compile(r"(\d+)")
+
+
 def _natural_key(s: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+    return [int(p) if p.isdigit() else p for p in _DIGITS.split(s)]
 
 
 _LOSSLESS = {("F16", "F32"), ("BF16", "F32"), ("F32", "F64"), ("F16", "F64"), ("BF16", "F64")}
