@@ -9,12 +9,16 @@ in bf16 on a GPU in tests/gpu/test_kernels_gpu.py.
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition (decided at @triton.jit time)
+# Triton decides at import time whether @triton.jit means "interpret" (its own tl.sum & co. included), so
+# the variable must be set before triton is first imported. When another test module of the same session
+# imported triton earlier, these tests rerun in a fresh interpreter (test_suite_in_a_fresh_process).
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+os.environ["TRITON_INTERPRET"] = "1"
 
-import importlib  # noqa: E402
 import inspect  # noqa: E402
-import sys  # noqa: E402
+import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -24,28 +28,25 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'atom
 from atomtool.serve import ops as dispatch  # noqa: E402
 from atomtool.serve.ops import torch_ref, torch_ref_mla  # noqa: E402
 
-
-def _load_interpreted():
-    """Import the Triton backend with interpreted kernels, reloading modules some earlier test compiled."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names = ["_common", "activation", "norm", "rotary", "attention", "mla", "indexer", "linear", "moe"]
-    mods = {}
-    stale = False
-    for n in names:
-        full = f"atomtool.serve.ops.triton.{n}"
-        mod = sys.modules.get(full)
-        if mod is not None and (stale or any(
-                hasattr(v, "run") and not isinstance(v, InterpretedFunction)
-                for k, v in vars(mod).items() if k.endswith("_kernel") or k == "dot_acc")):
-            stale = True
-        mods[n] = importlib.reload(mod) if (mod is not None and stale) else importlib.import_module(full)
-    pkg = sys.modules.get("atomtool.serve.ops.triton")
-    pkg = importlib.reload(pkg) if (pkg is not None and stale) else importlib.import_module("atomtool.serve.ops.triton")
-    return pkg
+if not _TRITON_PREIMPORTED:
+    import atomtool.serve.ops.triton as tri  # noqa: E402
 
 
-tri = _load_interpreted()
+@pytest.fixture(autouse=True)
+def _in_process_only_with_an_interpreted_triton(request):
+    if _TRITON_PREIMPORTED and request.node.name != "test_suite_in_a_fresh_process":
+        pytest.skip("triton was imported compiled earlier in this session: covered by test_suite_in_a_fresh_process")
+
+
+@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="triton is interpreted in this process: tests run here")
+def test_suite_in_a_fresh_process():
+    if os.environ.get("ATOMTOOL_TRITON_TEST_CHILD"):
+        pytest.fail("triton is imported before this module even in a fresh process (by a conftest?)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["ATOMTOOL_TRITON_TEST_CHILD"] = "1"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 def _close(out, ref, atol, rtol=0.0):
