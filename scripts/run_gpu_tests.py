@@ -6,7 +6,8 @@ Usage (on a machine with a CUDA GPU and the project installed; this script insta
     python3 scripts/run_gpu_tests.py [--out DIR] [-- extra pytest args]
 
 DIR defaults to ``$OUT`` when set, else ``./gpu-test-results``. Written there:
-``summary.md`` (environment, torch._scaled_mm block-scale probe, pass/fail counts, failures, measured numbers),
+``summary.md`` (environment, torch._scaled_mm block-scale probe, pass/fail counts, failures, measured numbers,
+kernel timings with ``--bench``),
 ``metrics.json`` (numbers the tests recorded: bf16 logit errors, top-1 agreement, kernel errors),
 ``junit.xml`` and ``pytest.log``. Exit status: pytest's (0 when everything passed).
 """
@@ -94,6 +95,7 @@ def junit_counts(path: Path) -> tuple[dict, list[tuple[str, str]]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-test-results", help="result directory")
+    ap.add_argument("--bench", action="store_true", help="also time the kernels (scripts/bench_gpu_ops.py)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
@@ -122,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         lines += ["## Failures", ""] + [f"- `{n}`: {m}" for n, m in failed] + [""]
     lines += ["## Measured numbers", "", "```json", json.dumps(metrics, indent=2, default=str), "```", ""]
+    if args.bench:
+        bench_json = out / "bench.json"
+        with open(out / "bench.log", "w") as log:
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_ops.py"), "--out", str(bench_json)],
+                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        rows = json.loads(bench_json.read_text()) if bench_json.exists() else []
+        lines += ["## Kernel timings (scripts/bench_gpu_ops.py)", ""]
+        lines += [f"- {json.dumps(r)}" for r in rows] or ["- failed: see bench.log"]
+        lines += [""]
     (out / "summary.md").write_text("\n".join(lines))
     print("\n".join((out / "pytest.log").read_text().splitlines()[-80:]))
     print("\n".join(lines[:8]))
