@@ -100,6 +100,16 @@ class SourceReader:
             return
         self.read_range(name, 0, memoryview(buf.numpy()))
 
+    def locate(self, name: str) -> tuple[int, int]:
+        """(open file descriptor, absolute byte offset in the file) of source tensor ``name``'s data.
+
+        Raises:
+            SourceError: unknown tensor, missing or unreadable file.
+        """
+        info = self._info(name)
+        fd, start = self._open(info.file, name)
+        return fd, start + info.data_offsets[0]
+
     def read_range(self, name: str, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the bytes of source tensor ``name`` starting at byte ``offset`` of the tensor.
 

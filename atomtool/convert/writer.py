@@ -18,8 +18,10 @@
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
+import mmap
 import os
 import queue
 import re
@@ -28,6 +30,7 @@ import shutil
 import struct
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,24 +205,58 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-#: bytes per read/hash/write step of the streaming path (reused buffer; bounds memory)
+#: bytes per buffer of the write path (reused ring; bounds memory)
 CHUNK_BYTES = 16 << 20
+#: bytes per copy_file_range + hash step of the streaming path
+COPY_BYTES = 64 << 20
 
 
 class _AsyncWriter:
-    """Writes chunks in a background thread so reading + hashing the next chunk overlaps the write of the
-    previous one (preadv, sha256 and write all release the GIL). Chunks come from a small ring of reused
-    buffers (:meth:`buffer`), which bounds memory to ``depth`` x CHUNK_BYTES; a write error re-raises in
-    the caller at the next :meth:`buffer` or :meth:`sync`."""
+    """Performs the writes of a conversion in order, in a background thread, so they overlap the hashing
+    in the caller (sha256, preadv, write and copy_file_range all release the GIL).
+
+    Two kinds of work: ``write`` a buffer (a ring of reused chunk buffers bounds memory to ``depth`` x
+    CHUNK_BYTES) and ``copy`` a byte range of a source file with ``os.copy_file_range`` -- the in-kernel
+    copy ``cp`` uses, so the bytes never pass through user space; where the kernel or filesystem refuses
+    it (EXDEV, ENOSYS, ...) the thread falls back to ``preadv`` + ``write`` for good. A failure re-raises
+    in the caller at the next :meth:`buffer`, :meth:`copy` or :meth:`sync`."""
 
     def __init__(self, depth: int = 4, size: int = CHUNK_BYTES):
         self._free: queue.Queue = queue.Queue()
         for _ in range(depth):
             self._free.put(memoryview(bytearray(size)))
+        self._copies = threading.Semaphore(depth)  # outstanding copy ops (keeps hashing near the copy)
         self._q: queue.Queue = queue.Queue()
         self._err: BaseException | None = None
+        self._kernel_copy = hasattr(os, "copy_file_range")
+        self._scratch: memoryview | None = None
         self._thread = threading.Thread(target=self._run, name="atomtool-writer", daemon=True)
         self._thread.start()
+
+    def _copy(self, f, src_fd: int, offset: int, n: int) -> None:
+        dst = f.fileno()
+        while n > 0 and self._kernel_copy:
+            try:
+                k = os.copy_file_range(src_fd, dst, n, offset)
+            except OSError as exc:
+                if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                    self._kernel_copy = False
+                    break
+                raise
+            if k <= 0:
+                raise OSError(errno.EIO, f"copy_file_range copied nothing at source offset {offset}")
+            offset += k
+            n -= k
+        while n > 0:  # fallback: through a scratch buffer
+            if self._scratch is None:
+                self._scratch = memoryview(bytearray(CHUNK_BYTES))
+            view = self._scratch[:min(n, len(self._scratch))]
+            k = os.preadv(src_fd, [view], offset)
+            if k <= 0:
+                raise OSError(errno.EIO, f"source truncated at offset {offset}")
+            _write_all(f, view[:k])
+            offset += k
+            n -= k
 
     def _run(self) -> None:
         while True:
@@ -227,14 +264,19 @@ class _AsyncWriter:
             try:
                 if item is None:
                     return
-                f, view, recycle = item
+                kind, f, a, b, c = item
                 if self._err is None:
                     try:
-                        _write_all(f, view)
+                        if kind == "write":
+                            _write_all(f, a)
+                        else:
+                            self._copy(f, a, b, c)
                     except BaseException as exc:  # handed to the caller
                         self._err = exc
-                if recycle is not None:
-                    self._free.put(recycle)
+                if kind == "write" and b is not None:
+                    self._free.put(b)
+                if kind == "copy":
+                    self._copies.release()
             finally:
                 self._q.task_done()
 
@@ -250,7 +292,13 @@ class _AsyncWriter:
 
     def write(self, f, view: memoryview, recycle: memoryview | None = None) -> None:
         """Queue ``view`` for writing to ``f``; ``recycle`` (a ring buffer) is freed once written."""
-        self._q.put((f, view, recycle))
+        self._q.put(("write", f, view, recycle, None))
+
+    def copy(self, f, src_fd: int, offset: int, n: int) -> None:
+        """Queue a copy of ``n`` bytes at ``offset`` of ``src_fd`` to the end of ``f``."""
+        self._copies.acquire()
+        self._raise()
+        self._q.put(("copy", f, src_fd, offset, n))
 
     def sync(self) -> None:
         """Wait until every queued write is done."""
@@ -262,27 +310,63 @@ class _AsyncWriter:
         self._thread.join()
 
 
-def _stream_tensor(f, reader: SourceReader, segments: list[tuple[str | None, int]], w: _AsyncWriter,
-                   zeros: memoryview, bar) -> tuple[str, int]:
-    """Copy an output tensor's byte segments from the sources to ``f`` in chunks; returns (sha256, bytes)."""
+_POPULATE = {"flags": mmap.MAP_SHARED | mmap.MAP_POPULATE, "prot": mmap.PROT_READ} \
+    if hasattr(mmap, "MAP_POPULATE") else {"access": mmap.ACCESS_READ}
+
+
+def _hash_range(h, fd: int, offset: int, n: int) -> None:
+    """sha256-update ``h`` with ``n`` bytes of ``fd`` at ``offset``, read through a temporary read-only
+    mmap (pre-faulted; no copy into user memory; unmapped right after, so it does not stay in the RSS)."""
+    delta = offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, n + delta, offset=offset - delta, **_POPULATE) as mm:
+        view = memoryview(mm)
+        try:
+            h.update(view[delta:delta + n])
+        finally:
+            view.release()
+
+
+def _hash_segments(ranges: list[tuple[int | None, int, int]], zeros: memoryview) -> str:
+    """sha256 of a tensor given as ``(fd | None for zeros, offset, bytes)`` ranges, in order."""
     h = hashlib.sha256()
+    for fd, offset, nbytes in ranges:
+        done = 0
+        while done < nbytes:
+            n = min(COPY_BYTES if fd is not None else len(zeros), nbytes - done)
+            if fd is None:
+                h.update(zeros[:n])
+            else:
+                _hash_range(h, fd, offset + done, n)
+            done += n
+    return h.hexdigest()
+
+
+def _stream_tensor(f, reader: SourceReader, segments: list[tuple[str | None, int]], w: _AsyncWriter,
+                   zeros: memoryview, bar, pool: ThreadPoolExecutor) -> tuple[Future, int]:
+    """Queue an output tensor's byte segments for writing to ``f`` (source bytes file-to-file with
+    ``copy_file_range`` in the writer thread, padding from a zero buffer) and its sha256 on ``pool``
+    (tensors hash in parallel; each reads its ranges through an mmap). Returns (digest future, bytes)."""
+    ranges: list[tuple[int | None, int, int]] = []
     total = 0
     for name, nbytes in segments:
-        off = 0
-        while off < nbytes:
-            n = min(len(zeros), nbytes - off)
-            if name is None:
-                chunk, ring = zeros[:n], None
-            else:
-                ring = w.buffer()
-                chunk = ring[:n]
-                reader.read_range(name, off, chunk)
-            h.update(chunk)
-            w.write(f, chunk, ring)
-            bar.update(n)
-            off += n
+        if name is None:
+            ranges.append((None, 0, nbytes))
+            off = 0
+            while off < nbytes:
+                n = min(len(zeros), nbytes - off)
+                w.write(f, zeros[:n])
+                off += n
+        else:
+            fd, start = reader.locate(name)
+            ranges.append((fd, start, nbytes))
+            off = 0
+            while off < nbytes:
+                n = min(COPY_BYTES, nbytes - off)
+                w.copy(f, fd, start + off, n)
+                bar.update(n)
+                off += n
         total += nbytes
-    return h.hexdigest(), total
+    return pool.submit(_hash_segments, ranges, zeros), total
 
 
 def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard], progress: bool
@@ -292,10 +376,12 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
     chunks whatever the tensor size. Outputs that need a cast are materialized (one tensor at a time)."""
     total = sum(s.size for s in shards)
     done: dict[str, dict[str, str]] = {}
+    digests: dict[str, Future] = {}
     sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
     reader = SourceReader(plan, src)
     zeros = memoryview(bytes(CHUNK_BYTES))
     w = _AsyncWriter()
+    pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="atomtool-sha256")
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
               leave=False) as bar:
         try:
@@ -309,24 +395,28 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
                         b0, b1 = shard.offsets[name]
                         segments = byte_segments(spec, reader)
                         if segments is not None:
-                            digest, nbytes = _stream_tensor(f, reader, segments, w, zeros, bar)
+                            digests[name], nbytes = _stream_tensor(f, reader, segments, w, zeros, bar, pool)
                         else:
                             t = materialize(spec, reader)
                             if t.dtype != torch_dtype(spec.dtype):
                                 raise ConversionError(f"{name}: produced {t.dtype}, planned {spec.dtype}")
                             data = _bytes(t).numpy()
-                            digest, nbytes = hashlib.sha256(data).hexdigest(), data.nbytes
+                            digests[name] = pool.submit(lambda d: hashlib.sha256(d).hexdigest(), data)
+                            nbytes = data.nbytes
                             w.write(f, memoryview(data))  # the view keeps the tensor alive until written
                             bar.update(nbytes)
                             del t, data
                         if nbytes != b1 - b0:
                             raise ConversionError(f"{name}: wrote {nbytes} bytes, planned {b1 - b0}")
-                        done[name] = {"file": shard.file, "sha256": digest}
+                        done[name] = {"file": shard.file}
                     w.sync()
                     os.fsync(f.fileno())
+                    for name in shard.names:
+                        done[name]["sha256"] = digests.pop(name).result()
                 if sleep:
                     time.sleep(sleep)
         finally:
+            pool.shutdown(wait=True, cancel_futures=True)
             w.close()
             reader.close()
     return done
