@@ -69,6 +69,9 @@ def test_float32_greedy_equals_transformers(family, chunk, gpu_report):
     kw = dict(max_num_batched_tokens=16) if chunk else {}
     llm = LLM(str(path), device="cuda", dtype="float32", backend="triton", kv_cache_memory=1 << 26,
               max_model_len=256, **kw)
+    # decode steps replay CUDA graphs (captured by the engine's model runner; a failed capture falls back
+    # to eager with a warning, so check that it happened)
+    assert getattr(llm.engine.runner, "graphs", None) is not None
     prompts = [_prompt(n, i) for i, n in enumerate(LENGTHS)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True))
     for p, o in zip(prompts, outs, strict=True):
