@@ -363,6 +363,7 @@ def test_refusals(ckpts, tmp_path, monkeypatch, case):
 
 def test_overwrite_replaces_a_layout(ckpts, tmp_path):
     out = tmp_path / "out"
+    out.mkdir()  # an existing empty directory is fine without --overwrite
     assert convert(ckpts["qwen3"], out).exit_code == 0
     r = convert(ckpts["qwen2"], out)
     assert r.exit_code == 1 and "--overwrite" in r.stderr
@@ -413,3 +414,24 @@ def test_hub_repo_id_is_downloaded_first(ckpts, tmp_path, monkeypatch):
     assert calls and calls[0][:2] == ("tiny-org/tiny-qwen3", "main") and "*.safetensors" in calls[0][2]
     manifest = json.loads((tmp_path / "out" / "atomtool.json").read_text())
     assert manifest["source"]["repo_id"] == "tiny-org/tiny-qwen3" and manifest["source"]["revision"] == "main"
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "ct_int4"])
+def test_non_concatenated_quantized_schemes_are_copied_byte_exact(ckpts, tmp_path, scheme):
+    """Schemes the plan does not concatenate (NVFP4 packed U8 + F8 scales, compressed-tensors int4 packs)
+    keep their source names and bytes; the copies also work under an explicit --dtype (not cast)."""
+    from tests.checkpoints import write_ct_int4_checkpoint, write_nvfp4_checkpoint
+
+    writer = {"nvfp4": write_nvfp4_checkpoint, "ct_int4": write_ct_int4_checkpoint}[scheme]
+    src = writer(ckpts["qwen3"], tmp_path / "src")
+    r = convert(src, tmp_path / "out", "--dtype", "bfloat16")
+    assert r.exit_code == 0, r.output
+    t, s = layout_tensors(tmp_path / "out"), load_state_dict(src)
+    quantized = [n for n, v in s.items() if v.dtype in (torch.uint8, torch.int32, torch.float8_e4m3fn)]
+    assert quantized
+    for n in quantized:
+        assert torch.equal(bits(t[n]), bits(s[n])) and t[n].dtype == s[n].dtype, n
+    notes = json.loads((tmp_path / "out" / "atomtool.json").read_text())["notes"]
+    assert any("not fused" in n for n in notes)
+    r = runner.invoke(app, ["verify", str(tmp_path / "out"), "--source", str(src)])
+    assert r.exit_code == 0, r.output

@@ -176,13 +176,17 @@ def byte_segments(spec: OutputTensor, reader: SourceReader) -> list[tuple[str | 
     the whole tensor as a sequence that can be streamed from the source files without building it in
     memory. None when a part needs a dtype cast or lacks a byte range (then use :func:`materialize`).
     """
+    if spec.op == "copy":  # any dtype, even ones torch cannot hold (F4, F6): the bytes are copied as they are
+        (part,) = spec.parts
+        info = reader.plan.sources.get(part.source)
+        if info is None or info.dtype != spec.dtype or info.data_offsets[1] < info.data_offsets[0] or \
+                (info.data_offsets == (0, 0) and info.numel):
+            return None
+        return [(part.source, info.nbytes)]
     dtype = TORCH_DTYPES.get(spec.dtype)
-    if dtype is None or any(not reader.can_read_into(p.source, dtype) for p in spec.parts):
+    if dtype is None or spec.op == "cast" or any(not reader.can_read_into(p.source, dtype) for p in spec.parts):
         return None
     itemsize = dtype.itemsize
-    if spec.op in ("copy", "cast"):
-        (part,) = spec.parts
-        return [(part.source, reader.plan.sources[part.source].nbytes)]
     lead = 2 if spec.op == "stack" else 1
     if len(spec.shape) < lead:
         return None

@@ -119,7 +119,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyReport) -> None:
+def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyReport, digests: dict[str, str]
+                        ) -> None:
     specs = manifest["tensors"]
     try:
         weight_map = tensor_files(root)
@@ -155,6 +156,7 @@ def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyRepo
                 continue
             b0, b1 = h["data_offsets"]
             digest = _sha256_range(path, data_start + b0, b1 - b0)
+            digests[name] = digest
             if digest != entry.get("sha256"):
                 report.problems.append(f"{name}: sha256 {digest[:16]}... != manifest {str(entry.get('sha256'))[:16]}...")
             report.tensors += 1
@@ -164,7 +166,8 @@ def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyRepo
                 report.problems.append(f"{name}: index says {file} but its header lacks it")
 
 
-def _check_source(root: Path, manifest: dict[str, Any], source: str, report: VerifyReport) -> None:
+def _check_source(root: Path, manifest: dict[str, Any], source: str, report: VerifyReport,
+                  digests: dict[str, str]) -> None:
     from atomtool.inspect.source import CheckpointSource
 
     src = CheckpointSource.open(source)
@@ -174,12 +177,33 @@ def _check_source(root: Path, manifest: dict[str, Any], source: str, report: Ver
     src_files = {n: t.file for n, t in src.tensors.items()}
     out = _Tensors(root, tensor_files(root))
     srct = _Tensors(src.root, src_files)
+    copies = _CopyHasher(src.root, src.tensors, digests)
     with out.stack, srct.stack:
-        _compare_parts(manifest, src_files, out, srct, report)
+        _compare_parts(manifest, src_files, out, srct, report, copies)
+
+
+class _CopyHasher:
+    """Checks ``copy`` outputs byte for byte by sha256 of the source tensor's byte range against the
+    digest of the output's bytes computed by the layout check (works for any dtype, no tensor built)."""
+
+    def __init__(self, root: Path, tensors: dict[str, Any], digests: dict[str, str]):
+        self.root, self.tensors, self.digests, self.starts = root, tensors, digests, {}
+
+    def same(self, out_name: str, src_name: str) -> bool | None:
+        """True/False when both digests are known, None when the output's digest is not (unreadable)."""
+        actual = self.digests.get(out_name)
+        if actual is None:
+            return None
+        info = self.tensors[src_name]
+        path = self.root / info.file
+        if info.file not in self.starts:
+            self.starts[info.file] = read_safetensors_header(path)[1]
+        b0, b1 = info.data_offsets
+        return _sha256_range(path, self.starts[info.file] + b0, b1 - b0) == actual
 
 
 def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Tensors, srct: _Tensors,
-                   report: VerifyReport) -> None:
+                   report: VerifyReport, copies: _CopyHasher) -> None:
     specs = {n: entry_to_spec(n, e) for n, e in manifest["tensors"].items()}
     seen: dict[str, str] = {}
     for spec in specs.values():
@@ -193,6 +217,14 @@ def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Te
         report.problems.append(f"{name}: source tensor appears in no output tensor")
     for spec in specs.values():
         if any(p.source not in src_files for p in spec.parts) or spec.name not in out.files:
+            continue
+        if spec.op == "copy":
+            same = copies.same(spec.name, spec.parts[0].source)
+            if same is False:
+                report.problems.append(f"{spec.name}: part {spec.parts[0].source} does not reproduce the "
+                                       "source (bit-exact)")
+            elif same:
+                report.parts += 1
             continue
         try:
             t = out.get(spec.name)
@@ -264,7 +296,8 @@ def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport
     report = VerifyReport(layout=str(layout), source=source)
     for name, entry in manifest["tensors"].items():
         _check_tiling(entry_to_spec(name, entry), report.problems)
-    _check_layout_files(root, manifest, report)
+    digests: dict[str, str] = {}
+    _check_layout_files(root, manifest, report, digests)
     if source is not None:
-        _check_source(root, manifest, source, report)
+        _check_source(root, manifest, source, report, digests)
     return report

@@ -43,7 +43,7 @@ from atomtool.convert.layout import FORMAT, INDEX_NAME, MANIFEST_NAME, VERSION, 
 from atomtool.convert.materialize import SourceReader, _bytes, byte_segments, materialize
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError
-from atomtool.inspect.types import DTYPE_BYTES
+from atomtool.inspect.safetensors_header import DTYPE_BITS
 
 #: side files copied unchanged (tokenizer, generation config, chat templates); matched on the file name
 SIDE_FILE_PATTERNS = (
@@ -120,11 +120,11 @@ def side_files(src: str | Path) -> list[Path]:
 
 
 def tensor_nbytes(spec: OutputTensor) -> int:
-    """Bytes of one output tensor."""
-    n = DTYPE_BYTES[spec.dtype]
+    """Bytes of one output tensor (sub-byte dtypes such as F4 count logical elements in ``shape``)."""
+    n = DTYPE_BITS[spec.dtype]
     for d in spec.shape:
         n *= d
-    return n
+    return (n + 7) // 8
 
 
 @dataclass
@@ -158,7 +158,7 @@ def plan_shards(plan: ConversionPlan, shard_size: int) -> list[Shard]:
     shards = []
     count = len(groups)
     for i, names in enumerate(groups):
-        names = sorted(names, key=lambda n: -DTYPE_BYTES[plan.tensors[n].dtype])  # stable
+        names = sorted(names, key=lambda n: -DTYPE_BITS[plan.tensors[n].dtype])  # stable
         shard = Shard(f"model-{i + 1:05d}-of-{count:05d}.safetensors", names)
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         pos = 0
