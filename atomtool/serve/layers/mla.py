@@ -56,7 +56,8 @@ def mla_softmax_scale(cfg: dict) -> float:
     scale = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5
     rp = rope_parameters(cfg)
     if rp["rope_type"] != "default" and rp.get("mscale_all_dim"):
-        m = _yarn_mscale(rp["factor"], rp["mscale_all_dim"])
+        factor = rp.get("factor") or cfg["max_position_embeddings"] / rp["original_max_position_embeddings"]
+        m = _yarn_mscale(factor, rp["mscale_all_dim"])
         scale = scale * m * m
     return scale
 
