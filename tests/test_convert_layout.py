@@ -435,3 +435,25 @@ def test_non_concatenated_quantized_schemes_are_copied_byte_exact(ckpts, tmp_pat
     assert any("not fused" in n for n in notes)
     r = runner.invoke(app, ["verify", str(tmp_path / "out"), "--source", str(src)])
     assert r.exit_code == 0, r.output
+
+
+def test_dry_run_of_a_hub_repo_reads_headers_only(ckpts, tmp_path, monkeypatch):
+    """--dry-run on a repo id plans from remote headers (range reads), downloading no weights."""
+    from huggingface_hub import constants
+
+    from tests.fake_hub import FakeHub, set_endpoint
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+    with FakeHub({"org/glm": ckpts["glm"]}) as server:
+        set_endpoint(monkeypatch, server.endpoint)
+        r = convert("org/glm", tmp_path / "out", "--dry-run", "--json")
+        assert r.exit_code == 0, r.output
+        plan = json.loads(r.stdout)
+        assert "model.layers.0.self_attn.fused_qkv_a_proj.weight" in plan["tensors"]
+        weights = [q for q in server.requests if q.file.endswith(".safetensors")]
+        assert weights and all(q.method == "HEAD" or q.range is not None for q in weights)
+        assert sum(q.body_bytes for q in weights) < sum(p.stat().st_size for p in ckpts["glm"].glob("*.safetensors"))
+    assert not (tmp_path / "out").exists()

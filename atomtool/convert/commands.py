@@ -151,8 +151,13 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     local_src = Path(src).expanduser()
     if not dry_run and local_src.is_dir():
         check_destination(local_src, out, overwrite=overwrite)  # refuse before any work
-    root, source_meta = resolve_source(src, revision)
-    report = inspect_checkpoint(str(root))
+    if dry_run and not local_src.is_dir() and not local_src.exists() and not _looks_like_path(src):
+        # a Hub repo id: the plan needs headers only, which inspect reads remotely (no weight download)
+        report = inspect_checkpoint(src, revision)
+        root = Path(report.root) if report.root else Path(src)
+    else:
+        root, source_meta = resolve_source(src, revision)
+        report = inspect_checkpoint(str(root))
     if family_for(report.architecture) is None:
         family_for(report.architecture, strict=True)  # raises UnsupportedArchitectureError with the list
     if not report.tensors:

@@ -192,6 +192,16 @@ class WriteResult:
     manifest: dict[str, Any]
 
 
+def _fsync_file(path: Path) -> None:
+    if path.suffix == ".safetensors":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -486,6 +496,8 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2))
         for f in side_files(src):
             shutil.copy2(f, tmp / f.name)
+        for f in tmp.iterdir():  # shards are fsynced as written; make the small files durable too
+            _fsync_file(f)
         manifest = build_manifest(plan, written, source or {"path": str(src)})
         with open(tmp / MANIFEST_NAME, "w") as f:
             json.dump(manifest, f, indent=1)
