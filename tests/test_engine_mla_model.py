@@ -140,7 +140,8 @@ def test_unsupported_mla_variants_are_errors():
     from tests.checkpoints import tiny_config
 
     for overrides, msg in (({"q_lora_rank": None}, "without q_lora_rank"),
-                           ({"attention_bias": True}, "attention_bias")):
+                           ({"attention_bias": True}, "attention_bias"),
+                           ({"hidden_act": "gelu"}, "hidden_act 'silu'")):
         cfg = flatten_dsa_config(tiny_config("deepseek_v3", **overrides).to_dict())
         with pytest.raises(EngineError, match=msg):
             DeepseekV3ForCausalLM(cfg, None, torch.float32, "cpu")

@@ -85,7 +85,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         specs: the layout's output-tensor specs by name (parts, row ranges, FP8), or None.
         dtype: parameter / activation / KV dtype; device: where parameters live.
     Raises:
-        EngineError: an unsupported config (no q_lora_rank, attention bias, bad fusion).
+        EngineError: an unsupported config (no q_lora_rank, attention bias, non-SiLU MLP, bad fusion).
     """
 
     def __init__(self, config_flat: dict[str, Any], specs: dict[str, OutputTensor] | None = None,
@@ -94,6 +94,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         cfg = config_flat
         model_type = cfg.get("model_type")
         self.roles = layer_roles(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise EngineError(f"{type(self).__name__} supports hidden_act 'silu', got {cfg['hidden_act']!r}")
         hidden = cfg["hidden_size"]
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         # HF's DeepSeek-V3 follows `rope_interleave` (default true); its V3.2 and GLM always interleave MLA rope.
