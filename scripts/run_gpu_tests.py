@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench:
         bench_json = out / "bench.json"
         with open(out / "bench.log", "w") as log:
+            pypath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
             subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_ops.py"), "--out", str(bench_json)],
-                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": pypath})
         rows = json.loads(bench_json.read_text()) if bench_json.exists() else []
         lines += ["## Kernel timings (scripts/bench_gpu_ops.py)", ""]
         lines += [f"- {json.dumps(r)}" for r in rows] or ["- failed: see bench.log"]
