@@ -314,6 +314,39 @@ def margins(model, seqs: list[list[int]]) -> dict[str, float]:
     return {k: round(v, 6) for k, v in res.items()}
 
 
+@torch.no_grad()
+def attention_recall(model, seq: list[int]) -> dict[str, float]:
+    """How much of the model's dense attention mass the indexer's top-K keeps (queries with > K keys).
+
+    p = head-mean attention probabilities of a dense forward (top-k lifted); recall[t] = sum of p[t, s] over
+    the K keys the indexer selects for query t. Baselines: the K most recent keys, and K random keys (K/(t+1)).
+    Needs an eager-attention model (output_attentions).
+    """
+    s = len(seq)
+    set_topk(model, 1 << 30)
+    tap = IndexerTap(model)
+    try:
+        out = model(torch.tensor([seq]), use_cache=False, output_attentions=True)
+    finally:
+        tap.remove()
+        set_topk(model, INDEX_TOPK)
+    causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
+    res = {}
+    for i, attn in enumerate(out.attentions):
+        p = attn[0].float().mean(0)
+        hs, q_resid, pe = tap.inputs[i]
+        sc = indexer_scores(model.model.layers[i].self_attn.indexer, hs, q_resid, pe)[0]
+        sel = sc.masked_fill(~causal, float("-inf")).topk(INDEX_TOPK, dim=-1).indices
+        rows = torch.arange(INDEX_TOPK, s)
+        recall = p.gather(-1, sel).sum(-1)[rows]
+        recent = torch.stack([p[t, t - INDEX_TOPK + 1:t + 1].sum() for t in rows.tolist()])
+        res[f"layer{i}_indexer_mean"] = round(float(recall.mean()), 4)
+        res[f"layer{i}_indexer_min"] = round(float(recall.min()), 4)
+        res[f"layer{i}_recent_window_mean"] = round(float(recent.mean()), 4)
+        res[f"layer{i}_random_mean"] = round(float((INDEX_TOPK / (rows + 1).float()).mean()), 4)
+    return res
+
+
 def check_indexer_math(model, ids) -> None:
     """Our :func:`indexer_scores` must select exactly what transformers' own indexer selects."""
     captured = {}
@@ -334,8 +367,25 @@ def check_indexer_math(model, ids) -> None:
                 raise SystemExit(f"indexer_scores disagrees with transformers' indexer on layer {i}")
 
 
-def train(model, tok, seqs, dense_steps: int, sparse_steps: int, lr: float, noise: float, log_every: int) -> list:
-    """Phase 1 dense warm-up (LM + indexer KL over all keys), phase 2 sparse (LM on top-k + KL on the selected set)."""
+def attention_entropy(attentions, mask: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) of the attention rows of real (non-pad) queries, over layers and heads."""
+    rows = mask.bool()
+    total = 0.0
+    for attn in attentions:
+        p = attn.float()
+        ent = -(p * torch.log(p.clamp_min(1e-12))).sum(-1)  # [B,H,S]
+        total = total + ent.permute(0, 2, 1)[rows].mean()
+    return total / len(attentions)
+
+
+def train(model, tok, seqs, dense_steps: int, sparse_steps: int, lr: float, noise: float, log_every: int,
+          entropy_weight: float = 0.0) -> list:
+    """Phase 1 dense warm-up (LM + indexer KL over all keys), phase 2 sparse (LM on top-k + KL on the selected set).
+
+    ``entropy_weight`` adds that times the mean attention entropy to the loss of the main model: a model that
+    memorises one text otherwise spreads its attention almost uniformly (a running average of the prefix
+    already tells it where it is), and then no top-K set holds much of the attention mass.
+    """
     ids, mask, labels = batch_tensors(seqs, tok.pad_token_id)
     indexer_params = [p for n, p in model.named_parameters() if ".indexer." in n]
     main_params = [p for n, p in model.named_parameters() if ".indexer." not in n]
@@ -357,14 +407,16 @@ def train(model, tok, seqs, dense_steps: int, sparse_steps: int, lr: float, nois
             g["lr"] = lr * max(scale, 0.02)
         out = model(input_ids=ids, attention_mask=mask, labels=labels, output_attentions=True, use_cache=False)
         kl = indexer_kl(model, tap, out.attentions, mask, sparse)
-        loss = out.loss + kl
+        ent = attention_entropy(out.attentions, mask)
+        loss = out.loss + kl + entropy_weight * ent
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or step == total - 1:
             entry = {"step": step, "phase": "sparse" if sparse else "dense", "lm_loss": round(out.loss.item(), 5),
-                     "indexer_kl": round(kl.item(), 5), "sec": round(time.time() - t0, 1)}
+                     "indexer_kl": round(kl.item(), 5),
+                     "attn_entropy": round(ent.item(), 4), "sec": round(time.time() - t0, 1)}
             log.append(entry)
             print(json.dumps(entry), flush=True)
     tap.remove()
@@ -419,6 +471,8 @@ def verify(path: Path, seqs, noise_trials: int, noise: float) -> dict:
             layer.mlp.gate.e_score_correction_bias.zero_()
     result["noisy_selection_and_router_trials_ok"] = router_ok
     result["margins"] = margins(model, seqs)
+    eager = DeepseekV32ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    result["dense_attention_recall"] = attention_recall(eager, seqs[0])
     bf16 = DeepseekV32ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     result["recites_transformers_bf16"] = recites(bf16, tok)[0]
     return result
@@ -431,6 +485,7 @@ def main() -> None:
     ap.add_argument("--sparse-steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--noise", type=float, default=0.1, help="index-score noise (x row std) in the sparse phase")
+    ap.add_argument("--entropy-weight", type=float, default=0.02, help="attention-entropy penalty (main model)")
     ap.add_argument("--log-every", type=int, default=50)
     a = ap.parse_args()
 
@@ -446,7 +501,7 @@ def main() -> None:
     print(f"params={sum(p.numel() for p in model.parameters())} seq_lens={[len(s) for s in seqs]} "
           f"vocab={len(tok)} index_topk={INDEX_TOPK}", flush=True)
     check_indexer_math(model, torch.tensor([seqs[0]]))
-    log = train(model, tok, seqs, a.dense_steps, a.sparse_steps, a.lr, a.noise, a.log_every)
+    log = train(model, tok, seqs, a.dense_steps, a.sparse_steps, a.lr, a.noise, a.log_every, a.entropy_weight)
     check_indexer_math(model, torch.tensor([seqs[0]]))
 
     out_dir = a.out.resolve()
@@ -456,7 +511,8 @@ def main() -> None:
         save(model, tok, tmp)
         result = verify(tmp, seqs, noise_trials=20, noise=a.noise)
         summary = {"seed": SEED, "torch": torch.__version__, "dense_steps": a.dense_steps,
-                   "sparse_steps": a.sparse_steps, "lr": a.lr, "noise": a.noise, "index_topk": INDEX_TOPK,
+                   "sparse_steps": a.sparse_steps, "lr": a.lr, "noise": a.noise,
+                   "entropy_weight": a.entropy_weight, "index_topk": INDEX_TOPK,
                    "sequence_lengths": [len(s) for s in seqs], "seconds": round(time.time() - t0, 1),
                    **result, "log": log}
         print(json.dumps({k: v for k, v in summary.items() if k != "log"}), flush=True)
