@@ -98,6 +98,7 @@ def ckpts(tmp_path_factory):
         "dsv32": write_hf_checkpoint(root / "dsv32", "deepseek_v32"),
         "qwen2": write_hf_checkpoint(root / "qwen2", "qwen2"),
         "qwen3": write_hf_checkpoint(root / "qwen3", "qwen3", dtype=torch.bfloat16),
+        "llama": write_hf_checkpoint(root / "llama", "llama", dtype=torch.float16, tie_word_embeddings=True),
     }
     # DeepSeek FP8 format (no exclusion list); 16-row blocks make the tiny model look like the real one:
     # q_a (32 rows) block-aligned like 1536, kv_a_proj_with_mqa (40 rows) not, like 576 with 128-row blocks
@@ -126,9 +127,9 @@ def converted(ckpts, tmp_path_factory):
 # ------------------------------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("key", ["glm", "dsv32", "qwen2", "qwen3", "dsv32_fp8", "glm_fp8"])
+@pytest.mark.parametrize("key", ["glm", "dsv32", "qwen2", "qwen3", "llama", "dsv32_fp8", "glm_fp8"])
 def test_every_source_tensor_reconstructs_bit_exact(ckpts, converted, key):
-    assert assert_reconstructs(ckpts[key], converted[key]) > 20
+    assert assert_reconstructs(ckpts[key], converted[key]) >= 20
     assert is_layout(converted[key])
     r = runner.invoke(app, ["verify", str(converted[key]), "--source", str(ckpts[key])])
     assert r.exit_code == 0, r.output
@@ -213,6 +214,16 @@ def test_fp8_misaligned_parts_padded_and_dequantize_exactly(ckpts, converted):
             assert torch.equal(d[gate_pad:], dequantize_fp8_block(s[f"{e}.up_proj.weight"],
                                                                   s[f"{e}.up_proj.weight_scale_inv"], b))
         assert cfg(out)["quantization_config"]["weight_block_size"] == [block, block]
+
+
+def test_llama_tied_embeddings_and_fp16(ckpts, converted):
+    t, s = layout_tensors(converted["llama"]), load_state_dict(ckpts["llama"])
+    assert "lm_head.weight" not in s and "lm_head.weight" not in t
+    qkv = t["model.layers.0.self_attn.qkv_proj.weight"]
+    c = cfg(ckpts["llama"])
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    assert qkv.dtype == torch.float16 and qkv.shape == (c["num_attention_heads"] * c["head_dim"] + 2 * kv, c["hidden_size"])
+    assert torch.equal(qkv[-kv:], s["model.layers.0.self_attn.v_proj.weight"])
 
 
 def test_qwen2_qkv_bias_fused(ckpts, converted):
