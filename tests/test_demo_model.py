@@ -147,3 +147,31 @@ def test_engine_greedy_recites_zen(tokenizer):
     assert batch[0].text == _expected_after_prompt()
     zen = _zen_from_this()
     assert batch[1].text == zen[zen.index(DEMO_PROMPT):]
+
+
+def test_indexer_top_k_holds_most_dense_attention_mass(tokenizer):
+    """The indexer was fitted to attention (DeepSeek's KL recipe): its top-K set (transformers' own indexer)
+    holds most of the dense attention probability mass, far more than K random keys would."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    ids = tokenizer(_zen_from_this()[len("The Zen of Python, by Tim Peters\n\n"):], return_tensors="pt")
+    selected = {}
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, a, o, i=i: selected.__setitem__(i, o.long()))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(**ids)  # sparse: record the indexer's top-K
+        for h in hooks:
+            h.remove()
+        k = model.config.index_topk
+        for layer in model.model.layers:
+            layer.self_attn.indexer.index_topk = 1 << 20
+        dense = model(**ids, output_attentions=True).attentions
+    n = ids["input_ids"].shape[1]
+    rows = torch.arange(k, n)
+    for i, attn in enumerate(dense):
+        p = attn[0].mean(0)  # [S, S] head-mean dense attention
+        recall = p.gather(-1, selected[i][0])[rows].sum(-1)
+        random_share = (k / (rows + 1).float()).mean()
+        assert recall.mean() > 0.9 > 2 * random_share, (i, float(recall.mean()))
