@@ -336,12 +336,15 @@ def _hash_range(h, fd: int, offset: int, n: int) -> None:
             view.release()
 
 
-def _hash_segments(ranges: list[tuple[int | None, int, int]], zeros: memoryview) -> str:
-    """sha256 of a tensor given as ``(fd | None for zeros, offset, bytes)`` ranges, in order."""
+def _hash_segments(ranges: list[tuple[int | None, int, int]], zeros: memoryview, stop: threading.Event) -> str:
+    """sha256 of a tensor given as ``(fd | None for zeros, offset, bytes)`` ranges, in order (gives up with
+    an empty string once ``stop`` is set: the conversion is being abandoned)."""
     h = hashlib.sha256()
     for fd, offset, nbytes in ranges:
         done = 0
         while done < nbytes:
+            if stop.is_set():
+                return ""
             n = min(COPY_BYTES if fd is not None else len(zeros), nbytes - done)
             if fd is None:
                 h.update(zeros[:n])
@@ -352,7 +355,7 @@ def _hash_segments(ranges: list[tuple[int | None, int, int]], zeros: memoryview)
 
 
 def _stream_tensor(f, reader: SourceReader, segments: list[tuple[str | None, int]], w: _AsyncWriter,
-                   zeros: memoryview, bar, pool: ThreadPoolExecutor) -> tuple[Future, int]:
+                   zeros: memoryview, bar, pool: ThreadPoolExecutor, stop: threading.Event) -> tuple[Future, int]:
     """Queue an output tensor's byte segments for writing to ``f`` (source bytes file-to-file with
     ``copy_file_range`` in the writer thread, padding from a zero buffer) and its sha256 on ``pool``
     (tensors hash in parallel; each reads its ranges through an mmap). Returns (digest future, bytes)."""
@@ -376,7 +379,7 @@ def _stream_tensor(f, reader: SourceReader, segments: list[tuple[str | None, int
                 bar.update(n)
                 off += n
         total += nbytes
-    return pool.submit(_hash_segments, ranges, zeros), total
+    return pool.submit(_hash_segments, ranges, zeros, stop), total
 
 
 def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard], progress: bool
@@ -392,6 +395,7 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
     zeros = memoryview(bytes(CHUNK_BYTES))
     w = _AsyncWriter()
     pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="atomtool-sha256")
+    stop = threading.Event()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
               leave=False) as bar:
         try:
@@ -405,7 +409,8 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
                         b0, b1 = shard.offsets[name]
                         segments = byte_segments(spec, reader)
                         if segments is not None:
-                            digests[name], nbytes = _stream_tensor(f, reader, segments, w, zeros, bar, pool)
+                            digests[name], nbytes = _stream_tensor(f, reader, segments, w, zeros, bar, pool,
+                                                                   stop)
                         else:
                             t = materialize(spec, reader)
                             if t.dtype != torch_dtype(spec.dtype):
@@ -425,6 +430,9 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
                         done[name]["sha256"] = digests.pop(name).result()
                 if sleep:
                     time.sleep(sleep)
+        except BaseException:
+            stop.set()  # abandoned: hashing threads stop at their next chunk
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             w.close()
