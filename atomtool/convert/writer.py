@@ -1,11 +1,15 @@
 """Streaming, atomic, sharded writer of an atomtool layout.
 
 - Streaming: every shard's header is computed up front from the plan (names, dtypes, shapes are known
-  before any data is read), then each output tensor is materialized and its bytes written straight to the
-  file. We write the safetensors framing ourselves (8-byte length, JSON header, data) instead of calling
-  ``safetensors.torch.save_file`` because that needs a whole shard's tensors in memory at once; here peak
-  memory is one output tensor whatever the shard size. The files are ordinary safetensors (padded header,
-  contiguous offsets, tensors ordered by alignment) readable by any safetensors tool.
+  before any data is read), then the data is appended tensor by tensor. An output that needs no cast is a
+  sequence of source byte ranges and zero padding (:func:`atomtool.convert.materialize.byte_segments`):
+  its bytes go file to file with ``os.copy_file_range`` (the in-kernel copy ``cp`` uses) in a writer
+  thread while a thread pool computes each tensor's sha256 through short-lived mmaps, so such a tensor is
+  never in memory whole. Only outputs that need a cast are materialized, one at a time. We write the
+  safetensors framing ourselves (8-byte length, JSON header, data) instead of calling
+  ``safetensors.torch.save_file`` because that needs a whole shard's tensors in memory at once. The files
+  are ordinary safetensors (padded header, contiguous offsets, tensors ordered by alignment) readable by
+  any safetensors tool.
 - Atomic: everything goes to a hidden sibling ``.OUT.tmp-XXXX`` and is renamed to ``OUT`` only when the
   manifest, the last file, is written and every file is fsynced; an exception or Ctrl-C removes the
   temporary directory, and a hard kill leaves at most that hidden directory (never an ``OUT`` that looks
