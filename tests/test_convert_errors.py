@@ -65,8 +65,8 @@ def test_hub_download_failure_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", boom)
     r = run("convert", "org/model", tmp_path / "out")
     assert r.exit_code == 1
-    assert r.stderr.strip() == ("error: org/model: cannot download from the Hugging Face Hub "
-                                "(OSError: network unreachable)")
+    assert r.stderr.strip() == ("error: org/model: not a local directory, and cannot download it from the "
+                                "Hugging Face Hub (OSError: network unreachable)")
 
 
 def test_incomplete_experts_and_name_clash_in_plan():

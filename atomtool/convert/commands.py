@@ -56,7 +56,8 @@ def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[st
     except HFValidationError:
         raise SourceError(f"{src}: neither a local directory nor a valid Hub repo id") from None
     except Exception as exc:  # huggingface_hub raises many typed errors; all mean "cannot download"
-        raise SourceError(f"{src}: cannot download from the Hugging Face Hub ({type(exc).__name__}: {exc})") from None
+        raise SourceError(f"{src}: not a local directory, and cannot download it from the Hugging Face Hub "
+                          f"({type(exc).__name__}: {exc})") from None
     return Path(local), {"path": str(local), "repo_id": src, "revision": revision,
                          "commit": Path(local).name}
 
