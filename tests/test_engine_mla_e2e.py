@@ -26,6 +26,16 @@ from tests.checkpoints import (
 from tests.engine_fixtures import make_engine, run_to_completion
 from tests.mla_driver import hf_greedy, hf_model
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models: intra-op threads only add wake-up latency (and thrash on a shared 2-core CI box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 ARCHS = {
     "deepseek_v3-yarn": ("deepseek_v3", dict(rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,

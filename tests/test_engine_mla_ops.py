@@ -14,6 +14,15 @@ from atomtool.serve.ops import get_op
 from atomtool.serve.ops.torch_ref_mla import fused_moe, grouped_topk, indexer_topk, mla_attention
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models: intra-op threads only add wake-up latency (and thrash on a shared 2-core CI box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _paged(rows_per_seq: list[torch.Tensor], bs: int, seed: int = 0):
     """Scatter per-sequence rows [L, D] into a shuffled paged plane; returns (cache, block_tables)."""
     nblocks = sum(-(-len(r) // bs) for r in rows_per_seq) + 2
