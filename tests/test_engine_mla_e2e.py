@@ -1,7 +1,8 @@
 """MLA + MoE + DSA models through the whole engine (LLMEngine: scheduler, paged KV pool, prefix cache,
 preemption) vs HF transformers float32, on tiny random checkpoints written by ``save_pretrained``.
 
-DeepSeek-V3 runs with YaRN rope; DeepSeek-V3.2 and GLM-MoE-DSA (IndexShare: full, full, shared, full) with
+DeepSeek-V3 runs with YaRN rope; DeepSeek-V3.2 and GLM-MoE-DSA (IndexShare from freq/offset: full, full,
+shared, full; and from explicit indexer_types: full, shared, shared, full) with
 ``index_topk`` 8, so every prompt longer than 8 tokens exercises the indexer's selection and short prompts
 cross it while generating. DSA fixtures use 16 indexer heads (see test_engine_mla_model.py for why).
 Greedy tokens must be identical and log-probs close to HF's teacher-forced ones; no KV block may leak.
@@ -18,6 +19,7 @@ import torch
 
 from atomtool.serve.sampling_params import SamplingParams
 from tests.checkpoints import (
+    GLM_EXPLICIT_TYPES,
     dequantize_fp8_block_checkpoint,
     write_fp8_block_checkpoint,
     write_hf_checkpoint,
@@ -42,6 +44,7 @@ ARCHS = {
         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 128})),
     "deepseek_v32": ("deepseek_v32", dict(index_n_heads=16)),
     "glm_moe_dsa": ("glm_moe_dsa", dict(index_n_heads=16)),
+    "glm_moe_dsa-explicit": ("glm_moe_dsa", dict(index_n_heads=16, indexer_types=GLM_EXPLICIT_TYPES)),
 }
 N_NEW = 8
 LENGTHS = (3, 12, 40)
