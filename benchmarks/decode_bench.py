@@ -161,7 +161,8 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
         budget = 1 << 30
     cap_blocks = max(1, budget // per_block)
     need_blocks = {(B, c): B * math.ceil(c / bs) for B in batches for c in contexts}
-    num_blocks = int(min(cap_blocks, max(need_blocks.values()) + 1))
+    fits = [n for n in need_blocks.values() if n + 1 <= cap_blocks]
+    num_blocks = int(max(fits) + 1 if fits else cap_blocks)  # the largest point that fits; others are skipped
     print(f"[{name}] {label}; KV pool {num_blocks} blocks x {bs} tokens = {num_blocks * per_block / 1e9:.1f} GB",
           flush=True)
     max_len = max(contexts) + bs
@@ -186,19 +187,21 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
             t_cmp = flops / ceil["matmul_flops"]
             floor = max(t_mem, t_cmp)
             graphed = runner.graphs is not None and runner.graphs.can_run(batch)
-            step = C.time_fn(lambda sched=sched: runner.run(runner.prepare(sched)), device, warmup=2,
-                             iters=args.iters)
+            one = C.time_fn(lambda batch=batch: runner.run(batch), device, warmup=1, iters=1)["median_s"]
+            iters = max(3, min(args.iters, int(args.point_budget_s / 3 / max(one, 1e-6))))  # bound slow points
+            step = C.time_fn(lambda sched=sched: runner.run(runner.prepare(sched)), device, warmup=1,
+                             iters=iters)
             if graphed:
                 runner.run(batch)  # loads the static inputs
                 gsize = next(s for s in runner.graphs.sizes if s >= B)
-                gpu = C.time_gpu(runner.graphs.graphs[gsize].replay, device, warmup=2, iters=args.iters * 2)
+                gpu = C.time_gpu(runner.graphs.graphs[gsize].replay, device, warmup=1, iters=iters * 2)
             else:
-                gpu = C.time_gpu(lambda batch=batch: runner.run(batch), device, warmup=1, iters=args.iters)
+                gpu = C.time_gpu(lambda batch=batch: runner.run(batch), device, warmup=1, iters=iters)
             r = C.record("decode", model=name, label=label, batch=B, ctx=ctx, graphs=graphed,
                          step_ms=step["median_s"] * 1e3, gpu_ms=gpu * 1e3, floor_ms=floor * 1e3,
                          bound="memory" if t_mem >= t_cmp else "compute", bytes_GB=nbytes / 1e9,
                          flops_G=flops / 1e9, roofline_frac=floor / gpu, roofline_frac_step=floor / step["median_s"],
-                         achieved_GBps=nbytes / gpu / 1e9, distinct_experts=(
+                         achieved_GBps=nbytes / gpu / 1e9, iters=iters, distinct_experts=(
                              round(sum(distinct.values()) / len(distinct), 1) if distinct else None), **parts)
             rows.append(r)
     if args.profile and device.type == "cuda":
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--moe-layers", type=int, default=0, help="MoE layers of the dsv32 model (0: as many as fit)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--point-budget-s", type=float, default=6.0, help="rough seconds of timing per point")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of a batch-1 step")
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
