@@ -142,6 +142,7 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
     max_tokens_needed = max(batches) * (max(contexts) + bs)
     if name == "dsv32":
         n_moe = args.moe_layers or choose_moe_layers(device, max_tokens_needed, smoke)
+        args.moe_layers_used = n_moe
         raw = C.dsv32_config(3 + n_moe, 3, smoke=smoke)
         model, cfg = C.build_random_model(raw, device, fp8=True)
         label = f"DeepSeek-V3.2-shaped FP8, {3 + n_moe} layers (3 dense + {n_moe} MoE)"
@@ -251,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     rows = []
     for name in (["dsv32", "qwen3"] if args.model == "all" else [args.model]):
-        rows += run_model(name, args, device, ceil)
+        try:
+            rows += run_model(name, args, device, ceil)
+        except torch.OutOfMemoryError as exc:  # the fit estimate was wrong: once more with 3 MoE layers fewer
+            if name != "dsv32" or getattr(args, "moe_layers_used", 1) <= 1:
+                raise
+            print(f"[{name}] out of memory with {args.moe_layers_used} MoE layers ({exc}); retrying", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            args.moe_layers = max(1, args.moe_layers_used - 3)
+            rows += run_model(name, args, device, ceil)
         gc.collect()  # the model and its KV pool went out of scope with run_model
         if device.type == "cuda":
             torch.cuda.empty_cache()
