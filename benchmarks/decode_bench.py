@@ -252,12 +252,15 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     rows = []
     for name in (["dsv32", "qwen3"] if args.model == "all" else [args.model]):
+        retry = False
         try:
             rows += run_model(name, args, device, ceil)
         except torch.OutOfMemoryError as exc:  # the fit estimate was wrong: once more with 3 MoE layers fewer
             if name != "dsv32" or getattr(args, "moe_layers_used", 1) <= 1:
                 raise
             print(f"[{name}] out of memory with {args.moe_layers_used} MoE layers ({exc}); retrying", flush=True)
+            retry = True
+        if retry:  # outside the except block, so the failed attempt's frames (and tensors) are released
             gc.collect()
             torch.cuda.empty_cache()
             args.moe_layers = max(1, args.moe_layers_used - 3)
