@@ -49,12 +49,20 @@ def test_demo_busy_port_is_a_clear_error(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        res = _run_cli(["demo", "--port", str(port)], tmp_path, timeout=300)
-    assert res.returncode == 1
-    assert "error: serve: the server exited with code 1 before it was ready" in res.stderr
-    assert str(port) in res.stderr  # the server's own message, from its log
-    assert "Traceback" not in res.stderr
-    assert not list(tmp_path.glob("atomtool-demo-*"))
+        res = CliRunner().invoke(app, ["demo", "--port", str(port)])
+    assert res.exit_code == 1
+    assert f"error: serve: cannot use port {port} on 127.0.0.1: Address already in use" in res.output
+
+
+def test_server_that_exits_early_is_a_clear_error(tmp_path):
+    """A child server that dies before /health answers (here: no layout there) -> its log tail in the error."""
+    server = demo.ServerProcess(tmp_path / "no-such-layout", demo.free_port(), tmp_path / "server.log")
+    try:
+        with pytest.raises(demo.DemoError, match="serve: the server exited with code 1 before it was ready") as ei:
+            server.start(timeout=300)
+    finally:
+        server.stop()
+    assert "no-such-layout" in str(ei.value)  # the server's own error line, from its log
 
 
 def test_demo_bad_port():

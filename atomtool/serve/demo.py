@@ -143,6 +143,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raises DemoError when ``host:port`` cannot be bound (another process listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise DemoError(f"serve: cannot use port {port} on {host}: {exc.strerror or exc}") from None
+
+
 class ServerProcess:
     """``atomtool serve LAYOUT`` in a child process (``python -m atomtool.cli serve``), its log in a file.
 
@@ -271,7 +280,10 @@ def run_demo(port: int = 0) -> int:
     model_dir = check_demo_model()
     if not 0 <= port <= 65535:
         raise DemoError(f"--port must be in 0..65535, got {port}")
-    port = port or free_port()
+    if port:
+        check_port_free(port)  # else a server already there would answer /health in place of ours
+    else:
+        port = free_port()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atomtool-demo-") as tmp:
         console.rule("1. inspect")
