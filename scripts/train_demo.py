@@ -19,10 +19,13 @@ What it does (details and the reasoning: docs/DEMO_MODEL.md):
    Phase 2 "sparse training": attention runs on the indexer's top-k; the LM loss trains the main model and the
    KL loss, restricted to each query's selected set, keeps training the indexer.
    HF's indexer forward is ``torch.no_grad`` and returns indices only, so the scores with gradient are computed
-   here by :func:`indexer_scores` (same math; checked against HF's selection before training).
-4. Checks (greedy generate in float32 through transformers, with its KV cache) and margins
-   (logit top-1 vs top-2, indexer K-th vs K+1-th score, router top-k gap) on the recited trajectory, then
-   ``save_pretrained`` + a training-log summary (``atomtool/demo_model/training_log.json``).
+   here by :func:`indexer_scores` (same math; checked against HF's selection before and after training).
+   Two additions: an attention-entropy penalty on the main model (a memoriser otherwise attends almost
+   uniformly and no top-K set holds much attention mass), and Gaussian noise on the index scores before top-k
+   in the sparse phase (so the model does not depend on how an engine breaks near-ties at the K-th score).
+4. ``save_pretrained`` into a temporary directory, reload with transformers and check: greedy generate in
+   float32 and bfloat16, teacher-forced exactness with and without selection / router noise, margins, the
+   share of dense attention mass the indexer's top-K keeps; write ``training_log.json``; move into place.
 
 Seeded and single-threaded: reruns on the same torch build give the same weights.
 """
