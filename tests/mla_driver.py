@@ -7,6 +7,7 @@ without depending on the scheduler. The oracle is transformers' own modeling cod
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,13 +123,37 @@ def hf_model(path: str | Path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
+@contextlib.contextmanager
+def stable_tensor_topk():
+    """Make ``Tensor.topk`` break ties toward the lowest index (a stable descending sort), as the engine does.
+
+    HF's DSA indexer selects with ``index_scores.topk(...)``, whose tie order torch leaves unspecified; ReLU-sum
+    scores have exact 0.0 plateaus (dsa.md §5.6, pitfall 12), so with few indexer heads HF's selection among
+    tied keys is arbitrary. Inside this context HF computes the same scores with the deterministic tie rule.
+    (The MoE router's ``torch.topk`` function is not affected.)
+    """
+    original = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002 (torch's keyword)
+        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
+
+
 @torch.no_grad()
-def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+def hf_greedy(model, prompt: list[int], max_new: int, stable_topk: bool = False) -> tuple[list[int], torch.Tensor]:
     """HF greedy generation of ``max_new`` tokens (no EOS stop) and the teacher-forced float32 logits
-    [max_new, vocab] that chose each generated token (one full forward over prompt + generated)."""
-    ids = torch.tensor([prompt])
-    gen = model.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    new = gen[0, len(prompt):].tolist()
-    full = model(gen[:, :-1]).logits[0].float()
+    [max_new, vocab] that chose each generated token (one full forward over prompt + generated).
+    ``stable_topk``: run HF inside :func:`stable_tensor_topk`."""
+    with stable_tensor_topk() if stable_topk else contextlib.nullcontext():
+        ids = torch.tensor([prompt])
+        gen = model.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        new = gen[0, len(prompt):].tolist()
+        full = model(gen[:, :-1]).logits[0].float()
     return new, full[len(prompt) - 1:]

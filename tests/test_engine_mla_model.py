@@ -5,9 +5,11 @@ loaded through the engine loader (raw HF -> conversion plan in memory). The mode
 paged-KV driver (tests/mla_driver.py): prefill, decode, batches of very different lengths, chunked prefill,
 prefix-cache block sharing, prompts longer than ``index_topk`` and generations crossing it.
 
-The DSA fixtures use 16 indexer heads: with few heads, exact 0.0 ReLU-sum ties are common and HF's
-``torch.topk`` breaks them arbitrarily while the engine takes the lowest position, so selections would
-differ for reasons that are not bugs.
+Most DSA fixtures use 16 indexer heads, so that unmodified HF agrees: with few heads, exact 0.0 ReLU-sum ties
+are common and HF's ``Tensor.topk`` breaks them arbitrarily while the engine takes the lowest position. The
+``-4heads`` variants (the shared fixtures' 4 heads, ties everywhere) run HF with a stable top-k instead
+(tests/mla_driver.py ``stable_tensor_topk``), which checks the engine's tie rule in prefill, decode and
+chunks.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ ARCH_OVERRIDES = {
     "deepseek_v32": dict(DSA),
     "glm_moe_dsa": dict(DSA),
     "glm_explicit": dict(DSA, indexer_types=GLM_EXPLICIT_TYPES),
+    # the shared fixtures' 4 indexer heads: exact-zero score ties everywhere; HF runs with stable top-k
+    "deepseek_v32-4heads": {},
+    "glm_moe_dsa-4heads": {},
 }
 
 
@@ -50,10 +55,12 @@ def _prompt(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module", params=list(ARCH_OVERRIDES))
 def ckpt(request, tmp_path_factory):
     name = request.param
-    arch = "glm_moe_dsa" if name == "glm_explicit" else name
+    arch = "glm_moe_dsa" if name == "glm_explicit" else name.removesuffix("-4heads")
     path = write_hf_checkpoint(tmp_path_factory.mktemp(name), arch, seed=1, **ARCH_OVERRIDES[name])
     engine = load_model(path, dtype="float32", device="cpu").model
-    return name, path, engine, hf_model(path)
+    hf = hf_model(path)
+    hf.stable_topk = name.endswith("-4heads")
+    return name.removesuffix("-4heads"), path, engine, hf
 
 
 def _check(engine_tokens, engine_logits, hf_tokens, hf_logits):
@@ -75,7 +82,7 @@ def test_schedule_and_planes(ckpt):
 def test_single_prompt_longer_than_topk(ckpt):
     _, _, model, hf = ckpt
     prompt = _prompt(21, 0)  # index_topk is 8: selection matters from the prefill on
-    ref_tokens, ref_logits = hf_greedy(hf, prompt, 8)
+    ref_tokens, ref_logits = hf_greedy(hf, prompt, 8, hf.stable_topk)
     out, logits = PagedDriver(model).generate({"a": prompt}, 8)
     _check(out["a"], logits["a"], ref_tokens, ref_logits)
 
@@ -86,7 +93,7 @@ def test_batch_of_different_lengths_crossing_topk(ckpt):
     prompts = {"short": _prompt(3, 1), "mid": _prompt(9, 2), "long": _prompt(40, 3)}
     out, logits = PagedDriver(model, seed=1).generate(prompts, 10)
     for sid, p in prompts.items():
-        ref_tokens, ref_logits = hf_greedy(hf, p, 10)
+        ref_tokens, ref_logits = hf_greedy(hf, p, 10, hf.stable_topk)
         _check(out[sid], logits[sid], ref_tokens, ref_logits)
 
 
@@ -95,7 +102,7 @@ def test_chunked_prefill_mixed_with_decode(ckpt):
     prompts = {"x": _prompt(26, 4), "y": _prompt(2, 5)}
     out, logits = PagedDriver(model, seed=2).generate(prompts, 6, chunk=5)
     for sid, p in prompts.items():
-        ref_tokens, ref_logits = hf_greedy(hf, p, 6)
+        ref_tokens, ref_logits = hf_greedy(hf, p, 6, hf.stable_topk)
         _check(out[sid], logits[sid], ref_tokens, ref_logits)
 
 
@@ -115,7 +122,7 @@ def test_prefix_blocks_shared(ckpt):
         tokens.append(int(torch.argmax(lg)))
         lgs.append(lg)
         seq.tokens.append(tokens[-1])
-    ref_tokens, ref_logits = hf_greedy(hf, other, 5)
+    ref_tokens, ref_logits = hf_greedy(hf, other, 5, hf.stable_topk)
     _check(tokens, lgs, ref_tokens, ref_logits)
 
 
