@@ -142,3 +142,20 @@ def test_verify_reports_missing_and_extra_source_tensors(llama, tmp_path):
     assert r.exit_code == 1
     assert "problem: model.norm.weight: part model.norm.weight is not in the source" in r.stderr
     assert "problem: extra.weight: source tensor appears in no output tensor" in r.stderr
+
+
+def test_disk_full_mid_write_is_an_error_and_leaves_nothing(llama, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import atomtool.convert.writer as writer
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writer.os, "copy_file_range", full)
+    monkeypatch.setattr(writer, "_write_all", full)
+    r = run("convert", llama, tmp_path / "out")
+    assert r.exit_code == 1
+    assert r.stderr.startswith("error: writing ") and "No space left on device; nothing was written" in r.stderr
+    assert list(tmp_path.iterdir()) == []

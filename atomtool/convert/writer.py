@@ -528,6 +528,10 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         else:
             os.rename(tmp, out_abs)
         _fsync_dir(out_abs.parent)
+    except OSError as exc:  # disk full, permissions, I/O error: a user-facing error, not a traceback
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConversionError(f"writing {out} failed: {exc.strerror or exc}"
+                              + (f" ({exc.filename})" if exc.filename else "") + "; nothing was written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
