@@ -248,3 +248,53 @@ def test_shared_layer_indexer_tensors_and_mtp_layers_are_ignored(glm):
              ("model.layers.4.self_attn.q_a_proj.weight", torch.zeros(32, 64))]
     model.load_weights(tensors + extra)
     assert model.model.layers[2].self_attn.indexer is None
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_indexer_head_weights_are_float32_in_bf16_models(glm, fused, monkeypatch):
+    """In a bfloat16 model the indexer head weights come from a float32 projection (HF keeps
+    ``indexer.weights_proj`` in float32), not from the bf16 GEMM output."""
+    from atomtool.serve.models.deepseek import GlmMoeDsaForCausalLM
+    from atomtool.serve.ops import torch_ref_mla
+    from tests.mla_driver import PagedDriver
+
+    assert torch_ref_mla.indexer_topk is indexer_topk
+
+    plan, tensors = _layout_tensors(glm)
+    specs = dict(plan.tensors)
+    if not fused:  # drop the indexer rows from the fused projection: wk / weights_proj become separate tensors
+        import dataclasses
+
+        split = []
+        for n, t in tensors:
+            spec = specs.get(n)
+            if spec is not None and n.endswith("fused_qkv_a_proj.weight") and len(spec.parts) == 4:
+                parts = spec.parts[:2]
+                specs[n] = dataclasses.replace(spec, parts=parts, shape=(parts[1].rows[1], spec.shape[1]))
+                for p in spec.parts[2:]:
+                    split.append((p.source, t[p.rows[0]:p.rows[1]]))
+                t = t[: parts[1].rows[1]]
+            split.append((n, t))
+        tensors = split
+    model = GlmMoeDsaForCausalLM(plan.config, specs, torch.bfloat16, "cpu")
+    model.load_weights(tensors)
+    assert model.model.layers[0].self_attn.indexer.fused == fused
+    seen = []
+    real = torch_ref_mla.indexer_topk
+
+    def spy(q, weights, *args):
+        seen.append(weights)
+        return real(q, weights, *args)
+
+    inputs = {}
+    layer0 = model.model.layers[0]
+    layer0.self_attn.register_forward_pre_hook(lambda mod, args: inputs.update(x=args[0]) if not inputs else None)
+    from atomtool.serve import ops
+
+    monkeypatch.setitem(ops._REGISTRY, ("indexer_topk", "torch"), spy)
+    PagedDriver(model).generate({"a": list(range(3, 23))}, 1)
+    w_full = dict(tensors)["model.layers.0.self_attn.indexer.weights_proj.weight"] if not fused else \
+        dict(tensors)["model.layers.0.self_attn.fused_qkv_a_proj.weight"][-4:]
+    want = torch.nn.functional.linear(inputs["x"].float(), w_full.to(torch.bfloat16).float()) * (4 * 16) ** -0.5
+    assert seen[0].dtype == torch.float32
+    torch.testing.assert_close(seen[0], want, atol=1e-6, rtol=1e-6)

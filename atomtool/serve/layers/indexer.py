@@ -31,6 +31,16 @@ from atomtool.serve.ops import (
 )
 
 
+def head_weights_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``weights_proj(x)`` in float32 for a float16/bfloat16 model, as HF does (``_keep_in_fp32_modules =
+    ["indexer.weights_proj"]``; dsa.md §5.2: rounding the head weights to bf16 flips near-tied selections).
+    weight: [Hi, hidden] float rows. Returns [T, Hi] float32, or None when the model already runs in float32
+    or the weight is FP8 (then the regular projection is used)."""
+    if x.dtype == torch.float32 or weight.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return F.linear(x.float(), weight.float())
+
+
 class Indexer(nn.Module):
     """Lightning indexer: writes this step's index keys into the ``index_k`` plane and selects top-k.
 
@@ -80,7 +90,9 @@ class Indexer(nn.Module):
         dev = x.device
         if k_raw is None:
             k_raw = self.wk(x)
-            w_raw = self.weights_proj(x)
+            w_raw = head_weights_fp32(x, self.weights_proj.weight)
+            if w_raw is None:
+                w_raw = self.weights_proj(x)
         k = F.layer_norm(k_raw.float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
                          self.k_norm.eps).to(x.dtype)
         T = x.shape[0]
@@ -93,6 +105,6 @@ class Indexer(nn.Module):
         get_op("store_cache", dev)(k, index_k_cache, batch.slot_mapping)
         if max(batch.seq_lens_cpu) <= self.topk:
             return None
-        weights = w_raw.float() * self.weight_scale
+        weights = w_raw.float() * self.weight_scale  # float32 before scaling (dsa.md §5.2)
         return get_op("indexer_topk", dev)(q, weights, index_k_cache, batch.cu_seqlens_q, batch.seq_lens,
                                            batch.block_tables, self.topk)

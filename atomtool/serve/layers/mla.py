@@ -23,7 +23,7 @@ from torch import nn
 from atomtool.convert.plan_types import OutputTensor
 from atomtool.errors import EngineError
 from atomtool.serve.engine.batch import ForwardBatch
-from atomtool.serve.layers.indexer import Indexer
+from atomtool.serve.layers.indexer import Indexer, head_weights_fp32
 from atomtool.serve.layers.linear import fused_row_ranges, make_linear
 from atomtool.serve.layers.norm import RMSNorm
 from atomtool.serve.ops import (
@@ -169,8 +169,13 @@ class MLAAttention(nn.Module):
 
         topk = None
         if self.role == "full":
-            k_raw = self._part(y, IDX_WK) if self.indexer.fused else None
-            w_raw = self._part(y, IDX_WPROJ) if self.indexer.fused else None
+            k_raw = w_raw = None
+            if self.indexer.fused:
+                k_raw = self._part(y, IDX_WK)
+                s, e = self.splits[IDX_WPROJ]
+                w_raw = head_weights_fp32(x, self.fused_qkv_a_proj.weight[s:e])
+                if w_raw is None:
+                    w_raw = self._part(y, IDX_WPROJ)
             topk = self.indexer(x, c_q, k_raw, w_raw, idx_cos, idx_sin, batch, kv_cache["index_k"])
         elif self.role == "shared":
             topk = prev_topk
