@@ -190,7 +190,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         tok, slot = torch.where(ids == e)
         g, u = F.linear(x[tok], g13).chunk(2, dim=-1)
         y = F.linear(F.silu(g) * u, g2)
-        y = y * topk_weights[tok, slot, None].to(y.dtype)
+        # weighted in float32, rounded once (HF: bf16 activations * fp32 router weights promote to fp32)
+        y = y.float() * topk_weights[tok, slot, None].float()
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
