@@ -137,13 +137,16 @@ def test_batch_invariance(ckpt):
     torch.testing.assert_close(torch.stack(alone_logits["r"]), torch.stack(mixed_logits["r"]), atol=1e-5, rtol=1e-5)
 
 
-def test_deepseek_v3_neox_rope_and_yarn_attention_factor(tmp_path):
+def test_deepseek_v3_neox_rope_yarn_attention_factor_tied(tmp_path):
     """``rope_interleave: false`` (NeoX MLA rope) and YaRN with only ``mscale_all_dim``: HF then multiplies
-    cos/sin by ``0.1 ln(factor) + 1`` and the softmax scale by ``mscale(factor, mscale_all_dim)**2``."""
+    cos/sin by ``0.1 ln(factor) + 1`` and the softmax scale by ``mscale(factor, mscale_all_dim)**2``; tied
+    embeddings (the checkpoint has no lm_head)."""
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale_all_dim": 0.8,
             "original_max_position_embeddings": 64}
-    path = write_hf_checkpoint(tmp_path / "ds", "deepseek_v3", seed=3, rope_interleave=False, rope_parameters=rope)
+    path = write_hf_checkpoint(tmp_path / "ds", "deepseek_v3", seed=3, rope_interleave=False, rope_parameters=rope,
+                                tie_word_embeddings=True)
     model = load_model(path, dtype="float32", device="cpu").model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     prompt = _prompt(30, 11)
     ref_tokens, ref_logits = hf_greedy(hf_model(path), prompt, 6)
     out, logits = PagedDriver(model).generate({"a": prompt}, 6)
