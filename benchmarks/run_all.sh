@@ -36,9 +36,9 @@ bench() {  # bench NAME LIMIT_S MODULE ARGS...
 { echo "run_all $(date -u) budget ${BUDGET_S}s"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>/dev/null; } | tee -a "$LOG"
 bench ceilings 25 benchmarks.ceilings
 bench decode_dsv32 125 benchmarks.decode_bench --model dsv32 --profile
-bench throughput_qwen3 100 benchmarks.throughput_bench --model qwen3
+bench throughput_qwen3 100 benchmarks.throughput_bench --model qwen3 --hf-max-time 30
 bench load 45 benchmarks.load_bench
 bench decode_qwen3 45 benchmarks.decode_bench --model qwen3
 bench prefill 60 benchmarks.prefill_bench
-bench throughput_dsa 90 benchmarks.throughput_bench --model dsa
+bench throughput_dsa 90 benchmarks.throughput_bench --model dsa --hf-max-time 30
 echo "run_all done in $(( $(date +%s) - START ))s" | tee -a "$LOG"

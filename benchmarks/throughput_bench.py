@@ -117,7 +117,7 @@ def run_ours(path: Path, work, device: torch.device, *, max_model_len: int, enfo
             "ttft_s": percentiles(ttft), "tpot_ms": {k: v * 1e3 for k, v in percentiles(tpot).items()}}
 
 
-def run_hf(path: Path, work, device: torch.device) -> dict:
+def run_hf(path: Path, work, device: torch.device, max_time: float | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(device).eval()
@@ -135,16 +135,19 @@ def run_hf(path: Path, work, device: torch.device) -> dict:
         model.generate(ids[:1, -16:], attention_mask=mask[:1, -16:], max_new_tokens=4, min_new_tokens=4, **kw)
         C.sync(device)
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, **kw)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                             max_time=max_time, **kw)
         C.sync(device)
         wall = time.perf_counter() - t0
     generated = out.shape[1] - longest
-    useful = sum(n for _, n in work)
+    # each request's own output length, or what was generated before max_time stopped the batch
+    useful = sum(min(n, generated) for _, n in work)
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"wall_s": wall, "requests": len(work), "max_new_tokens": max_new, "generated_steps": generated,
+            "stopped_by_max_time": generated < max_new,
             "useful_tokens": useful, "tok_s": useful / wall, "raw_tok_s": len(work) * generated / wall}
 
 
@@ -157,12 +160,15 @@ def run_model(name: str, args, device: torch.device) -> dict:
     hf_n = min(n_req, 4 if smoke else (args.hf_requests if name == "qwen3" else args.hf_requests_dsa))
     with tempfile.TemporaryDirectory(prefix=f"atomtool-{name}-") as tmp:
         nbytes = write_checkpoint(raw, Path(tmp), device)
-        ours = run_ours(Path(tmp), work, device, max_model_len=2 * hi + 16, enforce_eager=smoke or args.eager,
-                        max_num_batched_tokens=16384)
-        print(f"[{name}] ours: {ours['tok_s']:.0f} output tok/s ({ours['output_tokens']} tokens, "
-              f"{ours['wall_s']:.1f} s, {ours['steps']} steps)", flush=True)
+        if args.skip_ours:
+            ours = {"tok_s": float("nan"), "ttft_s": {}, "tpot_ms": {}, "skipped": True}
+        else:
+            ours = run_ours(Path(tmp), work, device, max_model_len=2 * hi + 16, enforce_eager=smoke or args.eager,
+                            max_num_batched_tokens=16384)
+            print(f"[{name}] ours: {ours['tok_s']:.0f} output tok/s ({ours['output_tokens']} tokens, "
+                  f"{ours['wall_s']:.1f} s, {ours['steps']} steps)", flush=True)
         try:
-            hf = run_hf(Path(tmp), work[:hf_n], device)
+            hf = run_hf(Path(tmp), work[:hf_n], device, args.hf_max_time)
         except Exception as exc:  # the baseline failing must not lose our numbers; the row says why
             hf = {"error": f"{type(exc).__name__}: {exc}"[:400]}
         print(f"[{name}] transformers: {hf}", flush=True)
@@ -178,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=64, help="transformers subset (Qwen3)")
     ap.add_argument("--hf-requests-dsa", type=int, default=16, help="transformers subset (DSA model)")
+    ap.add_argument("--hf-max-time", type=float, default=None,
+                    help="stop transformers' generate after this many seconds (its tokens/s counts what it made)")
+    ap.add_argument("--skip-ours", action="store_true", help="only the transformers baseline")
     ap.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
