@@ -167,6 +167,7 @@ def run_model(name: str, args, device: torch.device) -> dict:
                             max_num_batched_tokens=16384)
             print(f"[{name}] ours: {ours['tok_s']:.0f} output tok/s ({ours['output_tokens']} tokens, "
                   f"{ours['wall_s']:.1f} s, {ours['steps']} steps)", flush=True)
+            C.record("throughput_ours", model=name, requests=n_req, lengths=[lo, hi], **ours)  # kept if HF hangs
         try:
             hf = run_hf(Path(tmp), work[:hf_n], device, args.hf_max_time)
         except Exception as exc:  # the baseline failing must not lose our numbers; the row says why
