@@ -1,0 +1,68 @@
+"""CPU checks of the issue-7 benchmark helpers (benchmarks/common.py, decode_bench, prefill_bench, throughput).
+
+They guard what the GPU numbers rest on: the FP8 layout specs really make every linear and expert FP8, a
+decode step through the engine's ModelRunner over faked KV contexts runs, and the roofline byte / FLOP counts
+equal hand-derived formulas for a dense model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import common as C
+from benchmarks.decode_bench import step_bytes_flops
+from benchmarks.prefill_bench import prefill_flops
+from benchmarks.throughput_bench import make_workload
+
+CPU = torch.device("cpu")
+
+
+def test_fp8_specs_make_every_linear_and_expert_fp8_and_a_decode_step_runs():
+    from atomtool.serve.layers.linear import Linear
+    from atomtool.serve.layers.moe import StackedExperts
+
+    model, cfg = C.build_random_model(C.dsv32_config(4, 3, smoke=True), CPU, fp8=True)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    assert model.lm_head.weight.dtype == torch.bfloat16  # lm_head and embeddings stay bf16, as published
+    assert len(linears) >= 4 * 4  # fused_qkv_a, q_b, kv_b, o (+ indexer wq_b, MLP) per layer
+    assert all(m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv is not None for m in linears.values())
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    assert len(experts) == 1 and experts[0].w13.weight.dtype == torch.float8_e4m3fn
+    assert experts[0].block_size == (128, 128)
+    # random, not zeros (METHOD.md): the weights carry signal
+    assert linears["model.layers.0.self_attn.o_proj"].weight.float().std() > 0.5
+
+    runner, pool = C.make_runner(model, CPU, num_blocks=40, block_size=16, max_model_len=320, graph_sizes=None)
+    C.fill_cache_random_(pool)
+    seqs = C.fake_sequences(2, 150, 16, cfg["vocab_size"])  # 150 > index_topk 64: the sparse path
+    assert seqs[0].block_table != seqs[1].block_table
+    batch = runner.prepare(C.scheduler_output(seqs))
+    assert batch.is_decode and batch.seq_lens_cpu == [150, 150]
+    logits = runner.run(batch)
+    assert logits.shape == (2, cfg["vocab_size"]) and torch.isfinite(logits).all()
+
+
+def test_dense_decode_bytes_and_prefill_flops_match_hand_formulas():
+    model, cfg = C.build_random_model(C.qwen3_config(smoke=True), CPU)
+    B, ctx = 3, 100
+    nbytes, flops, parts = step_bytes_flops(model, cfg, B, ctx, {})
+    H, L, hkv, D, Hq = 128, 2, 2, 32, 4
+    params = sum(p.numel() for p in model.parameters())  # tied: the embedding table once
+    norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 1)
+    emb = cfg["vocab_size"] * H
+    # every weight once (lm_head = the tied table) + the batch's embedding rows + K and V of every context token
+    want = (params - emb) * 2 + emb * 2 + B * H * 2 + L * B * ctx * 2 * hkv * D * 2
+    assert nbytes == want
+    assert parts["kv_GB"] * 1e9 == L * B * ctx * 2 * hkv * D * 2
+    assert flops == 2 * B * (params - norms) + L * B * Hq * 4 * D * ctx
+    T = 50
+    pf = prefill_flops(model, cfg, T)
+    assert pf == 2 * T * (params - norms - emb) + 2 * emb + L * (T * (T + 1) // 2) * Hq * 4 * D
+
+
+def test_workload_is_nano_vllm_shaped():
+    work = make_workload(64, 100, 1024, vocab=151936, seed=0)
+    assert len(work) == 64
+    assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in work)
+    assert all(0 <= t < 10000 for p, _ in work for t in p)
+    assert make_workload(64, 100, 1024, vocab=151936, seed=0) == work
