@@ -125,6 +125,17 @@ def gather_cache(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
     return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:num_tokens]
 
 
+def query_spans(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
+    """The sequences of a step that have query tokens: yields ``(b, start, end, kv_len)`` per sequence ``b``
+    with ``end > start``, where ``[start, end)`` are its rows of T (from cu_seqlens_q [B+1] int32) and
+    ``kv_len = seq_lens[b]`` its KV length after the step; query j sits at position ``kv_len - (end - start) + j``.
+    """
+    cu = cu_seqlens_q.tolist()
+    for b, L in enumerate(seq_lens.tolist()):
+        if cu[b + 1] > cu[b]:
+            yield b, cu[b], cu[b + 1], L
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float) -> torch.Tensor:
@@ -142,13 +153,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     T, H, _ = q.shape
     Hkv = k_cache.shape[2]
     out = q.new_empty(T, H, v_cache.shape[-1])
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for b, L in enumerate(lens):
-        s, e = cu[b], cu[b + 1]
+    for b, s, e, L in query_spans(cu_seqlens_q, seq_lens):
         ql = e - s
-        if ql == 0:
-            continue
         k = gather_cache(k_cache, block_tables[b], L).float()
         v = gather_cache(v_cache, block_tables[b], L).float()
         if H != Hkv:

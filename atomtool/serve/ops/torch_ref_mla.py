@@ -16,14 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from atomtool.serve.ops import register_op
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """First ``num_tokens`` entries of one sequence from a paged plane ``[N, bs, *shape]`` (a copy)."""
-    bs = cache.shape[1]
-    nblocks = -(-num_tokens // bs)
-    blocks = block_table[:nblocks].long()
-    return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:num_tokens]
+from atomtool.serve.ops.torch_ref import dequant_fp8_block, gather_cache, query_spans
 
 
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
@@ -50,14 +43,9 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     """
     T, H, R = q_nope_absorbed.shape
     out = q_nope_absorbed.new_empty(T, H, R)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for b, L in enumerate(lens):
-        s, e = cu[b], cu[b + 1]
+    for b, s, e, L in query_spans(cu_seqlens_q, seq_lens):
         ql = e - s
-        if ql == 0:
-            continue
-        lat = _gather(latent_cache, block_tables[b], L).float()
+        lat = gather_cache(latent_cache, block_tables[b], L).float()
         ckv, kpe = lat[:, :R], lat[:, R:]
         scores = (torch.einsum("qhr,kr->qhk", q_nope_absorbed[s:e].float(), ckv)
                   + torch.einsum("qhp,kp->qhk", q_pe[s:e].float(), kpe)) * scale
@@ -98,19 +86,14 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     """
     T = q.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for b, L in enumerate(lens):
-        s, e = cu[b], cu[b + 1]
+    for b, s, e, L in query_spans(cu_seqlens_q, seq_lens):
         ql = e - s
-        if ql == 0:
-            continue
         qpos = torch.arange(L - ql, L, device=q.device)
         if L <= topk:  # every row has <= K valid keys: select all causally visible positions
             pos = torch.arange(topk, device=q.device)[None, :].expand(ql, topk)
             out[s:e] = torch.where(pos <= qpos[:, None], pos, -1).to(torch.int32)
             continue
-        k = _gather(index_k_cache, block_tables[b], L).float()  # [L, Di]
+        k = gather_cache(index_k_cache, block_tables[b], L).float()  # [L, Di]
         logits = torch.einsum("qhd,kd->qhk", q[s:e].float(), k)
         scores = torch.einsum("qh,qhk->qk", weights[s:e].float(), F.relu(logits))
         invalid = torch.arange(L, device=q.device)[None, :] > qpos[:, None]
@@ -156,14 +139,6 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
     return weights * routed_scaling_factor, ids
 
 
-def _dequant_expert(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype) -> torch.Tensor:
-    """One expert's FP8 block weight [N, K] with scales [ceil(N/bn), ceil(K/bk)] -> ``dtype``."""
-    bn, bk = block
-    n, k = w.shape
-    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (w.float() * s).to(dtype)
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
               w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
@@ -185,8 +160,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             continue
         g13, g2 = w13[e], w2[e]
         if w13_scale_inv is not None:
-            g13 = _dequant_expert(g13, w13_scale_inv[e], block_size, x.dtype)
-            g2 = _dequant_expert(g2, w2_scale_inv[e], block_size, x.dtype)
+            g13 = dequant_fp8_block(g13, w13_scale_inv[e], block_size, x.dtype)
+            g2 = dequant_fp8_block(g2, w2_scale_inv[e], block_size, x.dtype)
         tok, slot = torch.where(ids == e)
         g, u = F.linear(x[tok], g13).chunk(2, dim=-1)
         y = F.linear(F.silu(g) * u, g2)
