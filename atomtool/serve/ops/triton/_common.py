@@ -1,4 +1,5 @@
-"""Shared helpers for the Triton kernels: interpreter detection, dot dtypes, launch sizes.
+"""Shared helpers for the Triton kernels: interpreter detection, dot dtypes, launch sizes, paged-cache
+addressing.
 
 Triton's CPU interpreter (``TRITON_INTERPRET=1``, used by the CPU test suite) stores bf16 as raw
 16-bit integers and computes ``tl.dot`` on bf16 operands incorrectly, so under the interpreter every
@@ -68,3 +69,24 @@ def dot_acc(a, b, acc, DOT_DTYPE: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+
+
+@triton.jit
+def token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B: tl.constexpr):
+    """The sequence ``b`` owning query row ``t`` of the step (``cu_q[b] <= t < cu_q[b+1]``, BLOCK_B >= num_seqs)
+    and the token's position ``seq_lens[b] - (cu_q[b+1] - t)`` in it. Returns (b, qpos), int32 scalars."""
+    offs_b = tl.arange(0, BLOCK_B)
+    ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < num_seqs, other=1 << 30)
+    b = tl.sum((ends <= t).to(tl.int32), axis=0)
+    q_end = tl.load(cu_q_ptr + b + 1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    return b, seq_len - (q_end - t)
+
+
+@triton.jit
+def paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_block, s_slot):
+    """Element offsets (int64) of positions ``s`` of sequence ``b`` in a paged plane ``[N, bs, ...]`` with
+    strides (s_block, s_slot): block ``block_table[b, s // bs]``, slot ``s % bs``; masked-off positions
+    (``~s_ok``) read block 0."""
+    blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + s // block_size, mask=s_ok, other=0).to(tl.int64)
+    return blk * s_block + (s % block_size).to(tl.int64) * s_slot

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, pow2
+from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
 
 _INT64_MIN = -(2**63)
 _POS_MAX = 2**31 - 1
@@ -35,12 +35,7 @@ def _indexer_keys_kernel(
 ):
     t = row0 + tl.program_id(0)
     nb = tl.program_id(1)
-    offs_b = tl.arange(0, BLOCK_B)
-    ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < num_seqs, other=1 << 30)
-    b = tl.sum((ends <= t).to(tl.int32), axis=0)
-    q_end = tl.load(cu_q_ptr + b + 1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    qpos = seq_len - (q_end - t)
+    b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
 
     s = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     s_ok = s <= qpos
@@ -55,8 +50,7 @@ def _indexer_keys_kernel(
     q = tl.load(q_ptr + t64 * s_qt + h[:, None].to(tl.int64) * s_qh + d[None, :],
                 mask=h_ok[:, None] & (d[None, :] < Di), other=0.0)
     w = tl.load(w_ptr + t64 * s_wt + h, mask=h_ok, other=0.0).to(tl.float32)
-    blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + s // block_size, mask=s_ok, other=0).to(tl.int64)
-    row = blk * s_kb + (s % block_size).to(tl.int64) * s_ks
+    row = paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_kb, s_ks)
     k = tl.load(k_ptr + row[:, None] + d[None, :], mask=s_ok[:, None] & (d[None, :] < Di), other=0.0)
     logits = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
     score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, pow2
+from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
 
 
 @triton.jit
@@ -29,12 +29,7 @@ def _mla_kernel(
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
-    offs_b = tl.arange(0, BLOCK_B)
-    ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < num_seqs, other=1 << 30)
-    b = tl.sum((ends <= t).to(tl.int32), axis=0)
-    q_end = tl.load(cu_q_ptr + b + 1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    qpos = seq_len - (q_end - t)
+    b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
 
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -65,8 +60,7 @@ def _mla_kernel(
         else:
             s = j
             s_ok = j <= qpos
-        blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + s // block_size, mask=s_ok, other=0).to(tl.int64)
-        row = blk * s_lb + (s % block_size).to(tl.int64) * s_ls
+        row = paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_lb, s_ls)
         c = tl.load(lat_ptr + row[:, None] + r[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
         pe = tl.load(lat_ptr + row[:, None] + R + p[None, :], mask=s_ok[:, None] & p_ok[None, :], other=0.0)
         scores = dot_acc(qn, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
