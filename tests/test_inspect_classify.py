@@ -371,3 +371,43 @@ def test_json_roundtrip_of_fixture(ckpts, tmp_path):
     obj = to_json(inspect_checkpoint(str(ckpts["glm_moe_dsa"])))
     text = json.dumps(obj)
     assert json.loads(text)["dsa"]["layers"][2] == {"layer": 2, "role": "shared"}
+
+
+def test_ct_multiple_config_groups_and_modelopt_mixed_precision(quantized):
+    """Real mixed configs: several compressed-tensors groups / ModelOpt MIXED_PRECISION quantized_layers."""
+    int4 = inspect_checkpoint(str(quantized["ct_int4"]))
+    cfg = json.loads(json.dumps(int4.config))
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_1"] = {"targets": ["re:.*self_attn.*"], "format": "float-quantized",
+                         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+    groups["group_0"]["format"] = "pack-quantized"
+    r = build_report("x", cfg, int4.tensors)
+    assert not [f for f in r.findings if f.code == "scheme-mismatch"]
+    # only the FP8 self_attn group left: attention stored int4 is a mismatch, experts are not targeted at all
+    cfg["quantization_config"]["config_groups"] = {"group_0": groups["group_1"]}
+    r = build_report("x", cfg, int4.tensors)
+    mism = {f.module for f in r.findings if f.code == "scheme-mismatch"}
+    untargeted = {f.module for f in r.findings if f.code == "excluded-but-stored-quantized"}
+    assert "model.layers.1.self_attn.q_a_proj" in mism and "model.layers.1.mlp.experts.0.up_proj" not in mism
+    assert "model.layers.1.mlp.experts.0.up_proj" in untargeted
+
+    nv = inspect_checkpoint(str(quantized["nvfp4"]))
+    mixed = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "exclude_modules": ["lm_head"],
+             "quantized_layers": {"model.layers.1.self_attn.q_a_proj": {"quant_algo": "NVFP4"},
+                                  "model.layers.1.self_attn.o_proj": {"quant_algo": "FP8"}}}
+    cfg = dict(nv.config, quantization_config=mixed)
+    r = build_report("x", cfg, nv.tensors, hf_quant_config=None)
+    mods = _mods(r)
+    assert mods["model.layers.1.self_attn.q_a_proj"].declared_quantized
+    assert not mods["model.layers.1.self_attn.kv_b_proj"].declared_quantized  # not listed
+    mism = [f for f in r.findings if f.code == "scheme-mismatch"]
+    assert [f.module for f in mism] == ["model.layers.1.self_attn.o_proj"]  # stored nvfp4, declared FP8
+    assert "declares fp8_tensor" in mism[0].message
+
+
+def test_mxfp8_ignored_layers_prefix_semantics():
+    spec = parse_quant_config({"quant_method": "mxfp8", "weight_block_size": [1, 32],
+                               "ignored_layers": ["vision_tower", "model.layers.1.mlp.gate"]})
+    assert spec.scheme == "mxfp8"
+    assert exclusion_matches(spec, "vision_tower", "vision_tower.blocks.0.attn.qkv")
+    assert not exclusion_matches(spec, "model.layers.1.mlp.gate", "model.layers.1.mlp.gate_proj")

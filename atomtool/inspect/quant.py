@@ -139,7 +139,9 @@ class QuantSpec:
 
     method: ``quant_method``; scheme: the scheme quantized modules are expected to be stored in (None when
     the config does not say); block: fp8 ``weight_block_size``; group_size: int4/fp4 group; bits: packed
-    bits; exclusions: the raw exclusion entries (for Q9); raw: the dict.
+    bits; exclusions: the raw exclusion entries (for Q9); raw: the dict. schemes: every scheme the config
+    allows (several compressed-tensors config_groups); per_module: ModelOpt ``MIXED_PRECISION``
+    ``quantized_layers`` (module -> scheme), None otherwise.
     """
 
     method: str
@@ -149,6 +151,8 @@ class QuantSpec:
     bits: int
     exclusions: list[str]
     raw: dict[str, Any]
+    schemes: frozenset[str] = frozenset()
+    per_module: dict[str, str] | None = None
 
 
 def parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, Any] | None = None) -> QuantSpec | None:
@@ -177,6 +181,8 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
     bits = int(qcfg.get("bits") or 4)
     scheme: str | None = None
     excl: list[str] = []
+    extra: set[str] = set()
+    per_module: dict[str, str] | None = None
     if method in ("fp8", "fbgemm_fp8"):
         wbs = qcfg.get("weight_block_size")
         if isinstance(wbs, list) and len(wbs) == 2:
@@ -186,33 +192,35 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
             scheme = "fp8_channel" if method == "fbgemm_fp8" else "fp8_tensor"
         excl = list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
     elif method == "compressed-tensors":
-        fmt = qcfg.get("format")
         groups = qcfg.get("config_groups") or {}
-        w = {}
         for g in groups.values():
-            if isinstance(g, dict) and isinstance(g.get("weights"), dict):
-                w = g["weights"]
-                fmt = g.get("format") or fmt
-                break
-        bits = int(w.get("num_bits") or 8)
-        group = w.get("group_size")
-        if w.get("block_structure"):
-            bs = w["block_structure"]
-            block = (int(bs[0]), int(bs[1]))
-        strategy = w.get("strategy")
-        scheme = {
-            "pack-quantized": "int4_pack", "nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4",
-            "mxfp8-quantized": "mxfp8", "int-quantized": "int8", "naive-quantized": "int8",
-        }.get(fmt)
-        if fmt == "float-quantized":
-            scheme = {"tensor": "fp8_tensor", "channel": "fp8_channel", "block": "fp8_block"}.get(strategy, "fp8_channel")
+            if not (isinstance(g, dict) and isinstance(g.get("weights"), dict)):
+                continue
+            w = g["weights"]
+            g_scheme = _ct_scheme(g.get("format") or qcfg.get("format"), w)
+            if scheme is None:  # the first group gives the headline facts
+                scheme = g_scheme
+                bits = int(w.get("num_bits") or 8)
+                group = w.get("group_size")
+                if w.get("block_structure"):
+                    bs = w["block_structure"]
+                    block = (int(bs[0]), int(bs[1]))
+            if g_scheme:
+                extra.add(g_scheme)
         excl = list(qcfg.get("ignore") or [])
     elif method == "modelopt":
         algo = str(qcfg.get("quant_algo", "")).upper()
-        scheme = {"NVFP4": "nvfp4", "FP8": "fp8_tensor", "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel",
-                  "FP8_PB_WO": "fp8_block"}.get(algo)
+        scheme = _MODELOPT_SCHEMES.get(algo)
         group = qcfg.get("group_size") or (16 if algo == "NVFP4" else None)
         excl = list(qcfg.get("exclude_modules") or qcfg.get("ignore") or [])
+        layers = qcfg.get("quantized_layers")
+        if algo == "MIXED_PRECISION" and isinstance(layers, dict):
+            per_module = {str(k): _MODELOPT_SCHEMES.get(str(v.get("quant_algo", "")).upper(), "unknown")
+                          for k, v in layers.items() if isinstance(v, dict)}
+            extra.update(per_module.values())
+    elif method == "mxfp8":  # MiniMax-M3-MXFP8: {weight_block_size [1, 32], ignored_layers}
+        scheme, group = "mxfp8", 32
+        excl = list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
     elif method == "mxfp4":
         scheme, group = "mxfp4", 32
         excl = list(qcfg.get("modules_to_not_convert") or [])
@@ -231,8 +239,25 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
         scheme = {"fp4": "mxfp4", "fp8_e4m3": "fp8_tensor", "int4": "int4_pack", "int8": "int8"}.get(dtype)
         group = wq.get("group_size")
         excl = list(qcfg.get("exclude") or [])
+    if scheme:
+        extra.add(scheme)
     return QuantSpec(method, scheme, block, group if isinstance(group, int) else None, bits,
-                     [str(e) for e in excl], qcfg)
+                     [str(e) for e in excl], qcfg, frozenset(extra), per_module)
+
+
+_MODELOPT_SCHEMES = {"NVFP4": "nvfp4", "FP8": "fp8_tensor", "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel",
+                     "FP8_PB_WO": "fp8_block", "MXFP8": "mxfp8", "W4A16_AWQ": "awq"}
+
+
+def _ct_scheme(fmt: Any, weights: dict[str, Any]) -> str | None:
+    """Storage scheme of one compressed-tensors config group (its ``format`` and ``weights`` args)."""
+    if fmt == "float-quantized":
+        return {"tensor": "fp8_tensor", "channel": "fp8_channel", "block": "fp8_block"}.get(
+            weights.get("strategy"), "fp8_channel")
+    if fmt == "pack-quantized":
+        return "int4_pack" if (weights.get("num_bits") or 4) == 4 else "int8"
+    return {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8",
+            "int-quantized": "int8", "naive-quantized": "int8"}.get(fmt)
 
 
 def _glm_alias(entry: str) -> str:
@@ -283,6 +308,8 @@ def _entry_matcher(method: str, entry: str) -> Callable[[str], bool]:
         if wild:
             return lambda n: n == entry or any(g(n) for g in globs)
         return lambda n: entry in n  # exact and legacy substring
+    if method == "mxfp8":  # vLLM is_layer_skipped on ignored_layers: the module or anything under it
+        return lambda n: n == entry or n.startswith(entry + ".")
     if method == "mxfp4":
         g1, g2 = _glob(entry), _glob(entry + ".*")
         return lambda n: n == entry or g1(n) or g2(n)
@@ -363,6 +390,8 @@ def declared_quantized(spec: QuantSpec | None, module: str) -> bool:
     if module.endswith("lm_head") and m not in ("compressed-tensors", "modelopt", "quark"):
         return False
     if m == "mxfp4" and not _EXPERT_RE.search(module):
+        return False
+    if spec.per_module is not None and module not in spec.per_module:
         return False
     if m == "gptq" and spec.raw.get("modules_in_block_to_quantize"):
         wanted = [x for grp in spec.raw["modules_in_block_to_quantize"] for x in (grp if isinstance(grp, list) else [grp])]
@@ -532,9 +561,11 @@ def classify_module(name: str, roles: dict[str, TensorInfo], spec: QuantSpec | N
         err("excluded-but-stored-quantized",
             f"quantization_config ({_claim(spec)}) leaves it unquantized but it is stored {scheme}; "
             "loaded as stored (its scales exist)", "warning")
-    if (spec is not None and declared and not is_float and spec.scheme and scheme != "unknown"
-            and scheme != spec.scheme):
-        err("scheme-mismatch", f"stored {scheme} but quantization_config ({_claim(spec)}) declares {spec.scheme}")
+    expected = spec.per_module.get(name) if spec is not None and spec.per_module else None
+    allowed = {expected} if expected else (spec.schemes if spec is not None else frozenset())
+    if spec is not None and declared and not is_float and allowed and scheme != "unknown" and scheme not in allowed:
+        want = expected or " or ".join(sorted(allowed))
+        err("scheme-mismatch", f"stored {scheme} but quantization_config ({_claim(spec)}) declares {want}")
     info = ModuleInfo(name=name, scheme=scheme, dtype=dtype, shape=tuple(shape), tensors=dict(roles),
                       block_size=block, declared_quantized=declared, treated_as=treated)
     return info, findings
