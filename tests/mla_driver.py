@@ -27,11 +27,13 @@ class _Seq:
 class PagedDriver:
     """Owns a paged KV pool for ``model`` and runs steps over sequences identified by string ids."""
 
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 96, seed: int = 0):
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 96, seed: int = 0, device="cpu"):
         self.model = model
+        self.device = torch.device(device)
         self.block_size = block_size
         self.caches = [
-            {p.name: torch.zeros(num_blocks, block_size, *p.shape, dtype=p.dtype) for p in planes}
+            {p.name: torch.zeros(num_blocks, block_size, *p.shape, dtype=p.dtype, device=self.device)
+             for p in planes}
             for planes in model.kv_plane_specs()
         ]
         self.free = list(range(num_blocks))
@@ -52,9 +54,9 @@ class PagedDriver:
         """Drop a sequence and return its blocks (tests use it only for unshared sequences)."""
         self.free.extend(self.seqs.pop(sid).blocks)
 
-    def step(self, work: list[tuple[str, int]]) -> list[torch.Tensor]:
-        """Run one step: ``work`` = [(sid, number of new tokens)], in batch order. Returns, per item, the
-        float32 logits [n, vocab] of every new token."""
+    def build_batch(self, work: list[tuple[str, int]]) -> ForwardBatch:
+        """The :class:`ForwardBatch` of one step over ``work`` = [(sid, number of new tokens)], in batch order,
+        on the driver's device; blocks are taken from the free list as the sequences grow."""
         bs = self.block_size
         ids, pos, slots, cu, lens, qlens = [], [], [], [0], [], []
         for sid, n in work:
@@ -75,18 +77,35 @@ class PagedDriver:
         for b, (sid, _) in enumerate(work):
             blocks = self.seqs[sid].blocks
             tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-            block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            logits_indices=torch.tensor(cu[1:], dtype=torch.int64) - 1, is_decode=all(q == 1 for q in qlens),
-            block_size=bs, seq_lens_cpu=lens, query_lens_cpu=qlens)
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(cu[1:], dtype=torch.int64, device=dev) - 1,
+            is_decode=all(q == 1 for q in qlens), block_size=bs, seq_lens_cpu=lens, query_lens_cpu=qlens)
+
+    def advance(self, work: list[tuple[str, int]]) -> None:
+        """Mark the step's tokens of ``work`` as computed (after the model ran on :meth:`build_batch`)."""
+        for sid, n in work:
+            self.seqs[sid].computed += n
+
+    def step(self, work: list[tuple[str, int]]) -> list[torch.Tensor]:
+        """Run one step: ``work`` = [(sid, number of new tokens)], in batch order. Returns, per item, the
+        float32 logits [n, vocab] of every new token."""
+        batch = self.build_batch(work)
         with torch.no_grad():
             hidden = self.model(batch, self.caches)
             logits = self.model.compute_logits(hidden)
-        for sid, n in work:
-            self.seqs[sid].computed += n
+        self.advance(work)
+        cu = batch.cu_seqlens_q.tolist()
         return [logits[cu[b]:cu[b + 1]] for b in range(len(work))]
+
+    def last_logits(self, work: list[tuple[str, int]]) -> list[torch.Tensor]:
+        """Run one step and return, per item of ``work``, the float32 logits [vocab] of its last new token."""
+        return [lg[-1] for lg in self.step(work)]
 
     def generate(self, prompts: dict[str, list[int]], max_new: int, chunk: int | None = None
                  ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
@@ -105,13 +124,12 @@ class PagedDriver:
                     continue
                 todo = len(seq.tokens) - seq.computed
                 work.append((sid, todo if chunk is None else min(todo, chunk)))
-            results = self.step(work)
-            for (sid, _), lg in zip(work, results, strict=True):
+            for (sid, _), lg in zip(work, self.last_logits(work), strict=True):
                 seq = self.seqs[sid]
                 if seq.computed == len(seq.tokens):  # prompt (or last token) fully processed -> sample
-                    tok = int(torch.argmax(lg[-1]))
+                    tok = int(torch.argmax(lg))
                     out[sid].append(tok)
-                    logits[sid].append(lg[-1])
+                    logits[sid].append(lg)
                     seq.tokens.append(tok)
         return out, logits
 
