@@ -91,3 +91,12 @@ def test_real_configs_with_random_values_never_crash(data):
     for key in data.draw(st.lists(st.sampled_from(sorted(cfg)), min_size=1, max_size=3)):
         cfg[key] = data.draw(json_values)
     _check(cfg, {})
+
+
+@pytest.mark.parametrize("base", sorted(BASES))
+@pytest.mark.parametrize("n", [10**12, 10**6, -1, True, 2.5])
+def test_absurd_layer_counts_are_bounded(base, n):
+    cfg = json.loads(json.dumps(BASES[base]))
+    cfg["num_hidden_layers"] = n
+    cfg["num_nextn_predict_layers"] = 10**12
+    _check(cfg, {})  # returns quickly: no 10^12-entry schedule, no 10^12-iteration estimate

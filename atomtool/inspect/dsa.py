@@ -18,6 +18,8 @@ DSA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 _SCHEDULE_KEYS = ("use_index_cache", "index_topk_freq", "index_topk_pattern", "index_skip_topk_offset")
 
 FULL, SHARED, DENSE = "full", "shared", "dense"
+#: sanity bound on num_hidden_layers (real models have < 200); a hostile config must not allocate 10^12 roles
+MAX_LAYERS = 100_000
 
 
 def text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -99,8 +101,9 @@ def layer_roles(flat: dict[str, Any]) -> list[str]:
         ConfigError: wrong length, unknown role, layer 0 shared, offset < 1, freq < 1.
     """
     n = flat.get("num_hidden_layers")
-    if not isinstance(n, int) or n <= 0:
-        raise ConfigError(f"config.json: num_hidden_layers must be a positive integer, got {n!r}")
+    if not _is_int(n) or not 0 < n <= MAX_LAYERS:
+        raise ConfigError(f"config.json: num_hidden_layers must be a positive integer (at most {MAX_LAYERS}), "
+                          f"got {n!r}")
     if not is_dsa_config(flat):
         return [DENSE] * n
     explicit = flat.get("indexer_types")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from atomtool.inspect.dsa import FULL
+from atomtool.inspect.dsa import FULL, MAX_LAYERS
 
 #: config ``dtype``/``torch_dtype`` string -> safetensors tag
 TORCH_TO_TAG = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "half": "F16",
@@ -34,8 +34,14 @@ def model_dtype_tag(flat: dict[str, Any], raw: dict[str, Any] | None = None) -> 
 
 
 def _int(flat: dict[str, Any], key: str, default: int = 0) -> int:
+    """An integer config field (bools, floats, strings -> ``default``); layer counts are bounded by
+    :data:`atomtool.inspect.dsa.MAX_LAYERS` so a hostile config cannot make us loop 10^12 times."""
     v = flat.get(key)
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
+    if not isinstance(v, int) or isinstance(v, bool):
+        return default
+    if key in ("num_hidden_layers", "num_nextn_predict_layers") and not 0 <= v <= MAX_LAYERS:
+        return default
+    return v
 
 
 def is_mla(flat: dict[str, Any]) -> bool:
