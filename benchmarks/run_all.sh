@@ -7,7 +7,8 @@
 #   BUDGET_S=400 ONLY="ceilings decode_dsv32" benchmarks/run_all.sh "$OUT"
 #
 # Order = priority (what the goals need first): ceilings, DSA decode (goal 1), Qwen3 throughput
-# (goal 2), load (goal 3), Qwen3 decode, prefill, DSA-model throughput. A benchmark that would start with
+# (goal 2), load (goal 3), Qwen3 decode, prefill, DSA-model throughput, TTFT/TPOT through the HTTP server
+# (carry .device-wheels for it). A benchmark that would start with
 # less than 30 s of budget left is skipped and says so.
 set -u
 OUTDIR=${1:-${OUT:-bench_out}}
@@ -33,6 +34,11 @@ bench() {  # bench NAME LIMIT_S MODULE ARGS...
   echo "=== $name rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
 }
 
+# the HTTP benchmark needs fastapi/uvicorn/openai; the GPU image lacks them: install from carried wheels
+if [ -d .device-wheels ] && ! "$PY" -c "import fastapi, uvicorn, openai, prometheus_client" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --find-links .device-wheels fastapi uvicorn pydantic openai prometheus-client \
+    2>&1 | tail -3 | tee -a "$LOG"
+fi
 { echo "run_all $(date -u) budget ${BUDGET_S}s"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>/dev/null; } | tee -a "$LOG"
 bench ceilings 25 benchmarks.ceilings
 bench decode_dsv32 125 benchmarks.decode_bench --model dsv32 --profile
@@ -41,4 +47,5 @@ bench load 45 benchmarks.load_bench
 bench decode_qwen3 45 benchmarks.decode_bench --model qwen3
 bench prefill 60 benchmarks.prefill_bench
 bench throughput_dsa 90 benchmarks.throughput_bench --model dsa --hf-max-time 30
+bench http_qwen3 120 benchmarks.throughput_bench --model qwen3 --http --clients 64
 echo "run_all done in $(( $(date +%s) - START ))s" | tee -a "$LOG"

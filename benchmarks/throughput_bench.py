@@ -151,6 +151,107 @@ def run_hf(path: Path, work, device: torch.device, max_time: float | None = None
             "useful_tokens": useful, "tok_s": useful / wall, "raw_tok_s": len(work) * generated / wall}
 
 
+def write_tokenizer(path: Path, vocab: int) -> None:
+    """A word-level tokenizer over ``vocab`` ids (``w0`` .. ``w{vocab-1}``) saved beside the checkpoint, so
+    ``atomtool serve`` can start and every sampled id detokenizes to a non-empty piece (one stream chunk per
+    token). Prompts are sent as token ids, so its vocabulary never has to mean anything."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(str(path))
+
+
+def run_http(path: Path, work, device: torch.device, *, clients: int, max_model_len: int, smoke: bool,
+             startup_timeout: float = 300.0) -> dict:
+    """TTFT / TPOT / throughput through ``atomtool serve`` (a child process) with ``clients`` concurrent
+    streaming OpenAI clients taking requests from the workload in order (``/v1/completions``, token-id prompts,
+    ``ignore_eos``). TTFT = first streamed chunk - request sent; TPOT = (last - first chunk) / (tokens - 1)."""
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-c", "from atomtool.cli import main; main()", "serve", str(path), "--port", str(port),
+           "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "16384", "--dtype", "bfloat16"]
+    if smoke:
+        cmd += ["--device", "cpu", "--kv-cache-memory", str(256 << 20)]
+    proc = subprocess.Popen(cmd)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"atomtool serve exited with {proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.perf_counter() - t0 > startup_timeout:
+                raise RuntimeError("atomtool serve did not become ready in time")
+            time.sleep(0.5)
+        ready_s = time.perf_counter() - t0
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                    timeout=3600)
+        queue = list(range(len(work)))
+        ttft: list[float] = []
+        tpot: list[float] = []
+        tokens = [0]
+
+        async def one(i: int) -> None:
+            ids, n = work[i]
+            t_send = time.perf_counter()
+            first = last = None
+            chunks = 0
+            stream = await client.completions.create(
+                model=str(path), prompt=ids, max_tokens=n, temperature=0.6, stream=True,
+                extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    last = time.perf_counter()
+                    first = first or last
+                    chunks += 1
+            if first is not None:
+                ttft.append(first - t_send)
+                if chunks > 1:
+                    tpot.append((last - first) / (chunks - 1))
+            tokens[0] += chunks
+
+        async def worker() -> None:
+            while queue:
+                await one(queue.pop(0))
+
+        async def main() -> float:
+            await one(0)  # warm-up request (not counted)
+            ttft.clear()
+            tpot.clear()
+            tokens[0] = 0
+            queue.remove(0)
+            t = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(clients)))
+            return time.perf_counter() - t
+
+        wall = asyncio.run(main())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {"clients": clients, "requests": len(work) - 1, "wall_s": wall, "streamed_chunks": tokens[0],
+            "expected_tokens": sum(n for _, n in work[1:]),
+            "tok_s": tokens[0] / wall, "server_ready_s": ready_s, "ttft_s": percentiles(ttft),
+            "tpot_ms": {k: v * 1e3 for k, v in percentiles(tpot).items()}}
+
+
 def run_model(name: str, args, device: torch.device) -> dict:
     smoke = args.smoke
     raw = {"qwen3": C.qwen3_config, "dsa": C.small_dsa_config}[name](smoke=smoke)
@@ -160,6 +261,12 @@ def run_model(name: str, args, device: torch.device) -> dict:
     hf_n = min(n_req, 4 if smoke else (args.hf_requests if name == "qwen3" else args.hf_requests_dsa))
     with tempfile.TemporaryDirectory(prefix=f"atomtool-{name}-") as tmp:
         nbytes = write_checkpoint(raw, Path(tmp), device)
+        if args.http:
+            write_tokenizer(Path(tmp), raw["vocab_size"])
+            http = run_http(Path(tmp), work, device, clients=min(args.clients, n_req), max_model_len=2 * hi + 16,
+                            smoke=smoke)
+            print(f"[{name}] http: {http}", flush=True)
+            return C.record("throughput_http", model=name, lengths=[lo, hi], **http)
         if args.skip_ours:
             ours = {"tok_s": float("nan"), "ttft_s": {}, "tpot_ms": {}, "skipped": True}
         else:
@@ -188,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-max-time", type=float, default=None,
                     help="stop transformers' generate after this many seconds (its tokens/s counts what it made)")
     ap.add_argument("--skip-ours", action="store_true", help="only the transformers baseline")
+    ap.add_argument("--http", action="store_true",
+                    help="only TTFT/TPOT through `atomtool serve` under --clients streaming OpenAI clients")
+    ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
@@ -195,13 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in (["qwen3", "dsa"] if args.model == "all" else [args.model]):
         r = run_model(name, args, device)
+        if args.http:
+            rows.append({"model": name, "ours_tok_s": r["tok_s"], "ttft_p50_s": r["ttft_s"].get("p50"),
+                         "ttft_p99_s": r["ttft_s"].get("p99"), "tpot_p50_ms": r["tpot_ms"].get("p50"),
+                         "tpot_p99_ms": r["tpot_ms"].get("p99")})
+            continue
         hf = r["transformers"]
         rows.append({"model": name, "ours_tok_s": r["ours"]["tok_s"], "hf_tok_s": hf.get("tok_s"),
                      "hf_subset": hf.get("requests"), "speedup": r["speedup"],
                      "ttft_p50_s": r["ours"]["ttft_s"].get("p50"), "tpot_p50_ms": r["ours"]["tpot_ms"].get("p50"),
                      "tpot_p99_ms": r["ours"]["tpot_ms"].get("p99")})
     C.print_table("throughput (output tokens/s)", rows, ["model", "ours_tok_s", "hf_tok_s", "hf_subset", "speedup",
-                                                         "ttft_p50_s", "tpot_p50_ms", "tpot_p99_ms"])
+                                                         "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms"])
     return 0
 
 
