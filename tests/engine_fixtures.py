@@ -1,4 +1,5 @@
-"""Engine test helpers: HF greedy oracle, engine construction, a byte-level BPE tokenizer.
+"""Engine test helpers: HF greedy oracle, engine construction, a byte-level BPE tokenizer, the CLI convert
+step, the KV-leak check and a one-thread fixture.
 
 Checkpoints come from the shared fixtures (tests/checkpoints.py, written by transformers' save_pretrained).
 The byte-level BPE tokenizer here is trained on a few sentences with multi-byte characters, so incremental
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 CORPUS = [
@@ -53,6 +55,35 @@ def load_hf(path: Path, state_dict: dict[str, torch.Tensor] | None = None):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: intra-op threads only add wake-up latency (and thrash on a shared 2-core CI box).
+
+    A test module turns it on for itself by importing it (``from tests.engine_fixtures import
+    one_torch_thread  # noqa: F401``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def convert_checkpoint(src: Path, out: Path) -> Path:
+    """``atomtool convert src out`` through the CLI; asserts exit code 0 (with the output) and returns ``out``."""
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+
+    res = CliRunner().invoke(app, ["convert", str(src), str(out)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def assert_no_leaks(engine) -> None:
+    """No unfinished request and every KV block back in the free pool."""
+    assert not engine.has_unfinished()
+    assert engine.num_free_blocks() == engine.num_total_blocks()
 
 
 def make_engine(path: Path, **engine_kwargs):

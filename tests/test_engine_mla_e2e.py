@@ -25,18 +25,14 @@ from tests.checkpoints import (
     write_hf_checkpoint,
     write_state_dict,
 )
-from tests.engine_fixtures import make_engine, run_to_completion
+from tests.engine_fixtures import (
+    assert_no_leaks,
+    convert_checkpoint,
+    make_engine,
+    one_torch_thread,  # noqa: F401 (autouse fixture)
+    run_to_completion,
+)
 from tests.mla_driver import hf_greedy, hf_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: intra-op threads only add wake-up latency (and thrash on a shared 2-core CI box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 ARCHS = {
     "deepseek_v3-yarn": ("deepseek_v3", dict(rope_parameters={
@@ -86,11 +82,6 @@ def check_matches(ref, prompt, out, logprobs=False):
     if logprobs:
         for step, entry in enumerate(out.logprobs):
             assert entry["logprob"] == pytest.approx(float(lps[step, tokens[step]]), abs=2e-4)
-
-
-def assert_no_leaks(engine):
-    assert not engine.has_unfinished()
-    assert engine.num_free_blocks() == engine.num_total_blocks()
 
 
 def test_batch_of_different_lengths(ref):
@@ -159,18 +150,8 @@ def test_abort_frees_blocks(ref):
     assert_no_leaks(eng)
 
 
-def _convert(src, out):
-    from typer.testing import CliRunner
-
-    from atomtool.cli import app
-
-    res = CliRunner().invoke(app, ["convert", str(src), str(out)])
-    assert res.exit_code == 0, res.output
-    return out
-
-
 def test_converted_layout_matches_hf(ref, tmp_path):
-    layout = _convert(ref.path, tmp_path / "layout")
+    layout = convert_checkpoint(ref.path, tmp_path / "layout")
     eng = make_engine(layout, block_size=4)
     attn0 = eng.model.model.layers[0].self_attn
     assert set(attn0.splits) >= {"q_a_proj", "kv_a_proj_with_mqa"}
@@ -204,7 +185,7 @@ def fp8_ref(request, tmp_path_factory):
 
 @pytest.mark.parametrize("via_layout", [False, True], ids=["raw", "layout"])
 def test_fp8_block_checkpoint_matches_dequantized_hf(fp8_ref, via_layout, tmp_path):
-    path = _convert(fp8_ref.path, tmp_path / "layout") if via_layout else fp8_ref.path
+    path = convert_checkpoint(fp8_ref.path, tmp_path / "layout") if via_layout else fp8_ref.path
     eng = make_engine(path, block_size=4)
     attn = eng.model.model.layers[0].self_attn
     assert attn.fused_qkv_a_proj.weight.dtype == torch.float8_e4m3fn

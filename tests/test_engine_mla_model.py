@@ -19,17 +19,8 @@ import torch
 
 from atomtool.serve.loader import load_model
 from tests.checkpoints import GLM_EXPLICIT_TYPES, write_hf_checkpoint
+from tests.engine_fixtures import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.mla_driver import PagedDriver, hf_greedy, hf_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: intra-op threads only add wake-up latency (and thrash on a shared 2-core CI box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 ATOL = RTOL = 2e-4
 DSA = dict(index_n_heads=16)

@@ -12,15 +12,7 @@ import torch
 from atomtool.errors import EngineError
 from atomtool.serve.ops import get_op
 from atomtool.serve.ops.torch_ref_mla import fused_moe, grouped_topk, indexer_topk, mla_attention
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: intra-op threads only add wake-up latency (and thrash on a shared 2-core CI box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.engine_fixtures import one_torch_thread  # noqa: F401 (autouse fixture)
 
 
 def _paged(rows_per_seq: list[torch.Tensor], bs: int, seed: int = 0):

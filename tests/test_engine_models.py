@@ -12,7 +12,14 @@ import torch
 
 from atomtool.serve.sampling_params import SamplingParams
 from tests.checkpoints import write_hf_checkpoint
-from tests.engine_fixtures import hf_greedy, load_hf, make_engine, run_to_completion
+from tests.engine_fixtures import (
+    assert_no_leaks,
+    convert_checkpoint,
+    hf_greedy,
+    load_hf,
+    make_engine,
+    run_to_completion,
+)
 
 CONFIGS = {
     "llama-llama3rope": ("llama", dict(rope_parameters={
@@ -69,11 +76,6 @@ def check_matches(ref, prompt, out, logprobs=False):
             hf_top = torch.sort(lps[step], descending=True, stable=True)
             assert list(entry["top"]) == hf_top.indices[:5].tolist()
             assert list(entry["top"].values()) == pytest.approx(hf_top.values[:5].tolist(), abs=1e-4)
-
-
-def assert_no_leaks(engine):
-    assert not engine.has_unfinished()
-    assert engine.num_free_blocks() == engine.num_total_blocks()
 
 
 def test_single_prompt_matches_hf(ref):
@@ -188,18 +190,8 @@ def test_abort_frees_blocks(ref):
     assert_no_leaks(eng)
 
 
-def convert(src, out):
-    from typer.testing import CliRunner
-
-    from atomtool.cli import app
-
-    res = CliRunner().invoke(app, ["convert", str(src), str(out)])
-    assert res.exit_code == 0, res.output
-    return out
-
-
 def test_converted_layout_matches_hf(ref, tmp_path):
-    layout = convert(ref.path, tmp_path / "layout")
+    layout = convert_checkpoint(ref.path, tmp_path / "layout")
     eng = make_engine(layout)
     outs = run_to_completion(eng, {str(i): (p, greedy(logprobs=5)) for i, p in enumerate(ref.prompts)})
     for i, p in enumerate(ref.prompts):
@@ -220,7 +212,7 @@ def fp8_ref(tmp_path_factory):
 
 @pytest.mark.parametrize("via_layout", [False, True], ids=["raw", "layout"])
 def test_fp8_block_checkpoint_matches_dequantized_hf(fp8_ref, via_layout, tmp_path):
-    path = convert(fp8_ref.path, tmp_path / "layout") if via_layout else fp8_ref.path
+    path = convert_checkpoint(fp8_ref.path, tmp_path / "layout") if via_layout else fp8_ref.path
     eng = make_engine(path)
     qkv = eng.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale_inv is not None
