@@ -163,3 +163,34 @@ def test_dispatch_prefers_backend_and_falls_back(monkeypatch):
         assert ops.get_op("rms_norm", "cpu") is torch_ref.rms_norm  # CPU tensors always use the reference
     finally:
         ops.set_backend(None)
+
+
+@pytest.mark.parametrize("name", [
+    "deepseek-ai__DeepSeek-V3.2.json", "deepseek-ai__DeepSeek-V3.json", "deepseek-ai__DeepSeek-R1.json",
+    "zai-org__GLM-5-FP8.json", "Qwen__Qwen3-0.6B.json", "meta-llama__Llama-3.1-8B.json",
+])
+def test_rope_tables_build_from_published_configs(name):
+    """Published configs (rope_scaling with YaRN / llama3 keys) build HF's own rope tables."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from atomtool.inspect.dsa import flatten_dsa_config
+    from atomtool.serve.layers.rotary import rope_inv_freq
+
+    raw = json.loads((Path(__file__).resolve().parent / "data/realworld/configs" / name).read_text())
+    flat = flatten_dsa_config(raw)
+    rope_dim = flat.get("qk_rope_head_dim")
+    inv, scaling = rope_inv_freq(flat, rope_dim)
+    # The oracle: transformers' own config class and rope init function on the same file.
+    cfg = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "transformers_version"})
+    if rope_dim is not None:
+        cfg.head_dim = rope_dim
+    rope_type = (cfg.rope_parameters or {}).get("rope_type", "default")
+    if rope_type != "default":
+        ref_inv, ref_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        torch.testing.assert_close(inv, ref_inv.float())
+        assert scaling == pytest.approx(float(ref_scaling))
+    assert inv.numel() == (rope_dim or cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads) // 2

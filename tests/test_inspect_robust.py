@@ -17,7 +17,7 @@ from atomtool.inspect.classify import build_report
 from atomtool.inspect.report import render, to_json
 from atomtool.inspect.types import TensorInfo
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "realworld" / "configs"
+REAL = Path(__file__).resolve().parent / "data" / "realworld" / "configs"  # vendored real configs
 BASES = {
     "glm": {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "num_hidden_layers": 4,
             "hidden_size": 64, "vocab_size": 128, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
@@ -82,7 +82,6 @@ def test_random_config_values_never_crash(base, data):
     _check(cfg, TENSORS if data.draw(st.booleans()) else {})
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason="realworld configs not available")
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_real_configs_with_random_values_never_crash(data):

@@ -25,7 +25,9 @@ def hf_config_from_flat(config_flat: dict[str, Any]):
     from transformers import CONFIG_MAPPING, PretrainedConfig
 
     kwargs = {k: v for k, v in config_flat.items() if k not in ("model_type", "transformers_version")}
-    cls = CONFIG_MAPPING.get(config_flat.get("model_type"), None) if config_flat.get("model_type") else None
+    model_type = config_flat.get("model_type")
+    # CONFIG_MAPPING is a lazy mapping whose .get() always answers None; index it instead.
+    cls = CONFIG_MAPPING[model_type] if model_type and model_type in CONFIG_MAPPING else None
     try:
         return (cls or PretrainedConfig)(**kwargs)
     except Exception as exc:  # a config transformers cannot parse
