@@ -389,6 +389,18 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         completion = sum(len(out.token_ids) for out in finals.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    def usage_chunk_builder(req: Any, chunk_cls: Any, response_id: str, created: int) -> Any:
+        """With ``stream_options.include_usage``, a function finals -> the stream's last chunk (a ``chunk_cls``
+        with no choices and the usage of all choices, as OpenAI sends it); None otherwise."""
+        if req.stream_options is None or not req.stream_options.include_usage:
+            return None
+
+        def usage(finals: dict[str, Any]) -> Any:
+            return chunk_cls(id=response_id, created=created, model=served_model_name, choices=[],
+                             usage=usage_of(finals, req.n))
+
+        return usage
+
     async def stream_events(group: RequestGroup, make_chunks: Any, usage_chunk: Any) -> AsyncIterator[str]:
         """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``."""
         sent: dict[str, int] = {rid: 0 for rid in group.request_ids}
@@ -459,12 +471,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 return [CompletionResponse(id=response_id, created=created, model=served_model_name,
                                            choices=[choice])]
 
-            usage = None
-            if req.stream_options is not None and req.stream_options.include_usage:
-                def usage(finals: dict[str, Any]) -> CompletionResponse:
-                    return CompletionResponse(id=response_id, created=created, model=served_model_name,
-                                              choices=[], usage=usage_of(finals, req.n))
-
+            usage = usage_chunk_builder(req, CompletionResponse, response_id, created)
             return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
         finals, lps = await _unless_disconnected(raw, collect(group))
@@ -530,12 +537,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                                   finish_reason=out.finish_reason if out.finished else None)]))
                 return chunks
 
-            usage = None
-            if req.stream_options is not None and req.stream_options.include_usage:
-                def usage(finals: dict[str, Any]) -> ChatCompletionChunk:
-                    return ChatCompletionChunk(id=response_id, created=created, model=served_model_name,
-                                               choices=[], usage=usage_of(finals, req.n))
-
+            usage = usage_chunk_builder(req, ChatCompletionChunk, response_id, created)
             return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
         finals, lps = await _unless_disconnected(raw, collect(group))
