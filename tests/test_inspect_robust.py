@@ -65,7 +65,7 @@ def _check(cfg: dict, tensors: dict) -> None:
 
 
 @pytest.mark.parametrize("base", sorted(BASES))
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_config_values_never_crash(base, data):
     cfg = json.loads(json.dumps(BASES[base]))
@@ -82,7 +82,7 @@ def test_random_config_values_never_crash(base, data):
     _check(cfg, TENSORS if data.draw(st.booleans()) else {})
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_real_configs_with_random_values_never_crash(data):
     path = data.draw(st.sampled_from(sorted(REAL.glob("*.json"))))
