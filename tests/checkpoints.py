@@ -25,7 +25,7 @@ import json
 import math
 import shutil
 import string
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +294,27 @@ def _selected(name: str, leave_float: Iterable[str]) -> bool:
     return not any(s in name for s in leave_float)
 
 
+def _quantize_linears(
+    src: Path,
+    dst: Path,
+    quantize: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    selected: Callable[[str], bool] = lambda name: True,
+    other: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Copy ``src``'s side files into ``dst`` and return (its config.json, its tensors re-encoded): every
+    :func:`is_quantizable_linear` weight whose name passes ``selected`` is replaced by the tensors
+    ``quantize(module, weight)`` returns (``module`` = name without ``.weight``); any other tensor becomes
+    ``other(name, tensor)`` (unchanged by default). The caller writes tensors and config."""
+    cfg = _copy_side_files(src, dst)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_state_dict(src).items():
+        if is_quantizable_linear(name, t) and selected(name):
+            out.update(quantize(name[: -len(".weight")], t))
+        else:
+            out[name] = other(name, t)
+    return cfg, out
+
+
 # --------------------------------------------------------------------------------------------------
 # FP8 block (DeepSeek-V3/V3.2, GLM-5 FP8 releases; HF quant_method "fp8")
 
@@ -352,17 +373,17 @@ def write_fp8_block_checkpoint(
     """
     src, dst = Path(src), Path(dst)
     b = (block, block) if isinstance(block, int) else tuple(block)
-    cfg = _copy_side_files(src, dst)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_state_dict(src).items():
-        if is_quantizable_linear(name, t) and _selected(name, leave_float):
-            q, s = quantize_fp8_block(t, b)
-            out[name] = q
-            out[name[: -len("weight")] + "weight_scale_inv"] = s
-        elif t.is_floating_point() and float_dtype is not None and not name.endswith("e_score_correction_bias"):
-            out[name] = t.to(float_dtype)
-        else:
-            out[name] = t
+
+    def quantize(m: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, s = quantize_fp8_block(t, b)
+        return {m + ".weight": q, m + ".weight_scale_inv": s}
+
+    def other(name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and float_dtype is not None and not name.endswith("e_score_correction_bias"):
+            return t.to(float_dtype)
+        return t
+
+    cfg, out = _quantize_linears(src, dst, quantize, lambda name: _selected(name, leave_float), other)
     write_state_dict(dst, out, shards)
     qcfg: dict[str, Any] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                             "weight_block_size": list(b)}
@@ -415,20 +436,16 @@ def write_ct_int4_checkpoint(src: str | Path, dst: str | Path, group_size: int =
     I64 [2] = [N, K]. ``ignore`` defaults to ``["lm_head", "re:.*mlp\\.gate$", "re:.*indexer\\.weights_proj$"]``
     (tensors matching them and ``leave_float`` stay float). Values are really quantized."""
     src, dst = Path(src), Path(dst)
-    cfg = _copy_side_files(src, dst)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_state_dict(src).items():
-        if is_quantizable_linear(name, t) and _selected(name, leave_float):
-            m = name[: -len(".weight")]
-            n, k = t.shape
-            g = t.float().view(n, k // group_size, group_size)
-            scale = (g.abs().amax(-1) / 7.0).clamp(min=1e-8)
-            q = (g / scale[..., None]).round().clamp(-8, 7).view(n, k) + 8
-            out[m + ".weight_packed"] = _pack_int4_rows(q)
-            out[m + ".weight_scale"] = scale.to(torch.bfloat16)
-            out[m + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
-        else:
-            out[name] = t
+
+    def quantize(m: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = t.shape
+        g = t.float().view(n, k // group_size, group_size)
+        scale = (g.abs().amax(-1) / 7.0).clamp(min=1e-8)
+        q = (g / scale[..., None]).round().clamp(-8, 7).view(n, k) + 8
+        return {m + ".weight_packed": _pack_int4_rows(q), m + ".weight_scale": scale.to(torch.bfloat16),
+                m + ".weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+    cfg, out = _quantize_linears(src, dst, quantize, lambda name: _selected(name, leave_float))
     write_state_dict(dst, out)
     qcfg = {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
@@ -449,17 +466,15 @@ def write_ct_fp8_checkpoint(src: str | Path, dst: str | Path, strategy: str = "c
     """compressed-tensors ``float-quantized`` FP8 (W8A8 dynamic per-token activations): ``<m>.weight``
     F8_E4M3 [N, K] + ``<m>.weight_scale`` F32 [N, 1] (``strategy="channel"``) or [1] (``"tensor"``)."""
     src, dst = Path(src), Path(dst)
-    cfg = _copy_side_files(src, dst)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_state_dict(src).items():
-        if is_quantizable_linear(name, t) and _selected(name, leave_float):
-            w = t.float()
-            amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
-            scale = (amax / FP8_MAX).clamp(min=1e-12)
-            out[name] = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            out[name + "_scale"] = scale.float()
-        else:
-            out[name] = t
+
+    def quantize(m: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = t.float()
+        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        scale = (amax / FP8_MAX).clamp(min=1e-12)
+        return {m + ".weight": (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn),
+                m + ".weight_scale": scale.float()}
+
+    cfg, out = _quantize_linears(src, dst, quantize, lambda name: _selected(name, leave_float))
     write_state_dict(dst, out)
     qcfg = {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -496,19 +511,19 @@ def write_nvfp4_checkpoint(src: str | Path, dst: str | Path, *, exclude_modules:
 
     src, dst = Path(src), Path(dst)
     gen = torch.Generator().manual_seed(seed)
-    cfg = _copy_side_files(src, dst)
     excl = exclude_modules if exclude_modules is not None else ["lm_head", "*.mlp.gate", "*indexer*"]
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_state_dict(src).items():
-        m = name[: -len(".weight")]
-        if is_quantizable_linear(name, t) and not any(fnmatch.fnmatch(m, p) for p in excl):
-            n, k = t.shape
-            out[name] = _rand_int((n, k // 2), gen, torch.uint8, 256)
-            out[m + ".weight_scale"] = (torch.rand(n, k // 16, generator=gen) + 0.5).to(torch.float8_e4m3fn)
-            out[m + ".weight_scale_2"] = torch.tensor(0.01, dtype=torch.float32)
-            out[m + ".input_scale"] = torch.tensor(0.02, dtype=torch.float32)
-        else:
-            out[name] = t
+
+    def quantize(m: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = t.shape
+        return {m + ".weight": _rand_int((n, k // 2), gen, torch.uint8, 256),
+                m + ".weight_scale": (torch.rand(n, k // 16, generator=gen) + 0.5).to(torch.float8_e4m3fn),
+                m + ".weight_scale_2": torch.tensor(0.01, dtype=torch.float32),
+                m + ".input_scale": torch.tensor(0.02, dtype=torch.float32)}
+
+    def selected(name: str) -> bool:
+        return not any(fnmatch.fnmatch(name[: -len(".weight")], p) for p in excl)
+
+    cfg, out = _quantize_linears(src, dst, quantize, selected)
     write_state_dict(dst, out)
     q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excl}
     _write_config(dst, cfg, {"quant_method": "modelopt", **q})
@@ -555,6 +570,14 @@ def write_mxfp4_checkpoint(src: str | Path, dst: str | Path, *, seed: int = 0) -
     return dst
 
 
+def _int4_zeros_scales(m: str, n: int, k: int, group_size: int,
+                       gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """AWQ/GPTQ's random ``<m>.qzeros`` I32 [K/G, N/8] (packed 4-bit zeros) and ``<m>.scales`` F16
+    [K/G, N] of a linear [N, K], drawn from ``gen`` in that order (after ``qweight``)."""
+    return {m + ".qzeros": _rand_int((k // group_size, n // 8), gen, torch.int32),
+            m + ".scales": (torch.rand(k // group_size, n, generator=gen) * 0.01).half()}
+
+
 def write_awq_checkpoint(src: str | Path, dst: str | Path, group_size: int = 32, *, seed: int = 0,
                          modules_to_not_convert: list[str] | None = None) -> Path:
     """AutoAWQ GEMM 4-bit: ``<m>.qweight`` I32 [K, N/8], ``<m>.qzeros`` I32 [K/G, N/8], ``<m>.scales`` F16
@@ -562,17 +585,13 @@ def write_awq_checkpoint(src: str | Path, dst: str | Path, group_size: int = 32,
     zero_point true, version gemm, modules_to_not_convert}. Payload values are random."""
     src, dst = Path(src), Path(dst)
     gen = torch.Generator().manual_seed(seed)
-    cfg = _copy_side_files(src, dst)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_state_dict(src).items():
-        if is_quantizable_linear(name, t):
-            m = name[: -len(".weight")]
-            n, k = t.shape
-            out[m + ".qweight"] = _rand_int((k, n // 8), gen, torch.int32)
-            out[m + ".qzeros"] = _rand_int((k // group_size, n // 8), gen, torch.int32)
-            out[m + ".scales"] = (torch.rand(k // group_size, n, generator=gen) * 0.01).half()
-        else:
-            out[name] = t
+
+    def quantize(m: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = t.shape
+        return {m + ".qweight": _rand_int((k, n // 8), gen, torch.int32),
+                **_int4_zeros_scales(m, n, k, group_size, gen)}
+
+    cfg, out = _quantize_linears(src, dst, quantize)
     write_state_dict(dst, out)
     _write_config(dst, cfg, {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                              "version": "gemm", "modules_to_not_convert": modules_to_not_convert})
@@ -585,18 +604,13 @@ def write_gptq_checkpoint(src: str | Path, dst: str | Path, group_size: int = 32
     group_size G, desc_act false, sym true, lm_head false, checkpoint_format gptq}. Payload values random."""
     src, dst = Path(src), Path(dst)
     gen = torch.Generator().manual_seed(seed)
-    cfg = _copy_side_files(src, dst)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_state_dict(src).items():
-        if is_quantizable_linear(name, t):
-            m = name[: -len(".weight")]
-            n, k = t.shape
-            out[m + ".qweight"] = _rand_int((k // 8, n), gen, torch.int32)
-            out[m + ".qzeros"] = _rand_int((k // group_size, n // 8), gen, torch.int32)
-            out[m + ".scales"] = (torch.rand(k // group_size, n, generator=gen) * 0.01).half()
-            out[m + ".g_idx"] = (torch.arange(k) // group_size).to(torch.int32)
-        else:
-            out[name] = t
+
+    def quantize(m: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = t.shape
+        return {m + ".qweight": _rand_int((k // 8, n), gen, torch.int32),
+                **_int4_zeros_scales(m, n, k, group_size, gen), m + ".g_idx": (torch.arange(k) // group_size).to(torch.int32)}
+
+    cfg, out = _quantize_linears(src, dst, quantize)
     write_state_dict(dst, out)
     _write_config(dst, cfg, {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
                              "sym": True, "lm_head": False, "checkpoint_format": "gptq"})
