@@ -70,7 +70,7 @@ def one_torch_thread():
 
 
 def convert_checkpoint(src: Path, out: Path) -> Path:
-    """``atomtool convert src out`` through the CLI; asserts exit code 0 (with the output) and returns ``out``."""
+    """``atomtool convert src out`` through the CLI; asserts exit code 0 (showing the output), returns out."""
     from typer.testing import CliRunner
 
     from atomtool.cli import app

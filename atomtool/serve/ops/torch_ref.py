@@ -128,8 +128,8 @@ def gather_cache(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
 def query_spans(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
     """The sequences of a step that have query tokens: yields ``(b, start, end, kv_len)`` per sequence ``b``
     with ``end > start``, where ``[start, end)`` are its rows of T (from cu_seqlens_q [B+1] int32) and
-    ``kv_len = seq_lens[b]`` its KV length after the step; query j sits at position ``kv_len - (end - start) + j``.
-    """
+    ``kv_len = seq_lens[b]`` its KV length after the step; query j sits at position
+    ``kv_len - (end - start) + j``."""
     cu = cu_seqlens_q.tolist()
     for b, L in enumerate(seq_lens.tolist()):
         if cu[b + 1] > cu[b]:

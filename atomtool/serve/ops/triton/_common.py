@@ -73,8 +73,9 @@ def dot_acc(a, b, acc, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B: tl.constexpr):
-    """The sequence ``b`` owning query row ``t`` of the step (``cu_q[b] <= t < cu_q[b+1]``, BLOCK_B >= num_seqs)
-    and the token's position ``seq_lens[b] - (cu_q[b+1] - t)`` in it. Returns (b, qpos), int32 scalars."""
+    """The sequence ``b`` owning query row ``t`` of the step (``cu_q[b] <= t < cu_q[b+1]``; needs
+    BLOCK_B >= num_seqs) and the token's position ``seq_lens[b] - (cu_q[b+1] - t)`` in it.
+    Returns (b, qpos), int32 scalars."""
     offs_b = tl.arange(0, BLOCK_B)
     ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < num_seqs, other=1 << 30)
     b = tl.sum((ends <= t).to(tl.int32), axis=0)
