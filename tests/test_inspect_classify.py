@@ -178,6 +178,17 @@ def test_fp8_block_as_deepseek_ships_it(fp8, ckpts):
     assert report.tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (3, 4)
 
 
+def test_fp8_block_128_on_tiny_weights_is_still_block(ckpts, tmp_path):
+    """With the real [128, 128] blocks, tiny weights have a [1, 1] scale grid: that is fp8_block, not per-tensor."""
+    dst = write_fp8_block_checkpoint(ckpts["deepseek_v32"], tmp_path / "fp8_128", block=128)
+    report = inspect_checkpoint(str(dst))
+    mods = _mods(report)
+    assert report.tensors["model.layers.0.self_attn.q_a_proj.weight_scale_inv"].shape == (1, 1)
+    fp8_mods = [m for m in mods.values() if m.dtype == "F8_E4M3"]
+    assert fp8_mods and all((m.scheme, m.block_size) == ("fp8_block", (128, 128)) for m in fp8_mods)
+    assert not [f for f in report.findings if f.code == "scheme-mismatch"]
+
+
 def test_fp8_dequantize_is_exact(fp8):
     deq = dequantize_fp8_block_checkpoint(fp8)
     sd = load_state_dict(fp8)

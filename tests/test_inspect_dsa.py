@@ -21,12 +21,15 @@ def test_flat_form_defaults():
     flat = flatten_dsa_config(dict(BASE))
     assert flat["indexer_types"] == [F] * 8
     assert flat["index_rope_dim"] == 64  # default: qk_rope_head_dim
-    assert flat["indexer_rope_interleave"] is False
+    # GLM's indexer rope is interleaved when the flag is absent (transformers' GlmMoeDsaIndexer)
+    assert flat["indexer_rope_interleave"] is True
+    assert flatten_dsa_config({**BASE, "indexer_rope_interleave": False})["indexer_rope_interleave"] is False
 
 
 def test_flat_form_deepseek_v32_defaults_when_fields_missing():
     flat = flatten_dsa_config({"model_type": "deepseek_v32", "num_hidden_layers": 2, "qk_rope_head_dim": 64})
     assert (flat["index_topk"], flat["index_n_heads"], flat["index_head_dim"]) == (2048, 64, 128)
+    assert flat["indexer_rope_interleave"] is False  # DeepSeek-V3.2's indexer rope is NeoX
 
 
 def test_text_config_form_and_top_level_override():

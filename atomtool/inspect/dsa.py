@@ -74,8 +74,10 @@ def flatten_dsa_config(raw: dict[str, Any]) -> dict[str, Any]:
     if not _is_int(flat["index_rope_dim"]) or not 0 <= flat["index_rope_dim"] <= flat["index_head_dim"]:
         raise ConfigError(f"config.json: index_rope_dim (default qk_rope_head_dim) must be an integer in "
                           f"[0, index_head_dim={flat['index_head_dim']}], got {flat['index_rope_dim']!r}")
-    # DeepSeek-V3.2's indexer uses NeoX rope (vllm#28968); GLM sets indexer_rope_interleave: true.
-    flat["indexer_rope_interleave"] = bool(flat.get("indexer_rope_interleave", False))
+    # DeepSeek-V3.2's indexer uses NeoX rope (vllm#28968); GLM's is interleaved (ik_llama.cpp#2099): GLM
+    # configs set indexer_rope_interleave: true, and HF's GlmMoeDsaIndexer interleaves when the flag is absent.
+    default_interleave = flat.get("model_type") == "glm_moe_dsa"
+    flat["indexer_rope_interleave"] = bool(flat.get("indexer_rope_interleave", default_interleave))
     flat["indexer_types"] = layer_roles(flat)
     return flat
 

@@ -456,6 +456,10 @@ def classify_module(name: str, roles: dict[str, TensorInfo], spec: QuantSpec | N
                 "raw FP8 values cannot be used as a weight")
         elif scale.dtype in ("U8", "F8_E8M0") and scale.shape[-2:] == (n, _ceil_div(k, 32)):
             scheme, block = "mxfp8", (1, 32)
+        elif (len(scale.shape) >= 2 and spec is not None and spec.block
+              and tuple(scale.shape[-2:]) == (_ceil_div(n, spec.block[0]), _ceil_div(k, spec.block[1]))):
+            # A weight no larger than one declared block has a [1, 1] block-scale grid: still fp8_block.
+            scheme, block = "fp8_block", spec.block
         elif scale.numel == 1:
             scheme = "fp8_tensor"
         elif tuple(scale.shape[-2:]) == (n, 1) or tuple(scale.shape) == (n,):

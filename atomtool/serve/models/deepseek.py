@@ -102,7 +102,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         mla_interleave = bool(cfg.get("rope_interleave", True)) if model_type == "deepseek_v3" else True
         # Indexer rope: NeoX for DeepSeek-V3.2 (vllm#28968); GLM interleaves (real configs say
         # indexer_rope_interleave: true, and HF's GlmMoeDsaIndexer interleaves even when the flag is absent).
-        idx_interleave = bool(cfg.get("indexer_rope_interleave")) or model_type == "glm_moe_dsa"
+        idx_interleave = bool(cfg.get("indexer_rope_interleave"))  # resolved once by flatten_dsa_config
         mlp_types = cfg.get("mlp_layer_types")
         first_dense = int(cfg.get("first_k_dense_replace") or 0)
         layers = []
