@@ -27,6 +27,9 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'atom
 
 from atomtool.serve import ops as dispatch  # noqa: E402
 from atomtool.serve.ops import torch_ref, torch_ref_mla  # noqa: E402
+from tests.kernel_inputs import assert_close_as as _close  # noqa: E402
+from tests.kernel_inputs import cu_seqlens as _cu  # noqa: E402
+from tests.kernel_inputs import random_block_tables as _paged  # noqa: E402
 
 if not _TRITON_PREIMPORTED:
     import atomtool.serve.ops.triton as tri  # noqa: E402
@@ -47,31 +50,6 @@ def test_suite_in_a_fresh_process():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
                        capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-
-
-def _close(out, ref, atol, rtol=0.0):
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
-
-
-def _paged(seq_lens, bs, extra_blocks=3, gen=None):
-    """Random block tables: each sequence gets distinct, shuffled physical blocks; -1 padded rows."""
-    B = len(seq_lens)
-    mb = max(-(-s // bs) for s in seq_lens) + 1
-    nb = B * mb + extra_blocks
-    perm = torch.randperm(nb, generator=gen)
-    bt = torch.full((B, mb), -1, dtype=torch.int32)
-    i = 0
-    for b, s in enumerate(seq_lens):
-        n = -(-s // bs)
-        bt[b, :n] = perm[i:i + n].int()
-        i += n
-    return nb, bt
-
-
-def _cu(q_lens):
-    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
 # ---------------------------------------------------------------- registration and signatures
@@ -302,6 +280,38 @@ def test_fp8_block_linear(M, N, K, block):
     _close(tri.linear(x, w, None, s, block), torch_ref.linear(x, w, None, s, block), 1e-4, 1e-5)
     xb = x.bfloat16()
     _close(tri.linear(xb, w, None, s, block), torch_ref.linear(xb, w, None, s, block), 0.3, 0.02)
+
+
+@pytest.mark.parametrize("N,K,block", [(70, 200, (16, 16)), (130, 256, (128, 128)), (1100, 96, (32, 32))])
+def test_fp8_block_linear_small_m_split_k(N, K, block):
+    """M = 1..16 take the split-K path: K cut into several splits (13, 2 and 1 here), fp32 partials summed in
+    split order; every row equals the dequantized reference, and is bitwise the same alone as in a batch."""
+    from atomtool.serve.ops.triton.linear import SMALL_M, split_k_plan
+
+    g = torch.Generator().manual_seed(16)
+    x = torch.randn(SMALL_M, K, generator=g)
+    w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
+    b = torch.randn(N, generator=g)
+    n_splits, k_chunk = split_k_plan(N, K, 64, min(block[1], 128))
+    assert (n_splits - 1) * k_chunk < K <= n_splits * k_chunk and k_chunk % min(block[1], 128) == 0
+    full = tri.linear(x, w, b, s, block)
+    _close(full, torch_ref.linear(x, w, b, s, block), 1e-4, 1e-5)
+    for M in (1, 2, 7, 16):
+        part = tri.linear(x[:M], w, None, s, block)
+        _close(part, torch_ref.linear(x[:M], w, None, s, block), 1e-4, 1e-5)
+        assert torch.equal(tri.linear(x[M - 1:M], w, b, s, block)[0], full[M - 1])  # batch-invariant row
+    xb, bb = x[:3].bfloat16(), b.bfloat16()
+    _close(tri.linear(xb, w, bb, s, block), torch_ref.linear(xb, w, bb, s, block), 0.3, 0.02)
+
+
+def test_split_k_plan_depends_on_the_weight_only():
+    from atomtool.serve.ops.triton.linear import split_k_plan
+
+    assert split_k_plan(7168, 16384, 64, 128) == (5, 26 * 128)  # o_proj: 112 tiles x 5 splits
+    assert split_k_plan(2112, 7168, 64, 128) == (14, 4 * 128)  # fused q_a + kv_a
+    assert split_k_plan(36864, 7168, 64, 128) == (1, 7168)  # wide weights need no split
+    assert split_k_plan(64, 128, 64, 128) == (1, 128)  # one K step cannot be split
 
 
 def test_linear_float_path_and_errors():

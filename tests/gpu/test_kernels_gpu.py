@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from atomtool.serve.ops import torch_ref, torch_ref_mla
+from tests.kernel_inputs import assert_close_as as _close
+from tests.kernel_inputs import cu_seqlens, random_block_tables
 
 DEV = "cuda"
 
@@ -30,31 +32,17 @@ def tri():
     return t
 
 
-def _close(out, ref, atol, rtol):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
-
-
 def _rel(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
 
 def _paged(seq_lens, bs, gen, extra=5):
-    B = len(seq_lens)
-    mb = max(-(-s // bs) for s in seq_lens) + 1
-    nb = B * mb + extra
-    perm = torch.randperm(nb, generator=gen)
-    bt = torch.full((B, mb), -1, dtype=torch.int32)
-    i = 0
-    for b, s in enumerate(seq_lens):
-        n = -(-s // bs)
-        bt[b, :n] = perm[i:i + n].int()
-        i += n
+    nb, bt = random_block_tables(seq_lens, bs, extra, gen)
     return nb, bt.to(DEV)
 
 
 def _cu(q_lens):
-    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    return cu_seqlens(q_lens, device=DEV)
 
 
 def _lens(x):
@@ -216,7 +204,7 @@ def _fp8_weight(N, K, gen, block=(128, 128), lead=()):
     return q.to(torch.float8_e4m3fn).to(DEV), s.to(DEV)
 
 
-@pytest.mark.parametrize("M", [1, 77, 1024])
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 77, 1024])
 def test_fp8_block_linear(tri, M, gpu_report):
     g = torch.Generator().manual_seed(7)
     w, s = _fp8_weight(4096 + 64, 7168, g)  # N not a multiple of 128
@@ -224,6 +212,28 @@ def test_fp8_block_linear(tri, M, gpu_report):
     err = _rel(tri.linear(x, w, None, s), torch_ref.linear(x, w, None, s))
     gpu_report[f"fp8_linear_rel_err_M{M}"] = err
     assert err <= 1e-2
+
+
+@pytest.mark.parametrize("N,K", [(7168, 16384), (2112, 7168), (24576, 1536)])  # o_proj, q_a+kv_a, q_b
+def test_fp8_block_linear_small_m_split_k_batch_invariant(tri, N, K, gpu_report):
+    """Decode-sized M (<= 16) takes the split-K path: accurate, and each row bitwise equal alone and in a
+    batch of 16 (splits chosen from the weight only, partials summed in split order)."""
+    g = torch.Generator().manual_seed(17)
+    w, s = _fp8_weight(N, K, g)
+    x = torch.randn(16, K, generator=g).to(DEV, torch.bfloat16)
+    b = torch.randn(N, generator=g).to(DEV, torch.bfloat16)
+    full = tri.linear(x, w, b, s)
+    err = _rel(full, torch_ref.linear(x, w, b, s))
+    gpu_report[f"fp8_linear_split_k_rel_err_N{N}_K{K}"] = err
+    assert err <= 1e-2
+    for m in (1, 3, 16):
+        sub = tri.linear(x[:m], w, b, s)
+        assert torch.equal(sub, full[:m])
+        assert torch.equal(tri.linear(x[m - 1:m], w, b, s)[0], full[m - 1])
+    assert torch.equal(tri.linear(x[:1], w, b, s), tri.linear(x[:1], w, b, s))  # deterministic
+    # informational: a row's bits across the SMALL_M threshold (the 64x128 no-split path rounds differently)
+    big = tri.linear(torch.cat([x, x]).repeat(3, 1)[:77], w, b, s)
+    gpu_report[f"fp8_linear_row_bitwise_equal_M1_vs_M77_N{N}"] = bool(torch.equal(big[0], full[0]))
 
 
 @pytest.mark.parametrize("T", [1, 64, 1000])

@@ -9,6 +9,14 @@ Why not ``torch._scaled_mm``: its block-scaled form quantizes activations per 1x
 the numerics against the reference; the GPU tests probe whether the installed torch offers it (see
 tests/gpu/test_kernels_gpu.py) so a later performance change can adopt it with a measured error.
 Unquantized weights go to ``torch.nn.functional.linear`` (cuBLAS).
+
+Two launch shapes. M > ``SMALL_M`` (prefill): 64x128 tiles, each program reduces all of K. M <= ``SMALL_M``
+(decode): at M = 1 that layout gives N / 128 programs (56 for o_proj) each streaming MBs of weight serially,
+so the small-M path uses 16x64 tiles and split-K (split-K GEMM as in CUTLASS's "split-K serial/parallel"
+and FlashDecoding-style GEMV), the split count taken from the weight's (N, K) only; the fp32 partials are
+summed in split order by a second kernel. Each path is deterministic and a row's result does not depend on
+the other rows of the batch; the two paths round differently, so a row's bits can change when M crosses
+``SMALL_M``.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ from atomtool.serve.ops.triton._common import dot_acc, dot_dtype
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk,
-                           s_am, s_wn, s_sn, s_cm,
+def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk, k_chunk,
+                           s_am, s_wn, s_sn, s_cm, s_cs,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    # program (pid_m, pid_n, pid_s) owns a BLOCK_M x BLOCK_N tile and the K range [pid_s * k_chunk, + k_chunk);
+    # with one split (k_chunk >= K) c_ptr is the output, else it is split pid_s's fp32 partial plane
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -35,9 +46,11 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk
     n_ok = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     s_row = s_ptr + (n // bn).to(tl.int64) * s_sn
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_s * k_chunk
+    k_end = tl.minimum(K, k_start + k_chunk)
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + kk
-        k_ok = k < K
+        k_ok = k < k_end
         a = tl.load(a_ptr + m[:, None].to(tl.int64) * s_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         sc = tl.load(s_row + k0 // bk, mask=n_ok, other=0.0)
@@ -45,8 +58,42 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk
         acc += part * sc[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + m[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c_ptr + pid_s.to(tl.int64) * s_cs + m[:, None].to(tl.int64) * s_cm + n[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # out = ((ws[0] + ws[1]) + ws[2]) + ... (+ bias), in split-index order: a fixed order whatever M is
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.load(ws_ptr + i, mask=ok, other=0.0)
+    for sp in range(1, n_splits):
+        acc += tl.load(ws_ptr + sp * MN + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+#: rows up to which the small-M (decode) path runs: BLOCK_M 16 and split-K
+SMALL_M = 16
+#: programs the small-M path aims for (about 4 per SM of an H100/H200); a constant, so the split of a given
+#: weight is the same on every call and every device
+_SPLIT_TARGET_PROGRAMS = 512
+
+
+def split_k_plan(N: int, K: int, block_n: int, block_k: int) -> tuple[int, int]:
+    """(number of K splits, K elements per split) of the small-M path for an [N, K] weight.
+
+    Chosen from the weight's shape only, never from M: enough splits that ``N / block_n`` tiles times the
+    splits reach ~``_SPLIT_TARGET_PROGRAMS`` programs, each split a whole number of ``block_k`` steps
+    (so it never cuts a K step, and every scale block is applied exactly as without splitting).
+    """
+    n_tiles = triton.cdiv(N, block_n)
+    k_steps = triton.cdiv(K, block_k)
+    want = max(1, min(k_steps, triton.cdiv(_SPLIT_TARGET_PROGRAMS, n_tiles)))
+    k_chunk = triton.cdiv(k_steps, want) * block_k
+    return triton.cdiv(K, k_chunk), k_chunk
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -71,14 +118,38 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     block_k = 128 if bk % 128 == 0 else (64 if bk % 64 == 0 else (32 if bk % 32 == 0 else 16))
     if bk % block_k:
         raise ValueError(f"fp8 linear: block size {bk} along K must be a multiple of 16")
-    # one tile shape whatever M is, so a row's result does not depend on how many rows share the batch
-    block_m, block_n = 64, 128
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _fp8_block_gemm_kernel[grid](a, w, s, bias if bias is not None else s, out, M, N, K, bn, bk,
-                                 a.stride(0), w.stride(0), s.stride(0), out.stride(0),
-                                 HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                 DOT_DTYPE=dot_dtype(x.dtype), num_warps=8,
-                                 num_stages=3)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else s
+    if M > SMALL_M:
+        # large M (prefill, big decode batches): one 64x128 tile shape whatever M is, no split-K
+        grid = (triton.cdiv(M, 64), triton.cdiv(N, 128), 1)
+        _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, M, N, K, bn, bk, K,
+                                     a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0,
+                                     HAS_BIAS=has_bias, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k,
+                                     DOT_DTYPE=dot_dtype(x.dtype), num_warps=8, num_stages=3)
+        return out.view(*lead, N)
+    # small M (decode): a GEMV is bound by streaming the weight, so it needs many programs in flight.
+    # 16-row tiles (the smallest tensor-core tile) and split-K from the weight's shape only; the splits'
+    # fp32 partials are summed in split order by a second kernel (no atomics): a row's result depends on
+    # neither the other rows nor M (deterministic, batch-invariant for M <= SMALL_M).
+    block_m, block_n = 16, 64
+    n_splits, k_chunk = split_k_plan(N, K, block_n, block_k)
+    grid = (1, triton.cdiv(N, block_n), n_splits)
+    dot = dot_dtype(x.dtype)
+    if n_splits == 1:
+        _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, M, N, K, bn, bk, k_chunk,
+                                     a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0,
+                                     HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                     DOT_DTYPE=dot, num_warps=4, num_stages=4)
+        return out.view(*lead, N)
+    ws = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
+    _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, ws, M, N, K, bn, bk, k_chunk,
+                                 a.stride(0), w.stride(0), s.stride(0), ws.stride(1), ws.stride(0),
+                                 HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                 DOT_DTYPE=dot, num_warps=4, num_stages=4)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](ws, bias_arg, out, M * N, N, n_splits, HAS_BIAS=has_bias,
+                                                     BLOCK=block, num_warps=4)
     return out.view(*lead, N)
 
 
