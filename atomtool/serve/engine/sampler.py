@@ -1,8 +1,24 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds, log-probabilities.
+"""Token selection: greedy, temperature, top-k, top-p, per-request seeds, log-probabilities — batched.
 
-Deterministic by construction: ties go to the lowest token id (``argmax`` and stable sorts), and a seeded
-request draws from its own ``torch.Generator`` exactly once per token, so its samples do not depend on
-which other requests share the batch.
+One decode step samples every row of the batch with a handful of batched tensor ops and a single
+device->host transfer (issue 7: the former per-row loop sorted the whole vocabulary and synchronised twice
+per row).
+
+- Greedy rows (``temperature == 0`` or ``top_k == 1``): one ``argmax`` over those rows. ``torch.argmax``
+  returns the first maximal index, so ties go to the lowest token id.
+- Sampled rows: logits / temperature, then the candidate set. Rows with neither top-k nor top-p sample from
+  the full softmax (no sort). Rows with ``top_k <= MAX_TOPK_CANDIDATES`` take their exact top-k candidates
+  (:func:`exact_topk`, ties to the lowest id, like a stable descending sort); other rows with a filter pay
+  one stable sort of the vocabulary. Top-p (nucleus) keeps, in that order, each candidate whose preceding
+  mass is below ``top_p`` (the smallest prefix reaching ``top_p``), after renormalising over the top-k.
+- Drawing: the exponential race, ``argmax(probs / q)`` with ``q ~ Exponential(1)`` i.i.d. per token, which
+  picks token i with probability ``probs[i]`` (the trick vLLM's and nano-vllm's samplers use; it needs no
+  cumulative sum or searchsorted). The noise is indexed by *token id*: a seeded request draws one [V]
+  tensor per token from its own ``torch.Generator``, so its samples are reproducible and independent of
+  which other requests share the batch and of which candidate path the batch took. Unseeded rows share one
+  draw from the global generator.
+- Log-probabilities: one ``log_softmax`` over the raw logits of the rows that ask, the sampled token's
+  value and the top ``n`` (:func:`exact_topk`, ties lower id first).
 """
 
 from __future__ import annotations
@@ -11,64 +27,206 @@ import torch
 
 from atomtool.serve.engine.sequence import Sequence
 
+#: Rows whose top_k is at most this take the ``torch.topk`` candidate path; larger k (or top-p alone)
+#: stably sorts the vocabulary, which is cheaper than a very wide top-k.
+MAX_TOPK_CANDIDATES = 1024
 
-def _sorted_desc(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values and ids sorted by decreasing value, equal values by increasing id."""
-    return torch.sort(x, descending=True, stable=True)
+
+def exact_topk(x: torch.Tensor, k: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row top-k with deterministic ties: the result of a stable descending sort cut at ``k[r]``.
+
+    ``torch.topk`` does not specify which of several equal values it returns at the cut, so it is only
+    used for the k-th largest *value*; membership is then decided by value, ties at the cut going to the
+    lowest token ids, and a second ``topk`` over an integer key (id - V for values above the cut, id for
+    values equal to it) extracts them in increasing id order, which a stable sort turns into value order.
+
+    Args:
+        x: [R, V] float scores (``-inf`` allowed).
+        k: [R] int64 on ``x.device``, ``1 <= k[r] <= k_max``.
+        k_max: ``max(k)`` as a Python int, ``<= V``.
+
+    Returns:
+        ``(values, ids)``, each [R, k_max]: per row sorted by decreasing value, equal values by increasing
+        id; positions ``>= k[r]`` hold ``-inf`` values and id 0.
+    """
+    num_rows, vocab = x.shape
+    kth = torch.topk(x, k_max, dim=-1, sorted=True).values.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
+    idx = torch.arange(vocab, device=x.device, dtype=torch.int32).expand(num_rows, vocab)
+    key = torch.where(x > kth, idx - vocab, torch.where(x == kth, idx, 2 * vocab))
+    sel = torch.topk(key, k_max, dim=-1, largest=False, sorted=True).values.long()
+    valid = torch.arange(k_max, device=x.device).unsqueeze(0) < k.unsqueeze(1)
+    ids = torch.where(valid, torch.where(sel < 0, sel + vocab, sel), 0)
+    vals = torch.where(valid, x.gather(1, ids), float("-inf"))
+    vals, order = torch.sort(vals, dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
+def _exponential_noise(shape: tuple[int, int], ids: torch.Tensor | None, vocab: int,
+                       generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """Exponential(1) noise [R, W] for the race; row r with a generator draws its own [V] by token id.
+
+    ``ids`` [R, W] maps candidate positions to token ids (``None``: W is the vocabulary itself). Rows
+    without a generator share one draw from the global generator.
+    """
+    q = torch.empty(shape, device=device, dtype=torch.float32).exponential_()
+    for r, g in enumerate(generators):
+        if g is None:
+            continue
+        if ids is None:
+            q[r].exponential_(generator=g)
+        else:
+            own = torch.empty(vocab, device=device, dtype=torch.float32).exponential_(generator=g)
+            q[r] = own[ids[r]]
+    return q
+
+
+def _race(probs: torch.Tensor, ids: torch.Tensor | None, generators: list[torch.Generator | None],
+          vocab: int) -> torch.Tensor:
+    """Token ids [R] drawn from ``probs`` [R, W] (rows need not sum to one) by the exponential race."""
+    q = _exponential_noise(tuple(probs.shape), ids, vocab, generators, probs.device)
+    # q can be 0 in float32; the clamp keeps 0/0 (a masked token) from becoming NaN, which argmax would pick.
+    pick = (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    return pick if ids is None else ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+
+def _sample_from_candidates(vals: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor,
+                            generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
+    """Sorted candidates (vals [R, W] by decreasing value, ``-inf`` padding) -> token ids [R]; top-p [R]."""
+    probs = torch.softmax(vals, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    probs = torch.where(mass_before < top_p.unsqueeze(1), probs, 0.0)
+    return _race(probs, ids, generators, vocab)
+
+
+def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Pick one token per row of logits [R, V] float32; returns int64 [R] on ``logits.device`` (no sync).
+
+    Per row: ``temperature`` (0: greedy), ``top_k`` (0, -1 or >= V: off; 1: greedy), ``top_p`` (1.0: off),
+    ``generators`` (``None``: the global torch generator). Ties go to the lowest token id.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    out = torch.empty(num_rows, dtype=torch.long, device=device)
+    kinds: dict[str, list[int]] = {"greedy": [], "plain": [], "topk": [], "sort": []}
+    for r in range(num_rows):
+        k = top_k[r] if 0 < top_k[r] < vocab else 0
+        if temperature[r] == 0 or k == 1:
+            kinds["greedy"].append(r)
+        elif k == 0 and top_p[r] >= 1.0:
+            kinds["plain"].append(r)
+        elif 0 < k <= MAX_TOPK_CANDIDATES:
+            kinds["topk"].append(r)
+        else:
+            kinds["sort"].append(r)
+    if len(kinds["greedy"]) == num_rows:
+        return logits.argmax(dim=-1)
+
+    def rows_of(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = kinds[kind]
+        idx = torch.tensor(rows, device=device)
+        temps = torch.tensor([temperature[r] for r in rows], device=device, dtype=torch.float32)
+        return idx, logits.index_select(0, idx) / temps.unsqueeze(1)
+
+    def params_of(kind: str) -> tuple[torch.Tensor, list[torch.Generator | None]]:
+        rows = kinds[kind]
+        p = torch.tensor([top_p[r] if top_p[r] < 1.0 else float("inf") for r in rows], device=device)
+        return p, [generators[r] for r in rows]
+
+    if kinds["greedy"]:
+        idx = torch.tensor(kinds["greedy"], device=device)
+        out[idx] = logits.index_select(0, idx).argmax(dim=-1)
+    if kinds["plain"]:
+        idx, x = rows_of("plain")
+        out[idx] = _race(torch.softmax(x, dim=-1), None, [generators[r] for r in kinds["plain"]], vocab)
+    if kinds["topk"]:
+        idx, x = rows_of("topk")
+        ks = [top_k[r] for r in kinds["topk"]]
+        vals, ids = exact_topk(x, torch.tensor(ks, device=device), max(ks))
+        p, gens = params_of("topk")
+        out[idx] = _sample_from_candidates(vals, ids, p, gens, vocab)
+    if kinds["sort"]:
+        idx, x = rows_of("sort")
+        vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+        ks = torch.tensor([top_k[r] if 0 < top_k[r] < vocab else vocab for r in kinds["sort"]], device=device)
+        vals = torch.where(torch.arange(vocab, device=device).unsqueeze(0) < ks.unsqueeze(1), vals, float("-inf"))
+        p, gens = params_of("sort")
+        out[idx] = _sample_from_candidates(vals, ids, p, gens, vocab)
+    return out
 
 
 def top_logprobs(logprobs: torch.Tensor, n: int) -> dict[int, float]:
     """The ``n`` most likely tokens of a [V] log-prob vector as ``{id: logprob}`` (ties: lower id first)."""
+    n = min(n, logprobs.shape[-1])
     if n <= 0:
         return {}
-    vals, ids = _sorted_desc(logprobs)
-    return dict(zip(ids[:n].tolist(), vals[:n].tolist(), strict=True))
+    vals, ids = exact_topk(logprobs.unsqueeze(0), torch.tensor([n], device=logprobs.device), n)
+    return dict(zip(ids[0].tolist(), vals[0].tolist(), strict=True))
 
 
 def sample_one(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                generator: torch.Generator | None) -> int:
-    """Pick one token from logits [V] float32 (``temperature == 0``: greedy)."""
-    if temperature == 0 or top_k == 1:
-        return int(torch.argmax(logits))
-    vals, ids = _sorted_desc(logits / temperature)
-    if top_k > 0:
-        vals, ids = vals[:top_k], ids[:top_k]
-    probs = torch.softmax(vals, dim=-1)
-    if top_p < 1.0:
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep = int((mass_before < top_p).sum())
-        probs, ids = probs[:keep], ids[:keep]
-    cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand((), generator=generator, device=logits.device, dtype=torch.float32) * cdf[-1]
-    idx = int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp_(max=cdf.shape[0] - 1))
-    return int(ids[idx])
+    """Pick one token from logits [V] float32 (``temperature == 0``: greedy); a batch of one of
+    :func:`sample_rows`, so it draws exactly what the batched sampler draws for that row."""
+    return int(sample_rows(logits.unsqueeze(0), [temperature], [top_k], [top_p], [generator])[0])
 
 
 class Sampler:
-    """Samples the next token of each sequence from its last-token logits."""
+    """Samples the next token of each sequence from its last-token logits (batched, one host transfer)."""
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None]]:
         """logits: [B, V] float32, row b for ``seqs[b]``. Returns ``(token_id, logprob entry or None)`` each.
 
-        Before ``min_tokens`` outputs, EOS and ``stop_token_ids`` are masked out (vLLM semantics).
+        Before ``min_tokens`` outputs, EOS and ``stop_token_ids`` are masked out (vLLM semantics). Log-probs
+        are those of the raw logits (before masking and temperature): ``{"token_id", "logprob", "top"}``.
         """
-        results = []
+        num_rows, vocab = logits.shape
+        device = logits.device
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
         for b, seq in enumerate(seqs):
             p = seq.params
-            row = logits[b]
             if seq.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
-                banned = [t for t in banned if 0 <= t < row.shape[0]]
-                if banned:
-                    row = row.clone()
-                    row[banned] = float("-inf")
+                banned_ids = sorted(t for t in banned if 0 <= t < vocab)
+                ban_rows += [b] * len(banned_ids)
+                ban_cols += banned_ids
             if p.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(device=row.device)
+                seq.generator = torch.Generator(device=device)
                 seq.generator.manual_seed(p.seed)
-            token = sample_one(row, p.temperature, p.top_k, p.top_p, seq.generator)
-            entry = None
-            if p.logprobs is not None:
-                lp = torch.log_softmax(logits[b], dim=-1)
-                entry = {"token_id": token, "logprob": float(lp[token]), "top": top_logprobs(lp, p.logprobs)}
-            results.append((token, entry))
-        return results
+        x = logits
+        if ban_rows:
+            x = logits.clone()
+            x[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = float("-inf")
+        params = [s.params for s in seqs]
+        tokens = sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
+                             [p.top_p for p in params], [s.generator for s in seqs])
+
+        # Everything the host needs goes into one float64 tensor (token ids < 2**53 are exact) -> one transfer.
+        lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+        parts = [tokens.double()]
+        n_top = [min(params[b].logprobs, vocab) for b in lp_rows]
+        n_max = max(n_top, default=0)
+        if lp_rows:
+            idx = torch.tensor(lp_rows, device=device)
+            lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+            parts.append(lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).double())
+            if n_max > 0:
+                k = torch.tensor([max(n, 1) for n in n_top], device=device)
+                top_vals, top_ids = exact_topk(lp, k, n_max)
+                parts += [top_ids.double().flatten(), top_vals.double().flatten()]
+        host = torch.cat(parts).tolist()
+
+        token_list = [int(t) for t in host[:num_rows]]
+        entries: list[dict | None] = [None] * num_rows
+        off = num_rows
+        chosen = host[off:off + len(lp_rows)]
+        off += len(lp_rows)
+        width = len(lp_rows) * n_max
+        top_ids_h, top_vals_h = host[off:off + width], host[off + width:off + 2 * width]
+        for j, b in enumerate(lp_rows):
+            n = n_top[j]
+            row = slice(j * n_max, j * n_max + n)
+            top = dict(zip((int(i) for i in top_ids_h[row]), top_vals_h[row], strict=True))
+            entries[b] = {"token_id": token_list[b], "logprob": chosen[j], "top": top}
+        return list(zip(token_list, entries, strict=True))
