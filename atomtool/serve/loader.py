@@ -117,7 +117,9 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         specs = load_layout_specs(model_dir)
         torch_dtype = resolve_dtype(dtype, config, dev)
         model = get_model_class(arch)(config, specs, torch_dtype, dev)
-        model.load_weights(_layout_tensors(model_dir))
+        from atomtool.serve.layout_load import load_layout_weights
+
+        load_layout_weights(model, model_dir)
     else:
         from atomtool.convert.materialize import iter_output_tensors
         from atomtool.convert.plan import build_plan

@@ -11,7 +11,7 @@ A model is an ``nn.Module`` whose parameter names are exactly the tensor names o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -73,8 +73,19 @@ class CausalLM(nn.Module):
         """Parameter names that alias another parameter and are not loaded (e.g. a tied ``lm_head.weight``)."""
         return []
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def direct_load_ok(self, name: str, target: torch.Tensor) -> bool:
+        """True when the stored tensor ``name`` goes into ``target`` byte for byte (same shape and dtype)
+        without any model-side transform, so a layout loader may write its bytes straight into the parameter
+        and pass the name to :meth:`load_weights` as ``preloaded``. Models whose ``load_weights`` filters or
+        rewrites some tensors return False for those."""
+        return True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     preloaded: Collection[str] = ()) -> None:
         """Copy named tensors into the parameters (cast to each parameter's dtype, moved to its device).
+
+        preloaded: names whose bytes a loader already wrote into the parameters directly
+        (:mod:`atomtool.serve.layout_load`); they count as seen, and arriving again is an error.
 
         Raises:
             EngineError: unexpected names, shape mismatches, or names that never arrived (all listed).
@@ -82,13 +93,13 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         params.update(dict(self.named_buffers(remove_duplicate=False)))
         expected = self.expected_weight_names()
-        seen: set[str] = set()
+        seen: set[str] = set(preloaded)
         unexpected: list[str] = []
         bad_shape: list[str] = []
         with torch.no_grad():
             for name, tensor in weights:
                 target = params.get(name)
-                if target is None or name not in expected:
+                if target is None or name not in expected or name in preloaded:
                     unexpected.append(name)
                     continue
                 if tuple(target.shape) != tuple(tensor.shape):

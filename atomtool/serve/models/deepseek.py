@@ -22,7 +22,7 @@ backend) or compute in FP8; only FP8 experts whose gate/up parts the converter p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -232,7 +232,19 @@ class DeepseekV3ForCausalLM(CausalLM):
             raise EngineError("FP8 expert weights and weight_scale_inv do not pair up: "
                               f"{sorted(set(pending) ^ set(scales))[:5]}")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def direct_load_ok(self, name: str, target: torch.Tensor) -> bool:
+        """Stored as served: everything :meth:`_prepare` passes through unchanged (not skipped; stacked
+        experts and their scales only when the module keeps them in FP8)."""
+        if self._skipped(name):
+            return False
+        if name.endswith(_EXPERT_SUFFIXES):
+            return target.dtype in _FP8_DTYPES
+        if name.endswith(tuple(s + "_scale_inv" for s in _EXPERT_SUFFIXES)):
+            return isinstance(target, nn.Parameter)  # a float module's scale is not one: dequantized
+        return True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     preloaded: Collection[str] = ()) -> None:
         """Load layout tensors ``(name, tensor)`` in any order (see the module docstring for the names).
 
         Linear modules and unpadded stacked experts keep FP8 block weights with their ``weight_scale_inv``;
@@ -241,7 +253,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         Raises:
             EngineError: unexpected, missing or mis-shaped tensors (named), or unpaired FP8 expert scales.
         """
-        super().load_weights(self._prepare(weights))
+        super().load_weights(self._prepare(weights), preloaded=preloaded)
 
     def post_load(self) -> None:
         for layer in self.model.layers:
