@@ -203,6 +203,47 @@ def test_mla_attention_dense_and_sparse_fp32(case):
     _close(tri.mla_attention(*args, 0.3, topk), torch_ref_mla.mla_attention(*args, 0.3, topk), 2e-5, 1e-5)
 
 
+def test_mla_split_kv_decode_across_chunks_and_batch_invariance():
+    """Decode rows take the split-KV path: contexts crossing several dense chunks (256 keys) and exactly at
+    chunk boundaries; top-k lists crossing several sparse chunks (128) with whole chunks of -1 padding; a
+    decode row gives the same bits alone, in a decode batch and beside a prefill chunk."""
+    from atomtool.serve.ops.triton.mla import SPLIT_CHUNK_DENSE, SPLIT_CHUNK_SPARSE
+
+    cd, cs = SPLIT_CHUNK_DENSE, SPLIT_CHUNK_SPARSE
+    seq_lens = [1, cd, cd + 1, 2 * cd + 77]
+    q_lens = [1] * len(seq_lens)
+    H, R, P, bs = 3, 16, 8, 16
+    args = _mla_inputs(q_lens, seq_lens, H, R, P, bs, seed=12)
+    qn, qp, lat, cu, sl, bt = args
+    dense = tri.mla_attention(*args, 0.25)
+    _close(dense, torch_ref_mla.mla_attention(*args, 0.25), 2e-5, 1e-5)
+    K = 2 * cs + 5  # three sparse chunks
+    topk = _random_topk(q_lens, seq_lens, K=K, n_sel=cs + 3, seed=13)
+    topk[2, cs:2 * cs] = -1  # one whole chunk of padding
+    topk[3] = torch.cat([topk[3][topk[3] >= 0], topk[3][topk[3] < 0]])  # selections first, padding after
+    sparse = tri.mla_attention(*args, 0.25, topk)
+    _close(sparse, torch_ref_mla.mla_attention(*args, 0.25, topk), 2e-5, 1e-5)
+    # a decode row alone, and beside a prefill chunk (which takes the one-program path)
+    b = 3
+    alone_args = (qn[b:b + 1], qp[b:b + 1], lat, _cu([1]), sl[b:b + 1], bt[b:b + 1])
+    assert torch.equal(tri.mla_attention(*alone_args, 0.25), dense[b:b + 1])
+    assert torch.equal(tri.mla_attention(*alone_args, 0.25, topk[b:b + 1]), sparse[b:b + 1])
+    g = torch.Generator().manual_seed(14)
+    pre_q = 5
+    mix_qn = torch.cat([torch.randn(pre_q, H, R, generator=g), qn[b:b + 1]])
+    mix_qp = torch.cat([torch.randn(pre_q, H, P, generator=g), qp[b:b + 1]])
+    mix_sl = torch.tensor([seq_lens[2], seq_lens[b]], dtype=torch.int32)  # prefill chunk over sequence 2's pages
+    mix_bt = torch.stack([bt[2], bt[b]])
+    mix_args = (mix_qn, mix_qp, lat, _cu([pre_q, 1]), mix_sl, mix_bt)
+    mixed = tri.mla_attention(*mix_args, 0.25)
+    _close(mixed, torch_ref_mla.mla_attention(*mix_args, 0.25), 2e-5, 1e-5)
+    assert torch.equal(mixed[pre_q:], dense[b:b + 1])
+    mix_topk = torch.cat([_random_topk([pre_q], [seq_lens[2]], K=K, n_sel=40, seed=15), topk[b:b + 1]])
+    mixed_sparse = tri.mla_attention(*mix_args, 0.25, mix_topk)
+    _close(mixed_sparse, torch_ref_mla.mla_attention(*mix_args, 0.25, mix_topk), 2e-5, 1e-5)
+    assert torch.equal(mixed_sparse[pre_q:], sparse[b:b + 1])
+
+
 def test_mla_attention_bf16_and_shape_error():
     q_lens, seq_lens = [3, 1], [30, 9]
     args = _mla_inputs(q_lens, seq_lens, 8, 64, 16, 8, dtype=torch.bfloat16)

@@ -149,6 +149,33 @@ def test_mla_attention_dense_and_sparse(tri, dtype, atol, rtol, H, q_lens, seq_l
     _close(tri.mla_attention(*args, scale, topk), torch_ref_mla.mla_attention(*args, scale, topk), atol, rtol)
 
 
+def test_mla_split_kv_decode_batch_invariant(tri):
+    """Decode rows (split-KV + ordered merge) give the same bits alone, in a decode batch, and beside a
+    prefill chunk (which takes the one-program path); contexts around the 256-key dense chunk boundary."""
+    H, scale = 128, 192 ** -0.5
+    q_lens, seq_lens = [1, 1, 1, 1, 1], [255, 256, 257, 2049, 5000]
+    qn, qp, lat, cu, sl, bt = _mla_inputs(torch.bfloat16, H, q_lens, seq_lens)
+    topk = _topk_like(q_lens, seq_lens, 2048)
+    topk[4, 1000:1300] = -1  # padding inside the list: whole chunks empty, one partly
+    for tk in (None, topk):
+        full = tri.mla_attention(qn, qp, lat, cu, sl, bt, scale, tk)
+        _close(full, torch_ref_mla.mla_attention(qn, qp, lat, cu, sl, bt, scale, tk), 1e-2, 1e-2)
+        for b in (0, 3, 4):
+            sub_tk = None if tk is None else tk[b:b + 1]
+            alone = tri.mla_attention(qn[b:b + 1], qp[b:b + 1], lat, _cu([1]), sl[b:b + 1], bt[b:b + 1], scale,
+                                      sub_tk)
+            assert torch.equal(alone, full[b:b + 1])
+        # decode row 4 beside a 300-token prefill chunk of sequence 3
+        g = torch.Generator().manual_seed(11)
+        mq = torch.cat([torch.randn(300, H, 512, generator=g).to(DEV, torch.bfloat16), qn[4:5]])
+        mp = torch.cat([torch.randn(300, H, 64, generator=g).to(DEV, torch.bfloat16), qp[4:5]])
+        margs = (mq, mp, lat, _cu([300, 1]), sl[3:5], bt[3:5])
+        mtk = None if tk is None else torch.cat([_topk_like([300], [2049], 2048), tk[4:5]])
+        mixed = tri.mla_attention(*margs, scale, mtk)
+        _close(mixed, torch_ref_mla.mla_attention(*margs, scale, mtk), 1e-2, 1e-2)
+        assert torch.equal(mixed[300:], full[4:5])
+
+
 def _indexer_inputs(q_lens, seq_lens, integer, Hi=64, Di=128, bs=64, seed=6):
     g = torch.Generator().manual_seed(seed)
     nb, bt = _paged(seq_lens, bs, g)

@@ -5,9 +5,16 @@ every query head attends to the one shared latent row ``[c_kv | k_pe]`` of each 
 ``logit = scale * (q_nope_absorbed · c_kv + q_pe · k_pe)`` and ``out = Σ softmax(logit) c_kv``. With
 ``topk_indices`` a query attends only to the positions its indexer selected (-1 = padding), still causally.
 
-Work split: one program per (query token, block of heads) walks that token's keys (all causal positions,
-or its top-k list) in a fixed order with an online softmax; no split-KV, so a token's result is
-independent of the batch (dsa.md §5.6). Grid sized from shapes only: CUDA-graph capturable.
+Work split. Query rows of a sequence with more than one new token (prefill, chunked prefill): one
+program per (query token, block of heads) walks that token's keys (all causal positions, or its top-k list)
+in a fixed order with an online softmax (no split-KV, dsa.md §5.6). Decode rows (the only new token of
+their sequence): that layout gives a batch-1 step H / BLOCK_H programs, each walking 2048 keys serially,
+so decode rows use split-KV (Flash-Decoding, Dao et al. 2023): programs (sequence, block of heads, chunk)
+each reduce a fixed-size chunk of the row's key list (``SPLIT_CHUNK_SPARSE`` top-k entries, or
+``SPLIT_CHUNK_DENSE`` causal positions) to (max, sum, unnormalized output) partials, and a second kernel
+merges the row's chunks in chunk order. The chunk boundaries depend only on the row's own key count and
+which path a row takes only on its own sequence's query length, so a row's result is deterministic and
+does not depend on the rest of the batch. Grids sized from shapes only: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ def _mla_kernel(
     num_seqs, H, R, P, K, block_size, sm_scale,
     s_qnt, s_qnh, s_qpt, s_qph, s_lb, s_ls, s_ot, s_oh, s_bt, s_tk,
     SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
-    P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
+    if SKIP_DECODE_ROWS:  # rows that are their sequence's only new token go to the split-KV kernels
+        if tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b) == 1:
+            return
 
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -78,6 +88,120 @@ def _mla_kernel(
              mask=h_ok[:, None] & r_ok[None, :])
 
 
+#: keys per split-KV chunk for decode rows: top-k entries (sparse) and causal positions (dense). Constants,
+#: so a row's chunk boundaries never depend on the batch.
+SPLIT_CHUNK_SPARSE = 128
+SPLIT_CHUNK_DENSE = 256
+
+
+@triton.jit
+def _mla_split_kernel(
+    qn_ptr, qp_ptr, lat_ptr, ws_acc_ptr, ws_ml_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, topk_ptr,
+    H, R, P, K, block_size, sm_scale, n_chunks,
+    s_qnt, s_qnh, s_qpt, s_qph, s_lb, s_ls, s_bt, s_tk,
+    SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    R_PAD: tl.constexpr, P_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    # program (sequence b, head block, chunk c): the decode row of b over keys [c * CHUNK, (c + 1) * CHUNK) of
+    # its key list. Writes ws_acc[b, c, h, :R] (unnormalized), ws_ml[b, c, h, 0 / 1] = (max, sum), log2 units.
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    c = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    if tl.load(cu_q_ptr + b + 1) - q_start != 1:  # not a decode row: the one-program kernel owns it
+        return
+    t64 = q_start.to(tl.int64)
+    qpos = tl.load(seq_lens_ptr + b) - 1
+    if SPARSE:
+        n_keys = K
+    else:
+        n_keys = qpos + 1
+    start = c * CHUNK
+    if start >= n_keys:  # past this row's last chunk: the merge never reads it
+        return
+    end = tl.minimum(n_keys, start + CHUNK)
+
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    r = tl.arange(0, R_PAD)
+    r_ok = r < R
+    p = tl.arange(0, P_PAD)
+    p_ok = p < P
+    qn = tl.load(qn_ptr + t64 * s_qnt + h[:, None].to(tl.int64) * s_qnh + r[None, :],
+                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    qp = tl.load(qp_ptr + t64 * s_qpt + h[:, None].to(tl.int64) * s_qph + p[None, :],
+                 mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        j = n + tl.arange(0, BLOCK_N)
+        j_ok = j < end
+        if SPARSE:
+            s = tl.load(topk_ptr + t64 * s_tk + j, mask=j_ok, other=-1)
+            s_ok = j_ok & (s >= 0) & (s <= qpos)
+            s = tl.where(s_ok, s, 0)
+        else:
+            s = j
+            s_ok = j_ok
+        row = paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_lb, s_ls)
+        ckv = tl.load(lat_ptr + row[:, None] + r[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
+        pe = tl.load(lat_ptr + row[:, None] + R + p[None, :], mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+        scores = dot_acc(qn, tl.trans(ckv), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
+        scores = dot_acc(qp, tl.trans(pe), scores, DOT_DTYPE) * qk_scale
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        prob = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        acc = dot_acc(prob.to(ckv.dtype), ckv, acc * alpha[:, None], DOT_DTYPE)
+        m_i = m_new
+    base = (b.to(tl.int64) * n_chunks + c) * H + h.to(tl.int64)
+    tl.store(ws_acc_ptr + base[:, None] * R + r[None, :], acc, mask=h_ok[:, None] & r_ok[None, :])
+    tl.store(ws_ml_ptr + base * 2, m_i, mask=h_ok)
+    tl.store(ws_ml_ptr + base * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    ws_acc_ptr, ws_ml_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, H, R, K, n_chunks, s_ot, s_oh,
+    SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr,
+):
+    # merges the decode row's chunks in chunk order: global max first, then sum_c 2^(m_c - M) (l_c, acc_c)
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    q_start = tl.load(cu_q_ptr + b)
+    if tl.load(cu_q_ptr + b + 1) - q_start != 1:
+        return
+    if SPARSE:
+        n_keys = K
+    else:
+        n_keys = tl.load(seq_lens_ptr + b)
+    n_row = (n_keys + CHUNK - 1) // CHUNK
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    r = tl.arange(0, R_PAD)
+    r_ok = r < R
+    row0 = b.to(tl.int64) * n_chunks * H + h.to(tl.int64)
+    m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for c in range(0, n_row):
+        m_all = tl.maximum(m_all, tl.load(ws_ml_ptr + (row0 + c * H) * 2, mask=h_ok, other=float("-inf")))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    for c in range(0, n_row):
+        rc = row0 + c * H
+        wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=h_ok, other=float("-inf")) - m_safe)
+        l_all += wgt * tl.load(ws_ml_ptr + rc * 2 + 1, mask=h_ok, other=0.0)
+        acc += wgt[:, None] * tl.load(ws_acc_ptr + rc[:, None] * R + r[None, :],
+                                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    out = acc / l_all[:, None]  # no selected key at all: NaN, like the reference's softmax
+    tl.store(o_ptr + q_start.to(tl.int64) * s_ot + h[:, None].to(tl.int64) * s_oh + r[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,17 +228,41 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     if sparse and topk_indices.stride(-1) != 1:
         topk_indices = topk_indices.contiguous()
     r_pad = pow2(R, 16)
-    block_h = min(pow2(H, 16), 32 if r_pad >= 256 else 64)
-    block_n = 32 if r_pad >= 256 else 64
-    grid = (T, triton.cdiv(H, block_h))
+    p_pad = pow2(P, 16)
+    dot = dot_dtype(q_nope_absorbed.dtype)
+    K = topk_indices.shape[1] if sparse else 0
     tk = topk_indices if sparse else block_tables  # dummy pointer when dense
-    _mla_kernel[grid](
-        q_nope_absorbed, q_pe, latent_cache, out, cu_seqlens_q, seq_lens, block_tables, tk,
-        B, H, R, P, topk_indices.shape[1] if sparse else 0, latent_cache.shape[1], float(scale),
+    if T > B:  # some sequence has several new tokens (prefill): one program per (token, head block)
+        block_h = min(pow2(H, 16), 32 if r_pad >= 256 else 64)
+        block_n = 32 if r_pad >= 256 else 64
+        grid = (T, triton.cdiv(H, block_h))
+        _mla_kernel[grid](
+            q_nope_absorbed, q_pe, latent_cache, out, cu_seqlens_q, seq_lens, block_tables, tk,
+            B, H, R, P, K, latent_cache.shape[1], float(scale),
+            q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
+            latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            tk.stride(0),
+            SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=p_pad, BLOCK_B=pow2(B),
+            DOT_DTYPE=dot, SKIP_DECODE_ROWS=True, num_warps=8 if r_pad >= 256 else 4, num_stages=2,
+        )
+    # decode rows (all rows when T == B): split-KV over fixed-size chunks, then the ordered merge. Chunk
+    # count bound from shapes only: the top-k width, or the block table's capacity (dense).
+    chunk = SPLIT_CHUNK_SPARSE if sparse else SPLIT_CHUNK_DENSE
+    n_chunks = max(1, triton.cdiv(K if sparse else block_tables.shape[1] * latent_cache.shape[1], chunk))
+    ws_acc = torch.empty((B, n_chunks, H, R), dtype=torch.float32, device=out.device)
+    ws_ml = torch.empty((B, n_chunks, H, 2), dtype=torch.float32, device=out.device)
+    block_h = min(pow2(H, 16), 16 if r_pad >= 256 else 32)
+    _mla_split_kernel[(B, triton.cdiv(H, block_h), n_chunks)](
+        q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables, tk,
+        H, R, P, K, latent_cache.shape[1], float(scale), n_chunks,
         q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
-        latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        tk.stride(0),
-        SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=pow2(P, 16), BLOCK_B=pow2(B),
-        DOT_DTYPE=dot_dtype(q_nope_absorbed.dtype), num_warps=8 if r_pad >= 256 else 4, num_stages=2,
+        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), tk.stride(0),
+        SPARSE=sparse, CHUNK=chunk, BLOCK_H=block_h, BLOCK_N=32 if r_pad >= 256 else 64, R_PAD=r_pad,
+        P_PAD=p_pad, DOT_DTYPE=dot, num_warps=4, num_stages=2,
+    )
+    merge_h = min(pow2(H, 16), 16)
+    _mla_merge_kernel[(B, triton.cdiv(H, merge_h))](
+        ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, R, K, n_chunks, out.stride(0), out.stride(1),
+        SPARSE=sparse, CHUNK=chunk, BLOCK_H=merge_h, R_PAD=r_pad, num_warps=4,
     )
     return out
