@@ -418,6 +418,10 @@ def dequantize_fp8_block_checkpoint(dst: str | Path) -> dict[str, torch.Tensor]:
 # compressed-tensors (llm-compressor): int4 pack-quantized (W4A16) and FP8 float-quantized
 
 
+#: the ``ignore`` list llm-compressor recipes give DeepSeek/GLM checkpoints: router, indexer weights, head
+CT_DEFAULT_IGNORE = ("lm_head", "re:.*mlp\\.gate$", "re:.*indexer\\.weights_proj$")
+
+
 def _pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     """Pack unsigned 4-bit values [N, K] (K % 8 == 0) into int32 [N, K/8], low nibble = lowest column."""
     n, k = q.shape
@@ -433,7 +437,7 @@ def write_ct_int4_checkpoint(src: str | Path, dst: str | Path, group_size: int =
                              ignore: list[str] | None = None, leave_float: Iterable[str] = ()) -> Path:
     """compressed-tensors ``pack-quantized`` W4A16 (symmetric int4, group strategy), as llm-compressor
     writes it: ``<m>.weight_packed`` I32 [N, K/8], ``<m>.weight_scale`` BF16 [N, K/G], ``<m>.weight_shape``
-    I64 [2] = [N, K]. ``ignore`` defaults to ``["lm_head", "re:.*mlp\\.gate$", "re:.*indexer\\.weights_proj$"]``
+    I64 [2] = [N, K]. ``ignore`` defaults to :data:`CT_DEFAULT_IGNORE`
     (tensors matching them and ``leave_float`` stay float). Values are really quantized."""
     src, dst = Path(src), Path(dst)
 
@@ -454,7 +458,7 @@ def write_ct_int4_checkpoint(src: str | Path, dst: str | Path, group_size: int =
             "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size,
                         "symmetric": True, "dynamic": False, "actorder": None, "block_structure": None,
                         "observer": "minmax", "observer_kwargs": {}}}},
-        "ignore": ignore if ignore is not None else ["lm_head", "re:.*mlp\\.gate$", "re:.*indexer\\.weights_proj$"],
+        "ignore": ignore if ignore is not None else list(CT_DEFAULT_IGNORE),
         "kv_cache_scheme": None, "version": "0.10.2",
     }
     _write_config(dst, cfg, qcfg)
@@ -484,7 +488,7 @@ def write_ct_fp8_checkpoint(src: str | Path, dst: str | Path, strategy: str = "c
                         "dynamic": False, "group_size": None, "block_structure": None, "actorder": None},
             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                                   "dynamic": True}}},
-        "ignore": ignore if ignore is not None else ["lm_head", "re:.*mlp\\.gate$", "re:.*indexer\\.weights_proj$"],
+        "ignore": ignore if ignore is not None else list(CT_DEFAULT_IGNORE),
         "kv_cache_scheme": None,
     }
     _write_config(dst, cfg, qcfg)
