@@ -410,6 +410,40 @@ def test_fused_moe_fp8_block_matches_dequantized_reference():
         tri.fused_moe(x[:, :5], w13, w2, tw, ids)
 
 
+def test_fused_moe_block_m_regimes_and_batch_invariance():
+    """Small batches use 16-row expert tiles, larger ones 64 (moe_block_m); FP8 weights and -1 / foreign
+    expert ids in both regimes match the reference, and within a regime a token's output has the same bits
+    whatever its batch (alone vs in a small batch; in two different 64-row-tile batches)."""
+    from atomtool.serve.ops.triton.moe import moe_block_m
+
+    E, k = 4, 2
+    assert moe_block_m(1 * 8, 256) == 16 and moe_block_m(64 * 8, 256) == 16 and moe_block_m(1024 * 8, 256) == 64
+    assert moe_block_m(16 * E, E) == 16 and moe_block_m(16 * E + 1, E) == 64
+    T, H, inter, block = 40, 48, 40, (16, 16)
+    assert moe_block_m(T * k, E) == 64 and moe_block_m(k, E) == 16
+    x, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k, seed=10)
+    ids[3, 0], ids[9] = -1, torch.tensor([E + 2, -1])
+    g = torch.Generator().manual_seed(11)
+    w13q, w2q = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, -(-2 * inter // 16), -(-H // 16), generator=g) + 0.5
+    s2 = torch.rand(E, -(-H // 16), -(-inter // 16), generator=g) + 0.5
+    d13 = torch.stack([torch_ref.dequant_fp8_block(w13q[e], s13[e], block, torch.float32) for e in range(E)])
+    d2 = torch.stack([torch_ref.dequant_fp8_block(w2q[e], s2[e], block, torch.float32) for e in range(E)])
+    for fp8 in (False, True):
+        wa, wb = (w13q, w2q) if fp8 else (w13, w2)
+        extra = (s13, s2, block) if fp8 else ()
+        full = tri.fused_moe(x, wa, wb, tw, ids, *extra)
+        ref = torch_ref_mla.fused_moe(x, d13 if fp8 else w13, d2 if fp8 else w2, tw, ids)
+        _close(full, ref, 2e-5, 1e-5)
+        small = tri.fused_moe(x[:8], wa, wb, tw[:8], ids[:8], *extra)  # 16 pairs: 16-row tiles
+        _close(small, ref[:8], 2e-5, 1e-5)
+        for t in (0, 3, 7):
+            alone = tri.fused_moe(x[t:t + 1], wa, wb, tw[t:t + 1], ids[t:t + 1], *extra)
+            assert torch.equal(alone[0], small[t])
+        part = tri.fused_moe(x[3:38], wa, wb, tw[3:38], ids[3:38], *extra)  # 70 pairs: still 64-row tiles
+        assert torch.equal(part, full[3:38])
+
+
 def test_moe_sorting_layout():
     from atomtool.serve.ops.triton.moe import sort_tokens_by_expert
 

@@ -284,6 +284,31 @@ def test_fused_moe_bf16_and_fp8(tri, T, gpu_report):
     assert err8 <= 1e-2
 
 
+def test_fused_moe_decode_tiles_batch_invariant(tri, gpu_report):
+    """Decode-sized batches use 16-row expert tiles (moe_block_m): a token gives the same bits alone and in
+    a 64-token batch, BF16 and FP8. Across the 16/64 threshold only recorded (the dot instruction changes)."""
+    from atomtool.serve.ops.triton.moe import moe_block_m
+
+    g = torch.Generator().manual_seed(12)
+    E, k, H, inter, T = 64, 6, 1024, 512, 64
+    assert moe_block_m(T * k, E) == 16 and moe_block_m(1000 * k, E) == 64
+    x = torch.randn(1000, H, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(1000)]).to(DEV)
+    ids[5, 2] = -1
+    tw = torch.rand(1000, k, generator=g).to(DEV)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    q13, s13 = _fp8_weight(2 * inter, H, g, lead=(E,))
+    q2, s2 = _fp8_weight(H, inter, g, lead=(E,))
+    for name, a13, a2, extra in (("bf16", w13, w2, ()), ("fp8", q13, q2, (s13, s2))):
+        def run(a, b, a13=a13, a2=a2, extra=extra):
+            return tri.fused_moe(x[a:b], a13, a2, tw[a:b], ids[a:b], *extra)
+        batch = run(0, T)
+        for t in (0, 5, 63):
+            assert torch.equal(run(t, t + 1)[0], batch[t])
+        gpu_report[f"fused_moe_{name}_row_bitwise_equal_T1_vs_T1000"] = bool(torch.equal(run(0, 1000)[0], batch[0]))
+
+
 def test_fused_moe_fp32(tri):
     g = torch.Generator().manual_seed(9)
     T, E, k, H, inter = 50, 16, 4, 256, 128
