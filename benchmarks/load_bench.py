@@ -14,7 +14,12 @@ The disk's sequential read rate is measured in the same run with O_DIRECT reads 
 checkpoint's shard, so it is a cold read whatever the page cache holds. Reported: GB/s = checkpoint bytes /
 load_s, its fraction of the disk rate, and the layout's speedup over the raw checkpoint (goal: >= 2x).
 
-Run: ``python -m benchmarks.load_bench [--smoke]``.
+``--cpu``: the same full-size model loaded onto the CPU in bfloat16 (``load_model`` only, no engine), each
+source with a cold-ish cache (``posix_fadvise(DONTNEED)`` on every file of the checkpoint, no root needed)
+and a warm one, plus ``layout-generic``: the layout through the generic path (``safe_open`` ->
+``load_weights``) that the fast path (:mod:`atomtool.serve.layout_load`) replaced, for before/after.
+
+Run: ``python -m benchmarks.load_bench [--smoke | --cpu]``.
 """
 
 from __future__ import annotations
@@ -84,6 +89,81 @@ def disk_read_rate(path: Path, chunk: int = 16 << 20, may_drop: bool = True) -> 
     return size / dt, method
 
 
+def fadvise_dontneed(root: Path) -> bool:
+    """Evict ``root``'s files from the page cache (fsync + POSIX_FADV_DONTNEED; clean pages only)."""
+    ok = True
+    for f in root.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                ok = False
+            finally:
+                os.close(fd)
+    return ok
+
+
+def load_layout_generic(path: Path, device: torch.device) -> None:
+    """The layout through the generic path the fast loader replaced: safe_open -> get_tensor -> load_weights."""
+    from atomtool.convert.layout import load_layout_specs
+    from atomtool.inspect.dsa import flatten_dsa_config
+    from atomtool.serve.loader import _layout_tensors, read_config
+    from atomtool.serve.models.registry import get_model_class, resolve_architecture
+
+    raw = read_config(path)
+    model = get_model_class(resolve_architecture(raw))(flatten_dsa_config(raw), load_layout_specs(path),
+                                                       torch.bfloat16, device)
+    model.load_weights(_layout_tensors(path))
+
+
+def cpu_main(reps: int, tmp_dir: str | None) -> int:
+    """--cpu: load_model onto the CPU (bfloat16), cold-ish and warm cache, raw vs layout vs layout-generic."""
+    from atomtool.convert.commands import run_convert
+    from atomtool.serve.loader import load_model
+
+    device = torch.device("cpu")
+    print("env", C.env_info(device), flush=True)
+    with tempfile.TemporaryDirectory(prefix="atomtool-load-", dir=tmp_dir) as tmp:
+        raw, layout = Path(tmp) / "raw", Path(tmp) / "layout"
+        nbytes = write_checkpoint(C.qwen3_config(), raw, device)
+        t0 = time.perf_counter()
+        run_convert(str(raw), str(layout))
+        convert_s = time.perf_counter() - t0
+        shard = max(raw.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        disk_Bps, method = disk_read_rate(shard, may_drop=False)
+        sources = {"raw": (raw, lambda p: load_model(p, dtype="bfloat16", device=device)),
+                   "layout": (layout, lambda p: load_model(p, dtype="bfloat16", device=device)),
+                   "layout-generic": (layout, lambda p: load_layout_generic(p, device))}
+        times: dict[tuple[str, str], list[float]] = {}
+        for _ in range(reps):
+            for kind, (path, fn) in sources.items():
+                for cache in ("cold", "warm"):
+                    if cache == "cold":
+                        fadvise_dontneed(path)
+                    else:
+                        fn(path)  # (warms the cache) -- untimed
+                        gc.collect()
+                    t0 = time.perf_counter()
+                    fn(path)
+                    times.setdefault((kind, cache), []).append(time.perf_counter() - t0)
+                    gc.collect()
+        rows = [{"source": k, "cache": c, "load_s": statistics.median(v), "GBps": nbytes / statistics.median(v) / 1e9,
+                 "all_load_s": [round(t, 3) for t in v]} for (k, c), v in times.items()]
+        med = {(r["source"], r["cache"]): r["load_s"] for r in rows}
+        speed = {c: {"layout_vs_raw": med["raw", c] / med["layout", c],
+                     "layout_vs_generic": med["layout-generic", c] / med["layout", c]} for c in ("cold", "warm")}
+        C.record("load_cpu", checkpoint_GB=nbytes / 1e9, disk_GBps=disk_Bps / 1e9, disk_method=method,
+                 convert_s=convert_s, rows=rows, speedups=speed, threads=torch.get_num_threads(),
+                 cpus=os.cpu_count())
+        C.print_table(f"load on CPU ({nbytes / 1e9:.2f} GB bf16; disk {disk_Bps / 1e9:.2f} GB/s {method})", rows,
+                      ["source", "cache", "load_s", "GBps", "all_load_s"])
+        for c, v in speed.items():
+            print(f"{c}: layout vs raw {v['layout_vs_raw']:.2f}x, layout fast vs generic {v['layout_vs_generic']:.2f}x")
+    return 0
+
+
 def load_once(path: Path, device: torch.device, graphs: bool) -> tuple[float, float]:
     from atomtool.serve.engine.llm_engine import LLMEngine
     from atomtool.serve.loader import load_model
@@ -106,9 +186,12 @@ def load_once(path: Path, device: torch.device, graphs: bool) -> tuple[float, fl
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU toy sizes")
+    ap.add_argument("--cpu", action="store_true", help="full-size model loaded onto the CPU (load_model only)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     args = ap.parse_args(argv)
+    if args.cpu:
+        return cpu_main(args.reps, args.dir)
     device = C.pick_device(args.smoke)
     print("env", C.env_info(device), flush=True)
     from atomtool.convert.commands import run_convert

@@ -39,7 +39,7 @@ from atomtool.serve.models.base import CausalLM, torch_dtype_of
 #: iovecs per preadv (Linux IOV_MAX is 1024)
 _MAX_IOV = 512
 #: default bytes per read: large enough for full disk / page-cache bandwidth, small enough to pipeline
-DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 @dataclass
@@ -206,11 +206,13 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
             groups = [chunks[i::workers] for i in range(workers)]
             groups = [g for g in groups if g]
             if use_staging:
-                dev = next(iter(devices))
-                if len(devices) > 1:
-                    raise EngineError(f"parameters on several devices {sorted(map(str, devices))}")
+                gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
+                if len(gpus) > 1:  # one stream per worker serves one GPU; not a layout the engine builds
+                    raise EngineError(f"parameters on several GPUs {[str(d) for d in gpus]}")
+                dev = gpus[0] if gpus else torch.device("cpu")
                 if dev.type == "cuda":
-                    torch.cuda.set_device(dev)
+                    # the model's own init kernels (default stream) must not land after our side-stream copies
+                    torch.cuda.synchronize(dev)
 
                 def job(g: list[_Chunk]) -> None:
                     if dev.type == "cuda":
