@@ -21,7 +21,7 @@ from tests.checkpoints import write_fp8_block_checkpoint, write_hf_checkpoint
 from tests.engine_fixtures import convert_checkpoint
 
 
-def _build(layout, dtype):
+def _build(layout, dtype, device="cpu"):
     from atomtool.convert.layout import load_layout_specs
     from atomtool.inspect.dsa import flatten_dsa_config
     from atomtool.serve.loader import read_config
@@ -29,7 +29,7 @@ def _build(layout, dtype):
 
     raw = read_config(layout)
     model = get_model_class(resolve_architecture(raw))(flatten_dsa_config(raw), load_layout_specs(layout),
-                                                       dtype, torch.device("cpu"))
+                                                       dtype, torch.device(device))
     # poison every parameter so a tensor the loader forgets cannot match by accident
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
@@ -37,10 +37,10 @@ def _build(layout, dtype):
     return model
 
 
-def _old(layout, dtype):
+def _old(layout, dtype, device="cpu"):
     from atomtool.serve.loader import _layout_tensors
 
-    model = _build(layout, dtype)
+    model = _build(layout, dtype, device)
     model.load_weights(_layout_tensors(layout))
     return model
 
