@@ -204,13 +204,15 @@ def test_mla_attention_dense_and_sparse_fp32(case):
 
 
 def test_mla_split_kv_decode_across_chunks_and_batch_invariance():
-    """Decode rows take the split-KV path: contexts crossing several dense chunks (256 keys) and exactly at
-    chunk boundaries; top-k lists crossing several sparse chunks (128) with whole chunks of -1 padding; a
-    decode row gives the same bits alone, in a decode batch and beside a prefill chunk."""
-    from atomtool.serve.ops.triton.mla import SPLIT_CHUNK_DENSE, SPLIT_CHUNK_SPARSE
+    """Decode rows take the split-KV path: contexts crossing several dense chunks (>= 256 keys) and exactly
+    at chunk boundaries, and one long enough for chunks over the minimum span; top-k lists crossing several
+    sparse chunks (128) with whole chunks of -1 padding; a decode row gives the same bits alone, in a decode
+    batch and beside a prefill chunk."""
+    from atomtool.serve.ops.triton.mla import SPLIT_CHUNK_SPARSE, SPLIT_CHUNKS_DENSE, SPLIT_SPAN_DENSE
 
-    cd, cs = SPLIT_CHUNK_DENSE, SPLIT_CHUNK_SPARSE
-    seq_lens = [1, cd, cd + 1, 2 * cd + 77]
+    cd, cs = SPLIT_SPAN_DENSE, SPLIT_CHUNK_SPARSE
+    # the last context needs chunks longer than the minimum span (more than SPLIT_CHUNKS_DENSE x cd keys)
+    seq_lens = [1, cd, cd + 1, 2 * cd + 77, SPLIT_CHUNKS_DENSE * cd + 300]
     q_lens = [1] * len(seq_lens)
     H, R, P, bs = 3, 16, 8, 16
     args = _mla_inputs(q_lens, seq_lens, H, R, P, bs, seed=12)

@@ -10,11 +10,12 @@ program per (query token, block of heads) walks that token's keys (all causal po
 in a fixed order with an online softmax (no split-KV, dsa.md §5.6). Decode rows (the only new token of
 their sequence): that layout gives a batch-1 step H / BLOCK_H programs, each walking 2048 keys serially,
 so decode rows use split-KV (Flash-Decoding, Dao et al. 2023): programs (sequence, block of heads, chunk)
-each reduce a fixed-size chunk of the row's key list (``SPLIT_CHUNK_SPARSE`` top-k entries, or
-``SPLIT_CHUNK_DENSE`` causal positions) to (max, sum, unnormalized output) partials, and a second kernel
-merges the row's chunks in chunk order. The chunk boundaries depend only on the row's own key count and
-which path a row takes only on its own sequence's query length, so a row's result is deterministic and
-does not depend on the rest of the batch. Grids sized from shapes only: CUDA-graph capturable.
+each reduce a chunk of the row's key list (``SPLIT_CHUNK_SPARSE`` top-k entries; dense: at most
+``SPLIT_CHUNKS_DENSE`` chunks of >= ``SPLIT_SPAN_DENSE`` positions) to (max, sum, unnormalized output)
+partials, and a second kernel merges the row's chunks in chunk order (split_kv.py). The chunk boundaries
+depend only on the row's own key count, and which path a row takes only on its own sequence's query
+length, so a row's result is deterministic and does not depend on the rest of the batch. Grids sized from
+shapes only: CUDA-graph capturable. Workspace: B x chunks x H x (R + 2) float32 per call.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
+from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid_block, split_kv_merge_kernel
 
 
 @triton.jit
@@ -88,10 +90,12 @@ def _mla_kernel(
              mask=h_ok[:, None] & r_ok[None, :])
 
 
-#: keys per split-KV chunk for decode rows: top-k entries (sparse) and causal positions (dense). Constants,
-#: so a row's chunk boundaries never depend on the batch.
+#: split-KV for decode rows: sparse rows cut their top-k list into chunks of 128 entries; dense rows cut their
+#: causal positions into at most SPLIT_CHUNKS_DENSE chunks of at least SPLIT_SPAN_DENSE keys
+#: (``split_kv.chunk_span``). Constants, so a row's chunk boundaries never depend on the batch.
 SPLIT_CHUNK_SPARSE = 128
-SPLIT_CHUNK_DENSE = 256
+SPLIT_SPAN_DENSE = 256
+SPLIT_CHUNKS_DENSE = 32
 
 
 @triton.jit
@@ -99,10 +103,10 @@ def _mla_split_kernel(
     qn_ptr, qp_ptr, lat_ptr, ws_acc_ptr, ws_ml_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, topk_ptr,
     H, R, P, K, block_size, sm_scale, n_chunks,
     s_qnt, s_qnh, s_qpt, s_qph, s_lb, s_ls, s_bt, s_tk,
-    SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr, P_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    # program (sequence b, head block, chunk c): the decode row of b over keys [c * CHUNK, (c + 1) * CHUNK) of
+    # program (sequence b, head block, chunk c): the decode row of b over keys [c * span, (c + 1) * span) of
     # its key list. Writes ws_acc[b, c, h, :R] (unnormalized), ws_ml[b, c, h, 0 / 1] = (max, sum), log2 units.
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -116,10 +120,11 @@ def _mla_split_kernel(
         n_keys = K
     else:
         n_keys = qpos + 1
-    start = c * CHUNK
+    span = chunk_span(n_keys, n_chunks, SPAN_MIN)
+    start = c * span
     if start >= n_keys:  # past this row's last chunk: the merge never reads it
         return
-    end = tl.minimum(n_keys, start + CHUNK)
+    end = tl.minimum(n_keys, start + span)
 
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -162,44 +167,6 @@ def _mla_split_kernel(
     tl.store(ws_acc_ptr + base[:, None] * R + r[None, :], acc, mask=h_ok[:, None] & r_ok[None, :])
     tl.store(ws_ml_ptr + base * 2, m_i, mask=h_ok)
     tl.store(ws_ml_ptr + base * 2 + 1, l_i, mask=h_ok)
-
-
-@triton.jit
-def _mla_merge_kernel(
-    ws_acc_ptr, ws_ml_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, H, R, K, n_chunks, s_ot, s_oh,
-    SPARSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr,
-):
-    # merges the decode row's chunks in chunk order: global max first, then sum_c 2^(m_c - M) (l_c, acc_c)
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
-    q_start = tl.load(cu_q_ptr + b)
-    if tl.load(cu_q_ptr + b + 1) - q_start != 1:
-        return
-    if SPARSE:
-        n_keys = K
-    else:
-        n_keys = tl.load(seq_lens_ptr + b)
-    n_row = (n_keys + CHUNK - 1) // CHUNK
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    r = tl.arange(0, R_PAD)
-    r_ok = r < R
-    row0 = b.to(tl.int64) * n_chunks * H + h.to(tl.int64)
-    m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for c in range(0, n_row):
-        m_all = tl.maximum(m_all, tl.load(ws_ml_ptr + (row0 + c * H) * 2, mask=h_ok, other=float("-inf")))
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    l_all = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
-    for c in range(0, n_row):
-        rc = row0 + c * H
-        wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=h_ok, other=float("-inf")) - m_safe)
-        l_all += wgt * tl.load(ws_ml_ptr + rc * 2 + 1, mask=h_ok, other=0.0)
-        acc += wgt[:, None] * tl.load(ws_acc_ptr + rc[:, None] * R + r[None, :],
-                                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    out = acc / l_all[:, None]  # no selected key at all: NaN, like the reference's softmax
-    tl.store(o_ptr + q_start.to(tl.int64) * s_ot + h[:, None].to(tl.int64) * s_oh + r[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
 
 
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
@@ -245,10 +212,10 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
             SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=p_pad, BLOCK_B=pow2(B),
             DOT_DTYPE=dot, SKIP_DECODE_ROWS=True, num_warps=8 if r_pad >= 256 else 4, num_stages=2,
         )
-    # decode rows (all rows when T == B): split-KV over fixed-size chunks, then the ordered merge. Chunk
-    # count bound from shapes only: the top-k width, or the block table's capacity (dense).
-    chunk = SPLIT_CHUNK_SPARSE if sparse else SPLIT_CHUNK_DENSE
-    n_chunks = max(1, triton.cdiv(K if sparse else block_tables.shape[1] * latent_cache.shape[1], chunk))
+    # decode rows (all rows when T == B): split-KV over chunks cut from the row's own key count, then the
+    # ordered merge. Chunk count: from the top-k width (sparse) or a constant (dense), never from the batch.
+    span_min = SPLIT_CHUNK_SPARSE if sparse else SPLIT_SPAN_DENSE
+    n_chunks = max(1, triton.cdiv(K, SPLIT_CHUNK_SPARSE)) if sparse else SPLIT_CHUNKS_DENSE
     ws_acc = torch.empty((B, n_chunks, H, R), dtype=torch.float32, device=out.device)
     ws_ml = torch.empty((B, n_chunks, H, 2), dtype=torch.float32, device=out.device)
     block_h = min(pow2(H, 16), 16 if r_pad >= 256 else 32)
@@ -257,12 +224,12 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         H, R, P, K, latent_cache.shape[1], float(scale), n_chunks,
         q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), tk.stride(0),
-        SPARSE=sparse, CHUNK=chunk, BLOCK_H=block_h, BLOCK_N=32 if r_pad >= 256 else 64, R_PAD=r_pad,
+        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=block_h, BLOCK_N=32 if r_pad >= 256 else 64, R_PAD=r_pad,
         P_PAD=p_pad, DOT_DTYPE=dot, num_warps=4, num_stages=2,
     )
-    merge_h = min(pow2(H, 16), 16)
-    _mla_merge_kernel[(B, triton.cdiv(H, merge_h))](
+    merge_h = merge_grid_block(H)
+    split_kv_merge_kernel[(B, triton.cdiv(H, merge_h))](
         ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, R, K, n_chunks, out.stride(0), out.stride(1),
-        SPARSE=sparse, CHUNK=chunk, BLOCK_H=merge_h, R_PAD=r_pad, num_warps=4,
+        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=merge_h, D_PAD=r_pad, EMPTY_IS_ZERO=False, num_warps=4,
     )
     return out
