@@ -71,20 +71,25 @@ def mla_fp8(request, tmp_path_factory):
     return convert_checkpoint(dst, root / "layout")
 
 
-@pytest.mark.parametrize("kw", [{}, dict(chunk_bytes=1000, workers=3), dict(staged=True, chunk_bytes=4096, workers=2)],
-                         ids=["default", "small-chunks-3-threads", "staged"])
+@pytest.mark.parametrize("kw", [{}, dict(chunk_bytes=1000, workers=3), dict(staged=True, chunk_bytes=4096, workers=2),
+                                dict(staged=True, direct_io=True, chunk_bytes=5000, workers=2)],
+                         ids=["default", "small-chunks-3-threads", "staged", "staged-o-direct"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-direct", "fp32-cast"])
 def test_dense_fast_path_is_bitwise_identical(dense, dtype, kw):
     new = _build(dense, dtype)
     stats = load_layout_weights(new, dense, **kw)
     _bytes_equal(new, _old(dense, dtype))
+    if kw.get("direct_io") and dtype == torch.bfloat16:
+        assert stats["o_direct_files"] == 1  # (tmp_path is on a file system with O_DIRECT)
     if dtype == torch.bfloat16:
         assert stats["fallback"] == 0 and stats["direct"] == len(new.expected_weight_names())
     else:  # float32 model over a bfloat16 layout: every float tensor is cast by load_weights
         assert stats["direct"] == 0
 
 
-@pytest.mark.parametrize("kw", [{}, dict(staged=True, chunk_bytes=3000, workers=2)], ids=["default", "staged"])
+@pytest.mark.parametrize("kw", [{}, dict(staged=True, chunk_bytes=3000, workers=2),
+                                dict(staged=True, direct_io=True, chunk_bytes=70000, workers=3)],
+                         ids=["default", "staged", "staged-o-direct"])
 def test_mla_fp8_fast_path_is_bitwise_identical(mla_fp8, kw):
     new = _build(mla_fp8, torch.bfloat16)
     stats = load_layout_weights(new, mla_fp8, **kw)

@@ -12,7 +12,8 @@ calls, in order, straight into the already-allocated parameters.
   reused once its copies' event completed (double buffering: the next read overlaps the transfer).
 
 A small thread pool reads chunks in parallel (``preadv`` and the copies release the GIL); chunks are dealt
-round-robin so concurrent reads stay close together in the file.
+round-robin so concurrent reads stay close together in the file. With staging, ``direct_io`` (or
+``ATOMTOOL_LOAD_DIRECT_IO=1``) reads with O_DIRECT into the page-aligned buffers, bypassing the page cache.
 
 Only tensors the model takes as stored go this way (:meth:`CausalLM.direct_load_ok`, same shape and dtype,
 contiguous target); every other tensor (a dtype cast, a model-side transform such as dequantizing padded FP8
@@ -25,6 +26,7 @@ EngineError) and ``post_load`` are exactly those of the generic path. Offsets co
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,8 @@ from atomtool.serve.models.base import CausalLM, torch_dtype_of
 _MAX_IOV = 512
 #: default bytes per read: large enough for full disk / page-cache bandwidth, small enough to pipeline
 DEFAULT_CHUNK_BYTES = 16 << 20
+#: O_DIRECT alignment of file offsets, lengths and buffer addresses (logical block sizes are 512 or 4096)
+_ALIGN = 4096
 
 
 @dataclass
@@ -104,21 +108,62 @@ def _read_cpu(chunks: list[_Chunk]) -> None:
         _pread_full(c.fd, [memoryview(p.dst.numpy()) for p in c.pieces], c.offset, c.label)
 
 
-def _read_staged(chunks: list[_Chunk], chunk_bytes: int, device: torch.device) -> None:
-    """Read each chunk into a (pinned on CUDA) staging buffer, then copy each piece to its parameter."""
+def _aligned_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """uint8 CPU buffer of ``nbytes`` starting on a ``_ALIGN`` boundary (as O_DIRECT needs); pinned on CUDA."""
+    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    skip = (-raw.data_ptr()) % _ALIGN
+    return raw[skip:skip + nbytes]
+
+
+def _read_chunk_direct(c: _Chunk, dfd: int, buf: torch.Tensor) -> int:
+    """Read chunk ``c`` with O_DIRECT (aligned start and length) into ``buf``; returns where its bytes begin.
+
+    The kernel needs the file offset, length and address aligned; a short read at the end of the file is
+    expected (the length is rounded up). A short read elsewhere, or a refused request (EINVAL on a file
+    system without O_DIRECT), finishes through the buffered descriptor."""
+    a0 = c.offset // _ALIGN * _ALIGN
+    a1 = -(-(c.offset + c.nbytes) // _ALIGN) * _ALIGN
+    need = c.offset + c.nbytes - a0
+    view = memoryview(buf[:a1 - a0].numpy())
+    done = 0
+    try:
+        while done < need:
+            n = os.preadv(dfd, [view[done:]], a0 + done)
+            if n <= 0 or (done + n < need and n % _ALIGN):
+                done += max(n, 0)
+                break
+            done += n
+    except OSError:
+        pass
+    if done < need:
+        _pread_full(c.fd, [view[done:need]], a0 + done, c.label)
+    return c.offset - a0
+
+
+def _read_staged(chunks: list[_Chunk], chunk_bytes: int, device: torch.device,
+                 direct_fds: dict[int, int]) -> None:
+    """Read each chunk into a (pinned on CUDA) staging buffer, then copy each piece to its parameter.
+
+    Two buffers per worker: while the copies out of one run on this worker's stream, the next chunk is read
+    into the other. ``direct_fds``: buffered fd -> O_DIRECT fd of the same shard (chunks of other shards are
+    read buffered)."""
     cuda = device.type == "cuda"
-    size = min(chunk_bytes, max(c.nbytes for c in chunks))
-    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    size = min(chunk_bytes, max(c.nbytes for c in chunks)) + (2 * _ALIGN if direct_fds else 0)
+    bufs = [_aligned_buffer(size, cuda) for _ in range(2)]
     stream = torch.cuda.Stream(device) if cuda else None
     events: list[torch.cuda.Event | None] = [None, None]
-    with torch.cuda.stream(stream) if cuda else _nullcontext():
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
         for i, c in enumerate(chunks):
             k = i % 2
             if events[k] is not None:
                 events[k].synchronize()  # the copies out of this buffer are done
             buf = bufs[k]
-            _pread_full(c.fd, [memoryview(buf[:c.nbytes].numpy())], c.offset, c.label)
-            pos = 0
+            dfd = direct_fds.get(c.fd)
+            if dfd is not None:
+                pos = _read_chunk_direct(c, dfd, buf)
+            else:
+                _pread_full(c.fd, [memoryview(buf[:c.nbytes].numpy())], c.offset, c.label)
+                pos = 0
             for p in c.pieces:
                 p.dst.copy_(buf[pos:pos + p.nbytes], non_blocking=cuda)
                 pos += p.nbytes
@@ -129,17 +174,9 @@ def _read_staged(chunks: list[_Chunk], chunk_bytes: int, device: torch.device) -
             stream.synchronize()
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
                         chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
-                        staged: bool | None = None) -> dict[str, int]:
+                        staged: bool | None = None, direct_io: bool | None = None) -> dict[str, int]:
     """Load every tensor of the layout at ``model_dir`` into ``model`` (then ``model.post_load()``).
 
     Args:
@@ -148,8 +185,12 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
         workers: reader threads (default ``min(4, cpu_count)``).
         staged: read through staging buffers (default: only when parameters are not on the CPU; True on CPU
             exercises the CUDA path's chunking in tests).
+        direct_io: with staging, read shards with O_DIRECT (no page cache: a cold load skips the kernel's
+            copy, a warm one re-reads the disk); default: environment ``ATOMTOOL_LOAD_DIRECT_IO=1``. Files
+            that refuse O_DIRECT are read buffered.
     Returns:
-        ``{"direct": n, "direct_bytes": b, "fallback": m}``: how many tensors took each path.
+        ``{"direct": n, "direct_bytes": b, "fallback": m, "o_direct_files": f}``: how many tensors took each
+        path, and how many shards were read with O_DIRECT.
     Raises:
         LayoutError: missing or malformed index. HeaderError: a shard's header is corrupt or its data
         section is shorter than the header declares (truncated file). EngineError: a missing shard, a
@@ -167,8 +208,11 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
     targets.update(dict(model.named_buffers(remove_duplicate=False)))
     expected = model.expected_weight_names()
     workers = workers or max(1, min(4, os.cpu_count() or 1))
+    if direct_io is None:
+        direct_io = os.environ.get("ATOMTOOL_LOAD_DIRECT_IO", "") == "1"
 
     fds: list[int] = []
+    direct_fds: dict[int, int] = {}
     direct: set[str] = set()
     direct_bytes = 0
     chunks: list[_Chunk] = []
@@ -201,6 +245,13 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
                 else:
                     fallback.append((fd, str(path), offset, name, tuple(info.shape), dtype))
             chunks += _chunks(fd, str(path), pieces, chunk_bytes)
+            if direct_io and pieces and hasattr(os, "O_DIRECT"):
+                try:
+                    direct_fds[fd] = dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                    fds.append(dfd)
+                except OSError:  # e.g. tmpfs: read buffered
+                    pass
+        use_staging = False
         if chunks:
             use_staging = staged if staged is not None else any(d.type != "cpu" for d in devices)
             groups = [chunks[i::workers] for i in range(workers)]
@@ -217,7 +268,7 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
                 def job(g: list[_Chunk]) -> None:
                     if dev.type == "cuda":
                         torch.cuda.set_device(dev)
-                    _read_staged(g, chunk_bytes, dev)
+                    _read_staged(g, chunk_bytes, dev, direct_fds)
             else:
                 job = _read_cpu
             with torch.no_grad():
@@ -239,4 +290,5 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
     finally:
         for fd in fds:
             os.close(fd)
-    return {"direct": len(direct), "direct_bytes": direct_bytes, "fallback": len(fallback)}
+    return {"direct": len(direct), "direct_bytes": direct_bytes, "fallback": len(fallback),
+            "o_direct_files": len(direct_fds) if chunks and use_staging else 0}
