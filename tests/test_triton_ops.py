@@ -161,6 +161,34 @@ def test_paged_attention_fp32(case):
     _close(tri.paged_attention(*args), torch_ref.paged_attention(*args), 2e-5, 1e-5)
 
 
+def test_paged_attention_split_kv_decode_and_batch_invariance():
+    """Decode rows take the split-KV path: contexts at and across the 256-key minimum span, one long enough
+    for longer chunks (> SPLIT_CHUNKS x 256 keys), GQA group 3; a decode row gives the same bits alone, in a
+    decode batch and beside a prefill chunk."""
+    from atomtool.serve.ops.triton.attention import SPLIT_CHUNKS, SPLIT_SPAN_MIN
+
+    sm = SPLIT_SPAN_MIN
+    seq_lens = [1, sm, sm + 1, 2 * sm + 5, SPLIT_CHUNKS * sm + 200]
+    H, Hkv, D, Dv, bs = 6, 2, 16, 8, 16
+    g = torch.Generator().manual_seed(21)
+    nb, bt = _paged(seq_lens, bs, gen=g)
+    q = torch.randn(len(seq_lens), H, D, generator=g)
+    kc, vc = torch.randn(nb, bs, Hkv, D, generator=g), torch.randn(nb, bs, Hkv, Dv, generator=g)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    args = (q, kc, vc, _cu([1] * len(seq_lens)), sl, bt, D ** -0.5)
+    full = tri.paged_attention(*args)
+    _close(full, torch_ref.paged_attention(*args), 2e-5, 1e-5)
+    for b in (0, 2, 4):
+        alone = tri.paged_attention(q[b:b + 1], kc, vc, _cu([1]), sl[b:b + 1], bt[b:b + 1], D ** -0.5)
+        assert torch.equal(alone, full[b:b + 1])
+    pre_q = 7  # a prefill chunk of sequence 3 beside sequence 4's decode row
+    mq = torch.cat([torch.randn(pre_q, H, D, generator=g), q[4:5]])
+    margs = (mq, kc, vc, _cu([pre_q, 1]), sl[3:5], bt[3:5], D ** -0.5)
+    mixed = tri.paged_attention(*margs)
+    _close(mixed, torch_ref.paged_attention(*margs), 2e-5, 1e-5)
+    assert torch.equal(mixed[pre_q:], full[4:5])
+
+
 def test_paged_attention_bf16_and_shape_error():
     q_lens, seq_lens, H, Hkv, D, bs = [4, 1], [21, 7], 4, 2, 32, 8
     nb, bt = _paged(seq_lens, bs)

@@ -9,7 +9,9 @@ Tolerances (stated per op; bf16 has 8 mantissa bits, so one rounding is a relati
   included); on random bf16 inputs each selected position scores within 1% of the K-th best exact score.
 - FP8 block linear and fused MoE (bf16): relative Frobenius error ||out - ref|| / ||ref|| <= 1e-2 (the
   reference rounds the dequantized weight / each expert's product to bf16); float32 MoE <= 1e-4 abs.
-Batch invariance: a sequence's attention / indexer output is bitwise identical alone and in a batch.
+Batch invariance: a sequence's attention / indexer output is bitwise identical alone and in a batch
+(decode rows through split-KV included); FP8 linear rows for M <= 16 (split-K) and MoE tokens within one
+tile-height regime likewise; rows across those thresholds are only recorded in the report.
 CUDA graphs: ops captured in one graph and replayed on new inputs equal eager runs bitwise.
 """
 
@@ -100,6 +102,19 @@ def test_paged_attention_batch_invariant(tri):
         s, e = int(cu[b]), int(cu[b + 1])
         alone = tri.paged_attention(q[s:e], kc, vc, _cu([e - s]), sl[b:b + 1], bt[b:b + 1], scale)
         assert torch.equal(alone, full[s:e])
+
+
+def test_paged_attention_split_kv_decode_long_context(tri):
+    """Decode rows (split-KV + ordered merge) at Qwen3-0.6B's shape (16 / 8 heads of 128) up to 32k context,
+    around the 256-key chunk span; each row bitwise equal alone and in the batch."""
+    q_lens, seq_lens = [1] * 6, [1, 255, 256, 257, 8192, 32768 + 5]
+    for dtype, atol, rtol in ((torch.bfloat16, 1e-2, 1e-2), (torch.float32, 2e-5, 1e-5)):
+        q, kc, vc, cu, sl, bt, scale = _attn_inputs(dtype, H=16, Hkv=8, q_lens=q_lens, seq_lens=seq_lens, seed=7)
+        full = tri.paged_attention(q, kc, vc, cu, sl, bt, scale)
+        _close(full, torch_ref.paged_attention(q, kc, vc, cu, sl, bt, scale), atol, rtol)
+        for b in (0, 3, 5):
+            alone = tri.paged_attention(q[b:b + 1], kc, vc, _cu([1]), sl[b:b + 1], bt[b:b + 1], scale)
+            assert torch.equal(alone, full[b:b + 1])
 
 
 def test_store_kv(tri):

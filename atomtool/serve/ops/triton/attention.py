@@ -4,11 +4,16 @@ One kernel covers prefill (varlen, with a prefix-cache context), chunked prefill
 j of sequence b sits at position ``seq_lens[b] - q_len_b + j`` and attends to cached positions <= its
 own (FlashAttention-2 online softmax, Dao 2023, over a vLLM-style paged KV cache, Kwon et al. 2023).
 
-Work split: program (q-block, kv head) owns BLOCK_Q query tokens of one sequence times the G query heads
-that share the kv head, and walks that sequence's keys in a fixed order. No split-KV: a query row's
-reduction happens inside one program, so its result does not depend on the rest of the batch. The grid
-is sized from tensor shapes only (``T // BLOCK_Q + B`` q-blocks; surplus programs exit), so the launch
-needs no host sync and can be captured in a CUDA graph.
+Work split. Sequences with several new tokens (prefill, chunked prefill): program (q-block, kv head)
+owns BLOCK_Q query tokens of one sequence times the G query heads that share the kv head, and walks that
+sequence's keys in a fixed order (no split-KV). Decode rows (the only new token of their sequence): that
+layout gives a batch-1 step only Hkv programs each walking the whole context (Qwen3 at 32k: 36 ms per
+step), so they use split-KV (Flash-Decoding, Dao et al. 2023): programs (sequence, kv head, chunk) reduce
+at most ``SPLIT_CHUNKS`` chunks of >= ``SPLIT_SPAN_MIN`` keys, cut from the row's own length, to partials
+merged in chunk order (split_kv.py). Which path a row takes depends on its own sequence's query length only,
+and neither path's arithmetic on the batch, so a row's result does not depend on the rest of the batch. The
+grids are sized from tensor shapes only (``T // BLOCK_Q + B`` q-blocks; surplus programs exit), so the
+launches need no host sync and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, pow2
+from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid_block, split_kv_merge_kernel
 
 
 @triton.jit
@@ -26,7 +32,7 @@ def _paged_attn_kernel(
     num_seqs, G, D, DV, block_size, sm_scale,
     s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr,    BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DV_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -40,6 +46,9 @@ def _paged_attn_kernel(
     local = pid - (q_start // BLOCK_Q + b)
     if local * BLOCK_Q >= q_len:
         return
+    if SKIP_DECODE_ROWS:  # a sequence's only new token: the split-KV kernels own it
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len
 
@@ -87,6 +96,72 @@ def _paged_attn_kernel(
              mask=row_ok[:, None] & dv_ok[None, :])
 
 
+#: split-KV for decode rows: at most SPLIT_CHUNKS chunks of at least SPLIT_SPAN_MIN keys per row
+#: (``split_kv.chunk_span``): constants, so a row's chunk boundaries depend only on its own length
+SPLIT_SPAN_MIN = 256
+SPLIT_CHUNKS = 32
+
+
+@triton.jit
+def _paged_attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, ws_acc_ptr, ws_ml_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
+    H, G, D, DV, block_size, sm_scale, n_chunks,
+    s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
+    SPAN_MIN: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    # program (sequence b, kv head, chunk c): b's decode row, the G query heads of kv head kvh, over cached
+    # positions [c * span, (c + 1) * span); writes (max, sum) and the unnormalized output (split_kv layout)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    c = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    if tl.load(cu_q_ptr + b + 1) - q_start != 1:  # not a decode row: the one-program kernel owns it
+        return
+    n_keys = tl.load(seq_lens_ptr + b)
+    span = chunk_span(n_keys, n_chunks, SPAN_MIN)
+    start = c * span
+    if start >= n_keys:
+        return
+    end = tl.minimum(n_keys, start + span)
+
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    head = kvh * G + g
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    dv = tl.arange(0, DV_PAD)
+    dv_ok = dv < DV
+    q = tl.load(q_ptr + q_start.to(tl.int64) * s_qt + head[:, None].to(tl.int64) * s_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        s = n + tl.arange(0, BLOCK_N)
+        s_ok = s < end
+        blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + s // block_size, mask=s_ok, other=0).to(tl.int64)
+        off = (s % block_size).to(tl.int64)
+        k = tl.load(k_ptr + (blk * s_kb + off * s_ks + kvh * s_kh)[:, None] + d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        scores = dot_acc(q, tl.trans(k), tl.zeros([G_PAD, BLOCK_N], tl.float32), DOT_DTYPE) * qk_scale
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk * s_vb + off * s_vs + kvh * s_vh)[:, None] + dv[None, :],
+                    mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_DTYPE)
+        m_i = m_new
+    base = (b.to(tl.int64) * n_chunks + c) * H + head.to(tl.int64)
+    tl.store(ws_acc_ptr + base[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & dv_ok[None, :])
+    tl.store(ws_ml_ptr + base * 2, m_i, mask=g_ok)
+    tl.store(ws_ml_ptr + base * 2 + 1, l_i, mask=g_ok)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of new query tokens over a paged KV cache.
@@ -109,17 +184,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("paged_attention: last dims must be contiguous")
     G = H // Hkv
     g_pad = pow2(G)
-    # one tile shape for every batch (decode included): a row's arithmetic never depends on the batch mix
-    block_q = max(1, 64 // g_pad)
-    grid = (T // block_q + B, Hkv)
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        B, G, D, Dv, block_size, float(scale),
+    dot = dot_dtype(q.dtype)
+    block_n = 32 if max(pow2(D), pow2(Dv)) > 128 else 64
+    if T > B:  # some sequence has several new tokens (prefill): one program per (q-block, kv head)
+        # one tile shape for every batch: a row's arithmetic never depends on the batch mix
+        block_q = max(1, 64 // g_pad)
+        grid = (T // block_q + B, Hkv)
+        _paged_attn_kernel[grid](
+            q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+            B, G, D, Dv, block_size, float(scale),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            block_tables.stride(0),
+            BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=block_n, D_PAD=pow2(D, 16), DV_PAD=pow2(Dv, 16),
+            BLOCK_B=pow2(B), DOT_DTYPE=dot, SKIP_DECODE_ROWS=True, num_warps=4,
+        )
+    # decode rows (all rows when T == B): split-KV + ordered merge (split_kv.py)
+    ws_acc = torch.empty((B, SPLIT_CHUNKS, H, Dv), dtype=torch.float32, device=q.device)
+    ws_ml = torch.empty((B, SPLIT_CHUNKS, H, 2), dtype=torch.float32, device=q.device)
+    _paged_attn_split_kernel[(B, Hkv, SPLIT_CHUNKS)](
+        q, k_cache, v_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables,
+        H, G, D, Dv, block_size, float(scale), SPLIT_CHUNKS,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=32 if max(pow2(D), pow2(Dv)) > 128 else 64, D_PAD=pow2(D, 16), DV_PAD=pow2(Dv, 16),
-        BLOCK_B=pow2(B), DOT_DTYPE=dot_dtype(q.dtype), num_warps=4,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        SPAN_MIN=SPLIT_SPAN_MIN, G_PAD=max(g_pad, 16), BLOCK_N=block_n, D_PAD=pow2(D, 16), DV_PAD=pow2(Dv, 16),
+        DOT_DTYPE=dot, num_warps=4,
+    )
+    merge_h = merge_grid_block(H)
+    split_kv_merge_kernel[(B, triton.cdiv(H, merge_h))](
+        ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, Dv, 0, SPLIT_CHUNKS, out.stride(0), out.stride(1),
+        SPARSE=False, SPAN_MIN=SPLIT_SPAN_MIN, BLOCK_H=merge_h, D_PAD=pow2(Dv, 16), EMPTY_IS_ZERO=True,
+        num_warps=4,
     )
     return out
 
