@@ -3,9 +3,9 @@
 The reference here is written independently of atomtool's sampler, the way the sampler used to work row by
 row: a stable descending sort of the temperature-scaled logits, cut at top_k, softmax, then the smallest
 prefix whose preceding mass is below top_p. Seeded rows are checked token for token: the documented draw of
-a seeded request with no filter or a top-k of at most MAX_TOPK_CANDIDATES is one Exponential(1) vector over
-the vocabulary from its own generator (on CPU ``-log1p(-U)``, U uniform), and the token is
-``argmax(probs / noise)`` (the exponential race); a seeded request that sorts the vocabulary (top-p alone or
+a seeded request with no filter is one Exponential(1) vector over the vocabulary (by token id) from its own
+generator (on CPU ``-log1p(-U)``, U uniform), with a top-k of at most MAX_TOPK_CANDIDATES one over its top-k
+candidates in sorted order, and the token is ``argmax(probs / noise)`` (the exponential race); a seeded request that sorts the vocabulary (top-p alone or
 a wider top-k) draws one uniform and inverts the sorted CDF, exactly as the per-row sampler did.
 """
 
@@ -33,6 +33,18 @@ def ref_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     out = torch.zeros_like(logits)
     out[ids] = probs / probs.sum()
     return out
+
+
+def ref_race(logits: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
+    """The race over the (top-k) candidates in stable sorted order, noise from the request's generator."""
+    vals, ids = torch.sort(logits / p.temperature, descending=True, stable=True)
+    if p.top_k <= 0:  # full softmax: the noise is indexed by token id
+        probs = torch.softmax(logits / p.temperature, -1)
+        return int(torch.argmax(probs / -torch.log1p(-torch.rand(logits.shape[0], generator=g))))
+    vals, ids = vals[:p.top_k], ids[:p.top_k]
+    probs = torch.softmax(vals, -1)
+    probs = torch.where(torch.cumsum(probs, -1) - probs < p.top_p, probs, 0.0)
+    return int(ids[torch.argmax(probs / -torch.log1p(-torch.rand(p.top_k, generator=g)))])
 
 
 def ref_inverse_cdf(logits: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
@@ -122,8 +134,7 @@ def test_batched_equals_per_row_reference():
         if b in replay and sorts_vocab:
             assert tokens[b] == ref_inverse_cdf(logits[b], p, replay[b]), f"row {b}"
         elif b in replay:
-            noise = -torch.log1p(-torch.rand(V, generator=replay[b]))  # Exponential(1) on CPU
-            assert tokens[b] == int(torch.argmax(probs / noise)), f"row {b}"
+            assert tokens[b] == ref_race(logits[b], p, replay[b]), f"row {b}"
     for b, ((token, entry), p) in enumerate(zip(out, rows, strict=True)):
         if p.logprobs is None:
             assert entry is None

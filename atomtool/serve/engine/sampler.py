@@ -11,14 +11,14 @@ per row).
   (:func:`exact_topk`, ties to the lowest id, like a stable descending sort); other rows with a filter pay
   one stable sort of the vocabulary (batched over those rows). Top-p (nucleus) keeps, in that order, each candidate whose preceding
   mass is below ``top_p`` (the smallest prefix reaching ``top_p``), after renormalising over the top-k.
-- Drawing (full-softmax and top-k rows): the exponential race, ``argmax(probs / q)`` with ``q ~ Exponential(1)`` i.i.d. per token
-  (:func:`exponential_`), which picks token i with probability ``probs[i]`` (the trick vLLM's and
-  nano-vllm's samplers use; it needs no cumulative sum or searchsorted). The noise is indexed by *token id*: a seeded request draws one [V]
-  tensor per token from its own ``torch.Generator``, so its samples are reproducible and independent of
-  which other requests share the batch. Unseeded rows share one
-  draw from the global generator. Rows on the vocabulary-sort path already hold the cumulative mass for
-  top-p, so they draw by inverse CDF instead (one uniform per row, batched ``searchsorted``), a seeded row
-  from its own generator.
+- Drawing, full-softmax and top-k rows: the exponential race, ``argmax(probs / q)`` with
+  ``q ~ Exponential(1)`` i.i.d. per token (:func:`exponential_`), which picks token i with probability
+  ``probs[i]`` (the trick vLLM's and nano-vllm's samplers use; no cumulative sum, no searchsorted). A seeded
+  request draws its noise from its own ``torch.Generator``, [V] by token id (full softmax) or [top_k] by
+  candidate position (top-k), so its samples are reproducible and do not depend on which other requests
+  share the batch; unseeded rows share one draw from the global generator.
+- Drawing, vocabulary-sort rows: these already hold the sorted cumulative mass for top-p, so they invert
+  it with one uniform per row (batched ``searchsorted``), a seeded row's uniform from its own generator.
 - Log-probabilities: one ``log_softmax`` over the raw logits of the rows that ask, the sampled token's
   value and the top ``n`` (:func:`exact_topk`, ties lower id first).
 """
@@ -32,6 +32,17 @@ from atomtool.serve.engine.sequence import Sequence
 #: Rows whose top_k is at most this take the ``torch.topk`` candidate path; larger k (or top-p alone)
 #: stably sorts the vocabulary, which is cheaper than a very wide top-k.
 MAX_TOPK_CANDIDATES = 1024
+
+
+def _host_list(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small per-row parameter list as a tensor on ``device`` without a stream sync.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronises the stream (it would
+    wait for the forward pass, once per call); a pinned copy with ``non_blocking=True`` is queued instead.
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def exact_topk(x: torch.Tensor, k: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,41 +85,34 @@ def exponential_(out: torch.Tensor, generator: torch.Generator | None = None) ->
     return out.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
-def _exponential_noise(shape: tuple[int, int], ids: torch.Tensor | None, vocab: int,
-                       generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """Exponential(1) noise [R, W] for the race; row r with a generator draws its own [V] by token id.
+def _race(probs: torch.Tensor, widths: list[int], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Positions [R] drawn from ``probs`` [R, W] (rows need not sum to one) by the exponential race.
 
-    ``ids`` [R, W] maps candidate positions to token ids (``None``: W is the vocabulary itself). Rows
-    without a generator share one draw from the global generator.
+    Noise: one Exponential(1) draw over the whole [R, W] from the global generator, then each row r with a
+    generator overwrites its first ``widths[r]`` entries from it (one kernel per seeded row). ``widths[r]``
+    is a property of the request alone (its vocabulary size or its top_k), never of the batch, so a seeded
+    request's draws do not depend on its neighbours. Entries past ``widths[r]`` must have zero probability.
     """
-    q = exponential_(torch.empty(shape, device=device, dtype=torch.float32))
+    q = exponential_(torch.empty(probs.shape, device=probs.device, dtype=torch.float32))
     for r, g in enumerate(generators):
-        if g is None:
-            continue
-        if ids is None:
-            exponential_(q[r], g)
-        else:
-            own = exponential_(torch.empty(vocab, device=device, dtype=torch.float32), g)
-            q[r] = own[ids[r]]
-    return q
-
-
-def _race(probs: torch.Tensor, ids: torch.Tensor | None, generators: list[torch.Generator | None],
-          vocab: int) -> torch.Tensor:
-    """Token ids [R] drawn from ``probs`` [R, W] (rows need not sum to one) by the exponential race."""
-    q = _exponential_noise(tuple(probs.shape), ids, vocab, generators, probs.device)
+        if g is not None:
+            exponential_(q[r, :widths[r]], g)
     # q can be 0 in float32; the clamp keeps 0/0 (a masked token) from becoming NaN, which argmax would pick.
-    pick = (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-    return pick if ids is None else ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+    return (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
 
-def _sample_from_candidates(vals: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor,
-                            generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
-    """Sorted candidates (vals [R, W] by decreasing value, ``-inf`` padding) -> token ids [R]; top-p [R]."""
+def _sample_topk_candidates(vals: torch.Tensor, ids: torch.Tensor, top_k: list[int], top_p: torch.Tensor,
+                            generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Top-k candidates (vals, ids [R, k_max] from :func:`exact_topk`) -> token ids [R]; top-p [R].
+
+    Softmax over the candidates renormalises over the top-k; top-p keeps the smallest prefix whose
+    preceding mass is below ``top_p``; the race runs over candidate positions (a seeded row's noise is
+    its own [top_k] draw, in candidate order).
+    """
     probs = torch.softmax(vals, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     probs = torch.where(mass_before < top_p.unsqueeze(1), probs, 0.0)
-    return _race(probs, ids, generators, vocab)
+    return ids.gather(1, _race(probs, top_k, generators).unsqueeze(1)).squeeze(1)
 
 
 def _sample_sorted_vocab(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -126,7 +130,7 @@ def _sample_sorted_vocab(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Ten
     u = torch.rand(vals.shape[0], device=vals.device, dtype=torch.float32)
     for r, g in enumerate(generators):
         if g is not None:
-            u[r] = torch.rand((), generator=g, device=vals.device, dtype=torch.float32)
+            u[r:r + 1].uniform_(generator=g)
     target = u.unsqueeze(1) * cdf.gather(1, last)
     pick = torch.minimum(torch.searchsorted(cdf, target, right=True), last)
     return ids.gather(1, pick).squeeze(1)
@@ -158,35 +162,36 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
 
     def rows_of(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         rows = kinds[kind]
-        idx = torch.tensor(rows, device=device)
-        temps = torch.tensor([temperature[r] for r in rows], device=device, dtype=torch.float32)
+        idx = _host_list(rows, device)
+        temps = _host_list([temperature[r] for r in rows], device, torch.float32)
         return idx, logits.index_select(0, idx) / temps.unsqueeze(1)
 
     def params_of(kind: str) -> tuple[torch.Tensor, list[torch.Generator | None]]:
         rows = kinds[kind]
-        p = torch.tensor([top_p[r] if top_p[r] < 1.0 else float("inf") for r in rows], device=device)
+        p = _host_list([top_p[r] if top_p[r] < 1.0 else float("inf") for r in rows], device, torch.float32)
         return p, [generators[r] for r in rows]
 
     if kinds["greedy"]:
-        idx = torch.tensor(kinds["greedy"], device=device)
-        out[idx] = logits.index_select(0, idx).argmax(dim=-1)
+        idx = _host_list(kinds["greedy"], device)
+        out.index_copy_(0, idx, logits.index_select(0, idx).argmax(dim=-1))
     if kinds["plain"]:
         idx, x = rows_of("plain")
-        out[idx] = _race(torch.softmax(x, dim=-1), None, [generators[r] for r in kinds["plain"]], vocab)
+        gens = [generators[r] for r in kinds["plain"]]
+        out.index_copy_(0, idx, _race(torch.softmax(x, dim=-1), [vocab] * len(gens), gens))
     if kinds["topk"]:
         idx, x = rows_of("topk")
         ks = [top_k[r] for r in kinds["topk"]]
-        vals, ids = exact_topk(x, torch.tensor(ks, device=device), max(ks))
+        vals, ids = exact_topk(x, _host_list(ks, device), max(ks))
         p, gens = params_of("topk")
-        out[idx] = _sample_from_candidates(vals, ids, p, gens, vocab)
+        out.index_copy_(0, idx, _sample_topk_candidates(vals, ids, ks, p, gens))
     if kinds["sort"]:
         idx, x = rows_of("sort")
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
-        ks = torch.tensor([top_k[r] if 0 < top_k[r] < vocab else vocab for r in kinds["sort"]], device=device)
+        ks = _host_list([top_k[r] if 0 < top_k[r] < vocab else vocab for r in kinds["sort"]], device)
         if any(0 < top_k[r] < vocab for r in kinds["sort"]):  # top-p then renormalises over the top-k
             vals = torch.where(torch.arange(vocab, device=device).unsqueeze(0) < ks.unsqueeze(1), vals, float("-inf"))
         p, gens = params_of("sort")
-        out[idx] = _sample_sorted_vocab(vals, ids, ks, p, gens)
+        out.index_copy_(0, idx, _sample_sorted_vocab(vals, ids, ks, p, gens))
     return out
 
 
@@ -195,7 +200,7 @@ def top_logprobs(logprobs: torch.Tensor, n: int) -> dict[int, float]:
     n = min(n, logprobs.shape[-1])
     if n <= 0:
         return {}
-    vals, ids = exact_topk(logprobs.unsqueeze(0), torch.tensor([n], device=logprobs.device), n)
+    vals, ids = exact_topk(logprobs.unsqueeze(0), _host_list([n], logprobs.device), n)
     return dict(zip(ids[0].tolist(), vals[0].tolist(), strict=True))
 
 
@@ -232,7 +237,7 @@ class Sampler:
         x = logits
         if ban_rows:
             x = logits.clone()
-            x[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = float("-inf")
+            x[_host_list(ban_rows, device), _host_list(ban_cols, device)] = float("-inf")
         params = [s.params for s in seqs]
         tokens = sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
                              [p.top_p for p in params], [s.generator for s in seqs])
@@ -243,11 +248,11 @@ class Sampler:
         n_top = [min(params[b].logprobs, vocab) for b in lp_rows]
         n_max = max(n_top, default=0)
         if lp_rows:
-            idx = torch.tensor(lp_rows, device=device)
+            idx = _host_list(lp_rows, device)
             lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
             parts.append(lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).double())
             if n_max > 0:
-                k = torch.tensor([max(n, 1) for n in n_top], device=device)
+                k = _host_list([max(n, 1) for n in n_top], device)
                 top_vals, top_ids = exact_topk(lp, k, n_max)
                 parts += [top_ids.double().flatten(), top_vals.double().flatten()]
         host = torch.cat(parts).tolist()
