@@ -48,12 +48,22 @@ def run_cli(*args: str):
     (["--max-num-seqs", "0"], "error: --max-num-seqs must be >= 1, got 0"),
     (["--port", "70000"], "error: --port must be in [0, 65535], got 70000"),
     (["--chat-template", "no/such/template.jinja"], "looks like a file path, but no such file exists"),
+    (["--kv-cache-memory", "-5"], "error: --kv-cache-memory must be a positive number of bytes, got -5"),
+    (["--kv-cache-memory", "0"], "error: --kv-cache-memory must be a positive number of bytes, got 0"),
+    (["--served-model-name", ""], "error: --served-model-name must not be empty"),
+    (["--served-model-name", "  "], "error: --served-model-name must not be empty"),
 ])
-def test_bad_flags_fail_before_loading(ckpt, flags, message):
+def test_bad_flags_fail_before_loading(ckpt, flags, message, monkeypatch):
+    import atomtool.serve.engine.llm_engine as llm_engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_model", no_load)
     code, out = run_cli(ckpt, *flags)
     assert code == 1
     assert message in out
-    assert "Traceback" not in out
+    assert len(set(out.strip().splitlines())) == 1, out  # one line (run_cli may hold it twice), no traceback
 
 
 def test_busy_port_is_a_clear_error(ckpt):

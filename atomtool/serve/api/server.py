@@ -20,8 +20,15 @@ from atomtool.errors import AtomtoolError, ConfigError
 
 
 def _check_flags(*, port: int, max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
-                 max_model_len: int | None, tensor_parallel_size: int) -> None:
-    """Reject flag values that cannot work before spending time loading the model."""
+                 max_model_len: int | None, tensor_parallel_size: int, kv_cache_memory: int | None = None,
+                 served_model_name: str | None = None) -> None:
+    """Reject flag values that cannot work before spending time loading the model.
+
+    Raises:
+        AtomtoolError: ``--tensor-parallel-size`` other than 1.
+        ConfigError: an out-of-range number, a non-positive ``--kv-cache-memory`` or an empty
+            (or blank) ``--served-model-name`` (it would silently fall back to the model path).
+    """
     if tensor_parallel_size != 1:
         raise AtomtoolError(f"--tensor-parallel-size {tensor_parallel_size} is not supported yet: atomtool "
                             "serves a model on one device (use --tensor-parallel-size 1)")
@@ -35,6 +42,10 @@ def _check_flags(*, port: int, max_num_seqs: int, max_num_batched_tokens: int, g
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if max_model_len is not None and max_model_len < 1:
         raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}")
+    if kv_cache_memory is not None and kv_cache_memory < 1:
+        raise ConfigError(f"--kv-cache-memory must be a positive number of bytes, got {kv_cache_memory}")
+    if served_model_name is not None and not served_model_name.strip():
+        raise ConfigError("--served-model-name must not be empty (leave it out to serve under the model path)")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -127,7 +138,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     """
     _check_flags(port=port, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                 tensor_parallel_size=tensor_parallel_size)
+                 tensor_parallel_size=tensor_parallel_size, kv_cache_memory=kv_cache_memory,
+                 served_model_name=served_model_name)
     from atomtool.serve.api.chat import load_chat_template
 
     template = load_chat_template(chat_template)  # fail fast, before the model loads
