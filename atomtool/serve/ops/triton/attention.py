@@ -32,7 +32,7 @@ def _paged_attn_kernel(
     num_seqs, G, D, DV, block_size, sm_scale,
     s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
+    DV_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -46,9 +46,8 @@ def _paged_attn_kernel(
     local = pid - (q_start // BLOCK_Q + b)
     if local * BLOCK_Q >= q_len:
         return
-    if SKIP_DECODE_ROWS:  # a sequence's only new token: the split-KV kernels own it
-        if q_len == 1:
-            return
+    if q_len == 1:  # a sequence's only new token (decode row): the split-KV kernels own it
+        return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len
 
@@ -197,7 +196,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             block_tables.stride(0),
             BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=block_n, D_PAD=pow2(D, 16), DV_PAD=pow2(Dv, 16),
-            BLOCK_B=pow2(B), DOT_DTYPE=dot, SKIP_DECODE_ROWS=True, num_warps=4,
+            BLOCK_B=pow2(B), DOT_DTYPE=dot, num_warps=4,
         )
     # decode rows (all rows when T == B): split-KV + ordered merge (split_kv.py)
     ws_acc = torch.empty((B, SPLIT_CHUNKS, H, Dv), dtype=torch.float32, device=q.device)

@@ -34,14 +34,13 @@ def _mla_kernel(
     num_seqs, H, R, P, K, block_size, sm_scale,
     s_qnt, s_qnh, s_qpt, s_qph, s_lb, s_ls, s_ot, s_oh, s_bt, s_tk,
     SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
-    P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
-    if SKIP_DECODE_ROWS:  # rows that are their sequence's only new token go to the split-KV kernels
-        if tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b) == 1:
-            return
+    if tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b) == 1:  # decode row: the split-KV kernels own it
+        return
 
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -210,7 +209,7 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
             latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             tk.stride(0),
             SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=p_pad, BLOCK_B=pow2(B),
-            DOT_DTYPE=dot, SKIP_DECODE_ROWS=True, num_warps=8 if r_pad >= 256 else 4, num_stages=2,
+            DOT_DTYPE=dot, num_warps=8 if r_pad >= 256 else 4, num_stages=2,
         )
     # decode rows (all rows when T == B): split-KV over chunks cut from the row's own key count, then the
     # ordered merge. Chunk count: from the top-k width (sparse) or a constant (dense), never from the batch.
