@@ -224,3 +224,23 @@ def test_network_down_falls_back_to_cache(hub, repos, monkeypatch):
     msg = str(e.value)
     assert msg.startswith(f"org/sharded: cannot reach {dead}") and "not in the local HF cache" in msg
     assert "\n" not in msg
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9", "http://hub.invalid"])  # refused / DNS failure
+def test_network_down_fails_fast_and_quietly(hub, monkeypatch, caplog, capfd, endpoint):
+    import logging
+    import time
+
+    set_endpoint(monkeypatch, endpoint)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    caplog.set_level(logging.DEBUG)
+    t0 = time.monotonic()
+    with pytest.raises(SourceError) as e:
+        CheckpointSource.open("org/sharded")  # nothing cached: no fallback
+    assert time.monotonic() - t0 < 8  # huggingface_hub's own backoff alone would sleep 1+2+4+8+8 s
+    msg = str(e.value)
+    assert msg.startswith(f"org/sharded: cannot reach {endpoint}") and "not in the local HF cache" in msg
+    assert "\n" not in msg
+    logged = caplog.text + capfd.readouterr().err
+    assert "Retrying in" not in logged and "thrown while requesting" not in logged

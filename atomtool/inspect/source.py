@@ -6,7 +6,8 @@ sized from the index's tensor names so it almost always holds the whole header),
 model.safetensors.index.json through ``hf_hub_download`` (so they land in the HF cache). huggingface_hub
 supplies everything Hub-specific: endpoint (``HF_ENDPOINT``), auth (``HF_TOKEN`` / saved token), URLs,
 retries, the cache and offline mode (``HF_HUB_OFFLINE=1``, or the network is down: files already in the
-cache are used). Header validation is ours (:mod:`atomtool.inspect.safetensors_header`, which says why).
+cache are used). A down network is detected up front by one TCP connect (:func:`_probe_endpoint`), so it
+costs one line and no backoff; huggingface_hub's retry warnings are silenced during our calls. Header validation is ours (:mod:`atomtool.inspect.safetensors_header`, which says why).
 
 Layouts (HF conventions, research/quant.md §1.4): ``model.safetensors.index.json`` (``weight_map``: tensor
 name -> shard file) or a single ``model.safetensors``; without either, every top-level ``*.safetensors``
@@ -19,10 +20,14 @@ header, or one tensor in two shards). Each message is one line naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
-from collections.abc import Callable
+import socket
+import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -46,6 +51,7 @@ MAX_JSON_BYTES = 100_000_000  # config.json / index.json larger than this are re
 MAX_WORKERS = 16  # parallel header reads (threads: the work is I/O)
 SINGLE_FILE_FIRST_RANGE = 256 * 1024  # first range read of a shard whose tensor names are unknown
 HTTP_TIMEOUT_S = 30.0
+CONNECT_PROBE_TIMEOUT_S = 5.0  # TCP connect to the Hub before the first request (fail fast when offline)
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 
@@ -302,13 +308,59 @@ def _endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
 
+@contextlib.contextmanager
+def _quiet_hub_logs() -> Iterator[None]:
+    """Silence huggingface_hub's retry/backoff warnings ("... thrown while requesting HEAD ...", "Retrying
+    in 8s") while our calls run: every failure ends in one line of ours instead."""
+    loggers = [logging.getLogger(n) for n in ("huggingface_hub.utils._http", "huggingface_hub.file_download")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels, strict=True):
+            lg.setLevel(lv)
+
+
+def _probe_endpoint() -> None:
+    """Fail fast when the Hub cannot be reached: one TCP connect (DNS + handshake) to the endpoint, retried
+    once unless it timed out. Raises _NetworkDown.
+
+    Why our own probe: on a cold cache ``hf_hub_download`` retries a failed HEAD 5 more times with backoff
+    (1+2+4+8+8 s) and exposes no retry setting. Skipped when a proxy applies (httpx goes through it).
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(_endpoint())
+    host = parts.hostname
+    if not host:
+        return
+    proxies = urllib.request.getproxies()
+    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    err: OSError | None = None
+    for _ in range(2):
+        try:
+            socket.create_connection((host, port), timeout=CONNECT_PROBE_TIMEOUT_S).close()
+            return
+        except TimeoutError as e:
+            raise _NetworkDown(f"connect to {host}:{port} timed out") from e
+        except OSError as e:
+            err = e
+    assert err is not None
+    raise _NetworkDown(f"{type(err).__name__}: {' '.join(str(err).split())[:160]}")
+
+
 def _open_hub(repo: str, revision: str | None) -> CheckpointSource:
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
         return _open_cached(repo, revision, "HF_HUB_OFFLINE is set")
     try:
-        return _open_online(repo, revision)
+        with _quiet_hub_logs():
+            return _open_online(repo, revision)
     except _NetworkDown as e:
         return _open_cached(repo, revision, f"cannot reach {_endpoint()} ({e})")
 
@@ -341,8 +393,12 @@ def _hub_download_json(repo: str, name: str, revision: str | None) -> Path | Non
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(repo, name, revision=revision, endpoint=_endpoint(),
-                                    etag_timeout=HTTP_TIMEOUT_S))
+        _probe_endpoint()
+        with _quiet_hub_logs():
+            return Path(hf_hub_download(repo, name, revision=revision, endpoint=_endpoint(),
+                                        etag_timeout=HTTP_TIMEOUT_S))
+    except _NetworkDown:
+        raise
     except LocalEntryNotFoundError as e:
         raise _hub_error(repo, name, e) from None
     except EntryNotFoundError:
@@ -425,10 +481,13 @@ def _fetch_remote_header(repo: str, file: str, revision: str | None,
     EntryNotFound). The file size comes from Content-Range (``bytes 0-x/TOTAL``) so offsets are checked
     against the real end of file; the length prefix is validated here (HeaderError), the JSON by the caller.
     """
+    import httpx
     from huggingface_hub import hf_hub_url
     from huggingface_hub.errors import EntryNotFoundError
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
+    # one retry for a dropped/timed-out read; none for a refused connection or DNS failure (fail fast)
+    retry_on = (httpx.TimeoutException, httpx.ReadError, httpx.RemoteProtocolError)
     url = hf_hub_url(repo, file, revision=revision, endpoint=_endpoint())
     label = f"{repo}/{file}"
     headers = build_hf_headers()
@@ -439,7 +498,8 @@ def _fetch_remote_header(repo: str, file: str, revision: str | None,
         """GET bytes [start, stop) appended to blob; returns the total file size if the server says."""
         try:
             with http_stream_backoff("GET", url, headers={**headers, "Range": f"bytes={start}-{stop - 1}"},
-                                     timeout=HTTP_TIMEOUT_S, max_retries=2) as r:
+                                     timeout=HTTP_TIMEOUT_S, max_retries=1,
+                                     retry_on_exceptions=retry_on) as r:
                 if r.status_code >= 400:
                     r.read()
                     hf_raise_for_status(r)
