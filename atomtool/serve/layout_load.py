@@ -40,10 +40,12 @@ from atomtool.serve.models.base import CausalLM, torch_dtype_of
 
 #: iovecs per preadv (Linux IOV_MAX is 1024)
 _MAX_IOV = 512
-#: default bytes per read: large enough for full disk / page-cache bandwidth, small enough to pipeline
-DEFAULT_CHUNK_BYTES = 16 << 20
 #: O_DIRECT alignment of file offsets, lengths and buffer addresses (logical block sizes are 512 or 4096)
 _ALIGN = 4096
+#: default bytes per read: large enough for full disk / page-cache bandwidth, small enough to pipeline; a
+#: staging buffer with its O_DIRECT slack is then exactly 16 MiB (torch's pinned-memory allocator rounds
+#: sizes up to a power of two)
+DEFAULT_CHUNK_BYTES = (16 << 20) - 2 * _ALIGN
 
 
 @dataclass
@@ -110,7 +112,9 @@ def _read_cpu(chunks: list[_Chunk]) -> None:
 
 def _aligned_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     """uint8 CPU buffer of ``nbytes`` starting on a ``_ALIGN`` boundary (as O_DIRECT needs); pinned on CUDA."""
-    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)  # (pinned blocks are page-aligned)
+    if raw.data_ptr() % _ALIGN:
+        raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = (-raw.data_ptr()) % _ALIGN
     return raw[skip:skip + nbytes]
 
@@ -148,7 +152,7 @@ def _read_staged(chunks: list[_Chunk], chunk_bytes: int, device: torch.device,
     into the other. ``direct_fds``: buffered fd -> O_DIRECT fd of the same shard (chunks of other shards are
     read buffered)."""
     cuda = device.type == "cuda"
-    size = min(chunk_bytes, max(c.nbytes for c in chunks)) + (2 * _ALIGN if direct_fds else 0)
+    size = min(chunk_bytes, max(c.nbytes for c in chunks)) + 2 * _ALIGN
     bufs = [_aligned_buffer(size, cuda) for _ in range(2)]
     stream = torch.cuda.Stream(device) if cuda else None
     events: list[torch.cuda.Event | None] = [None, None]
