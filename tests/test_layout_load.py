@@ -171,3 +171,13 @@ def test_missing_and_misshaped_tensors_named_like_the_generic_path(dense, tmp_pa
     (layout / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(EngineError, match=rf"shape mismatches: {gone} \(\d+,\) \(model expects \(3,\)\)"):
         load_layout_weights(model, layout)
+
+
+def test_model_without_preloaded_takes_the_generic_path(dense):
+    """A load_weights override that predates ``preloaded`` still loads (every tensor through it)."""
+    model = _build(dense, torch.bfloat16)
+    generic = type(model).load_weights
+    model.load_weights = lambda weights: generic(model, weights)
+    stats = load_layout_weights(model, dense)
+    assert stats["direct"] == 0 and stats["fallback"] == len(model.expected_weight_names())
+    _bytes_equal(model, _old(dense, torch.bfloat16))

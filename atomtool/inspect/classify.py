@@ -204,6 +204,8 @@ def build_report(
         servable=bool(fam and fam.servable), config=raw, config_flat=flat, dsa=dsa, tensors=dict(tensors),
         modules=modules, other_tensors=other, totals=totals, memory=memory, findings=findings,
         root=None if root is None else str(root),
+        quant_method=spec.method if spec is not None else None,
+        quant_scheme=spec.scheme if spec is not None else None,
     )
 
 

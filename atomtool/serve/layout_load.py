@@ -27,6 +27,7 @@ EngineError) and ``post_load`` are exactly those of the generic path. Offsets co
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -212,6 +213,8 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
     targets.update(dict(model.named_buffers(remove_duplicate=False)))
     expected = model.expected_weight_names()
     workers = workers or max(1, min(4, os.cpu_count() or 1))
+    # a model whose load_weights override predates ``preloaded`` gets every tensor through load_weights
+    fast_ok = "preloaded" in inspect.signature(model.load_weights).parameters
     if direct_io is None:
         direct_io = os.environ.get("ATOMTOOL_LOAD_DIRECT_IO", "") == "1"
 
@@ -239,7 +242,7 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
                 dtype = torch_dtype_of(info.dtype)
                 offset = header.data_start + info.data_offsets[0]
                 target = targets.get(name)
-                if (target is not None and name in expected and model.direct_load_ok(name, target)
+                if (fast_ok and target is not None and name in expected and model.direct_load_ok(name, target)
                         and tuple(target.shape) == tuple(info.shape) and target.dtype == dtype
                         and target.is_contiguous() and info.nbytes == target.numel() * dtype.itemsize):
                     pieces.append(_Piece(offset, info.nbytes, _byte_view(target.data)))
@@ -290,7 +293,10 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
                     _pread_full(fd, [memoryview(_byte_view(t).numpy())], offset, label)
                 yield name, t
 
-        model.load_weights(rest(), preloaded=direct)
+        if fast_ok:
+            model.load_weights(rest(), preloaded=direct)
+        else:
+            model.load_weights(rest())
     finally:
         for fd in fds:
             os.close(fd)
