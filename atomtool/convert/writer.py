@@ -219,7 +219,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-#: bytes per buffer of the write path (reused ring; bounds memory)
+#: bytes of the zero-padding buffer and of the fallback copy's scratch buffer
 CHUNK_BYTES = 16 << 20
 #: bytes per copy_file_range + hash step of the streaming path
 COPY_BYTES = 64 << 20
@@ -229,18 +229,29 @@ class _AsyncWriter:
     """Performs the writes of a conversion in order, in a background thread, so they overlap the hashing
     in the caller (sha256, preadv, write and copy_file_range all release the GIL).
 
-    Two kinds of work: ``write`` a buffer (a ring of reused chunk buffers bounds memory to ``depth`` x
-    CHUNK_BYTES) and ``copy`` a byte range of a source file with ``os.copy_file_range`` -- the in-kernel
-    copy ``cp`` uses, so the bytes never pass through user space; where the kernel or filesystem refuses
-    it (EXDEV, ENOSYS, ...) the thread falls back to ``preadv`` + ``write`` for good. A failure re-raises
-    in the caller at the next :meth:`buffer`, :meth:`copy` or :meth:`sync`."""
+    Two kinds of work: ``write`` a buffer and ``copy`` a byte range of a source file with
+    ``os.copy_file_range`` -- the in-kernel copy ``cp`` uses, so the bytes never pass through user space;
+    where the kernel or filesystem refuses it (EXDEV, ENOSYS, ...) the thread falls back to ``preadv`` +
+    ``write`` for good. A failure re-raises in the caller at the next :meth:`copy` or :meth:`sync`.
 
-    def __init__(self, depth: int = 4, size: int = CHUNK_BYTES):
-        self._free: queue.Queue = queue.Queue()
-        for _ in range(depth):
-            self._free.put(memoryview(bytearray(size)))
+    Interrupt safety (Ctrl-C lands in the main thread at any bytecode): the work queue is a
+    :class:`queue.SimpleQueue`, whose ``put`` is one C call (``queue.Queue.put`` runs Python-level
+    ``Condition.notify``, and a KeyboardInterrupt inside it can lose the wake-up of the writer thread, which
+    then never sees the stop sentinel). The writer thread also polls a stop :class:`threading.Event`, and
+    :meth:`close` and :meth:`sync` never wait forever: cleanup after an interrupt finishes in bounded time
+    even if a wake-up is lost."""
+
+    #: the work queue's type (a test swaps in one that loses wake-ups)
+    _queue_type: type = queue.SimpleQueue
+    #: seconds between the writer thread's checks of the stop event while idle
+    POLL_S = 0.1
+    #: seconds :meth:`close` waits for the thread after an abandon (one copy step in flight at most)
+    CLOSE_TIMEOUT_S = 30.0
+
+    def __init__(self, depth: int = 4):
         self._copies = threading.Semaphore(depth)  # outstanding copy ops (keeps hashing near the copy)
-        self._q: queue.Queue = queue.Queue()
+        self._q = self._queue_type()
+        self._stop = threading.Event()
         self._err: BaseException | None = None
         self._kernel_copy = hasattr(os, "copy_file_range")
         self._scratch: memoryview | None = None
@@ -274,12 +285,19 @@ class _AsyncWriter:
 
     def _run(self) -> None:
         while True:
-            item = self._q.get()
             try:
-                if item is None:
+                item = self._q.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if self._stop.is_set():
                     return
-                kind, f, a, b, c = item
-                if self._err is None:
+                continue
+            if item is None:
+                return
+            kind, f, a, b, c = item
+            try:
+                if kind == "sync":
+                    continue
+                if self._err is None and not self._stop.is_set():
                     try:
                         if kind == "write":
                             _write_all(f, a)
@@ -287,41 +305,56 @@ class _AsyncWriter:
                             self._copy(f, a, b, c)
                     except BaseException as exc:  # handed to the caller
                         self._err = exc
-                if kind == "write" and b is not None:
-                    self._free.put(b)
+            finally:
                 if kind == "copy":
                     self._copies.release()
-            finally:
-                self._q.task_done()
+                elif kind == "sync":
+                    a.set()
 
     def _raise(self) -> None:
         if self._err is not None:
             raise self._err
 
-    def buffer(self) -> memoryview:
-        """A free chunk buffer (blocks while all are queued for writing)."""
-        buf = self._free.get()
-        self._raise()
-        return buf
-
-    def write(self, f, view: memoryview, recycle: memoryview | None = None) -> None:
-        """Queue ``view`` for writing to ``f``; ``recycle`` (a ring buffer) is freed once written."""
-        self._q.put(("write", f, view, recycle, None))
+    def write(self, f, view: memoryview) -> None:
+        """Queue ``view`` for writing to ``f`` (the view keeps its buffer alive until written)."""
+        self._q.put(("write", f, view, None, None))
 
     def copy(self, f, src_fd: int, offset: int, n: int) -> None:
         """Queue a copy of ``n`` bytes at ``offset`` of ``src_fd`` to the end of ``f``."""
-        self._copies.acquire()
+        while not self._copies.acquire(timeout=self.POLL_S):
+            self._check_alive()
         self._raise()
         self._q.put(("copy", f, src_fd, offset, n))
 
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive():
+            self._raise()
+            raise ConversionError("internal error: the writer thread stopped before the conversion finished")
+
     def sync(self) -> None:
-        """Wait until every queued write is done."""
-        self._q.join()
+        """Wait until every queued write is done (re-raises the writer's failure).
+
+        Raises:
+            ConversionError: the writer thread is gone with work still queued (never waits forever).
+        """
+        done = threading.Event()
+        self._q.put(("sync", None, done, None, None))
+        while not done.wait(self.POLL_S):
+            self._check_alive()
         self._raise()
 
-    def close(self) -> None:
+    def close(self, *, abandon: bool = False) -> None:
+        """Stop the writer thread: after the queued work (``abandon=False``), or as soon as the operation in
+        flight ends, dropping the rest (``abandon=True``, the interrupt/error path). Waits at most
+        :attr:`CLOSE_TIMEOUT_S` when abandoning (the thread is a daemon; it cannot keep the process alive)."""
+        if abandon:
+            self._stop.set()
         self._q.put(None)
-        self._thread.join()
+        deadline = time.monotonic() + self.CLOSE_TIMEOUT_S
+        while self._thread.is_alive():
+            if abandon and time.monotonic() > deadline:
+                return
+            self._thread.join(self.POLL_S)
 
 
 _POPULATE = {"flags": mmap.MAP_SHARED | mmap.MAP_POPULATE, "prot": mmap.PROT_READ} \
@@ -402,6 +435,7 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
     stop = threading.Event()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
               leave=False) as bar:
+        abandon = True
         try:
             for shard in shards:
                 path = tmp / shard.file
@@ -434,12 +468,14 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
                         done[name]["sha256"] = digests.pop(name).result()
                 if sleep:
                     time.sleep(sleep)
+            abandon = False
         except BaseException:
             stop.set()  # abandoned: hashing threads stop at their next chunk
             raise
         finally:
+            # bounded after an interrupt: the writer drops queued work and close() never waits forever
+            w.close(abandon=abandon)
             pool.shutdown(wait=True, cancel_futures=True)
-            w.close()
             reader.close()
     return done
 
