@@ -168,8 +168,9 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
     summary.add_row("servable", "yes" if r.servable else "no")
     cfg = r.config_flat
     summary.add_row("layers", str(cfg.get("num_hidden_layers", "?")))
-    q = r.config.get("quantization_config") if isinstance(r.config, dict) else None
-    summary.add_row("quantization_config", str(q.get("quant_method")) if isinstance(q, dict) else "none")
+    # the spec classification used (top level, text_config or hf_quant_config.json), not a second lookup
+    quant = "none" if r.quant_method is None else r.quant_method + (f" ({r.quant_scheme})" if r.quant_scheme else "")
+    summary.add_row("quantization_config", quant)
     summary.add_row("dtype", str(cfg.get("dtype") or cfg.get("torch_dtype") or "?"))
     summary.add_row("tensors", f"{len(r.tensors)} in {len({t.file for t in r.tensors.values()})} file(s)"
                     if r.tensors else "none (config only)")

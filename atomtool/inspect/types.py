@@ -119,3 +119,7 @@ class InspectReport:
     memory: dict[str, Any]
     findings: list[Finding]
     root: str | None = None  # local directory holding the files (None for remote-only inspection)
+    #: the quantization spec classification used (``quantization_config`` at top level or under
+    #: text_config, or hf_quant_config.json): its ``quant_method`` and scheme; None = unquantized
+    quant_method: str | None = None
+    quant_scheme: str | None = None
