@@ -32,6 +32,7 @@ from atomtool.serve.api.async_engine import AsyncEngine, RequestGroup
 from atomtool.serve.api.chat import load_chat_template, render_chat
 from atomtool.serve.api.metrics import ServerMetrics
 from atomtool.serve.api.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
     ChatChoiceLogProbs,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -78,6 +79,42 @@ class APIError(Exception):
 
 def _bad_request(exc: InvalidRequestError) -> APIError:
     return APIError(400, str(exc), param=getattr(exc, "param", None))
+
+
+def _loc_name(loc: list[Any]) -> str:
+    """A pydantic error location as the client wrote it: ``messages[0].role``."""
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """FastAPI's request-validation errors as one OpenAI 400 (message per error, first top-level param).
+
+    A body that is not JSON, not an object or absent gets one plain sentence (FastAPI would report a
+    position as the parameter); an unknown field gets OpenAI's "Unrecognized request argument supplied".
+    """
+    for e in errors:
+        loc = list(e.get("loc", ()))
+        if e.get("type") == "json_invalid":
+            where = f" at position {loc[1]}" if len(loc) > 1 else ""
+            reason = (e.get("ctx") or {}).get("error") or "malformed JSON"
+            return APIError(400, f"invalid JSON body: {reason}{where}")
+        if loc == ["body"]:  # the body as a whole: form-encoded, a JSON array/string, or missing
+            return APIError(400, "the request body must be a JSON object (Content-Type: application/json)")
+    parts, param = [], None
+    for e in errors:
+        loc = [x for x in e.get("loc", ()) if x != "body"]
+        param = param or (str(loc[0]) if loc else None)  # OpenAI names the top-level parameter
+        name = _loc_name(loc) or "body"
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"Unrecognized request argument supplied: {name}")
+            continue
+        msg = str(e.get("msg"))
+        msg = msg.removeprefix("Value error, ")  # our own validators' messages, without pydantic's prefix
+        parts.append(f"{name}: {msg}")
+    return APIError(400, "; ".join(parts) or "invalid request", param=param)
 
 
 # ------------------------------------------------------------------------------------- middleware
@@ -250,13 +287,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        parts, param = [], None
-        for e in errors:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            param = param or (loc[0] if loc else None)  # OpenAI names the top-level parameter
-            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
-        return APIError(400, "; ".join(parts) or "invalid request", param=param).response()
+        return _validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
@@ -283,8 +314,13 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
 
-    def check_length(prompt_len: int, max_tokens: int | None, prompt_param: str) -> int:
-        """Validate the context budget (vLLM's messages); return max_tokens (default: the room left)."""
+    def check_length(prompt_len: int, max_tokens: int | None, prompt_param: str, *,
+                     clamp: bool = False) -> int:
+        """Validate the context budget (vLLM's messages); return max_tokens (None: the room left).
+
+        ``clamp``: ``max_tokens`` is a server default the client did not send (completions' 16), so it is
+        cut to the room left instead of failing the request over a parameter the client never set.
+        """
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         if prompt_len >= max_model_len:
@@ -293,6 +329,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                            "input messages.", param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return max_model_len - prompt_len
+        if clamp:
+            return min(max_tokens, max_model_len - prompt_len)
         if prompt_len + max_tokens > max_model_len:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
@@ -447,8 +485,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         check_request(req)
         prompts, lengths = completion_prompts(req.prompt)
         per_prompt = []
+        sent_max = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+        requested = req.max_tokens if sent_max else COMPLETION_DEFAULT_MAX_TOKENS  # null: OpenAI's default
         for n_tok in lengths:
-            max_tokens = check_length(n_tok, req.max_tokens, "prompt")
+            max_tokens = check_length(n_tok, requested, "prompt", clamp=not sent_max)
             per_prompt.append([sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())

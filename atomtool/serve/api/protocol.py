@@ -2,9 +2,11 @@
 
 Follows OpenAI's public API reference for ``/v1/completions`` and ``/v1/chat/completions`` and vLLM's
 OpenAI-compatible server for the extra sampling parameters (``ignore_eos``, ``top_k``, ``min_tokens``,
-``stop_token_ids``) and request-level chat template options. Unknown request fields are ignored, as
-in vLLM; parameters we accept but cannot honour are rejected with a 400 by :func:`unsupported_fields`
-rather than silently dropped.
+``stop_token_ids``) and request-level chat template options. Unknown request fields are rejected, as
+OpenAI does ("Unrecognized request argument supplied: foo"), so a typo such as ``max_token`` is a 400
+instead of a silent default; every field the official ``openai`` client can send for these endpoints is
+declared (tests/test_server_protocol.py checks this against ``openai.types``). Parameters we accept but
+cannot honour are rejected with a 400 by :func:`unsupported_fields` rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -12,13 +14,22 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+#: Completions' ``max_tokens`` default when the client does not send it (OpenAI's legacy default).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+#: Chat roles accepted in ``messages`` (openai's ChatCompletionMessageParam; ``function`` is deprecated
+#: there but still a valid message type the client can send).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+#: Roles whose messages must carry ``content`` (OpenAI marks it Required for them).
+CONTENT_REQUIRED_ROLES = ("system", "developer", "user", "tool")
 
 
 class OpenAIModel(BaseModel):
-    """Base of every request model: unknown fields are ignored (vLLM logs them; we drop them)."""
+    """Base of every request model: unknown fields are rejected (OpenAI: "Unrecognized request argument")."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -37,7 +48,8 @@ class ErrorResponse(BaseModel):
 
 # ----------------------------------------------------------------------------------------------- shared
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's stream padding; accepted, nothing to obfuscate
 
 
 class UsageInfo(BaseModel):
@@ -60,7 +72,7 @@ class _SamplingFields(OpenAIModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # end-user id: accepted and ignored (bookkeeping only, as in vLLM)
     # vLLM extra sampling parameters
     top_k: int | None = None
     min_tokens: int = Field(0, ge=0)
@@ -79,7 +91,9 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a token-id list or a list of those."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # OpenAI's legacy default is 16; when the client leaves it out the server clamps it to the room left in
+    # the context instead of failing (see app.check_length); explicit values are checked, never clamped.
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -113,11 +127,35 @@ class CompletionResponse(BaseModel):
 
 # ------------------------------------------------------------------------------------------------- chat
 class ChatMessage(OpenAIModel):
-    """One chat message. ``content`` may be a string or a list of parts; only text parts are accepted."""
+    """One chat message. ``content`` may be a string or a list of parts; only text parts are accepted.
+
+    ``role`` must be one of :data:`CHAT_ROLES`; ``content`` is required for :data:`CONTENT_REQUIRED_ROLES`
+    (an assistant message may omit it). The other fields are those openai's message params define; the
+    chat template sees only role, content and name.
+    """
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # assistant / tool message fields of openai's message params (accepted; not rendered)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
+        return role
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.role in CONTENT_REQUIRED_ROLES and self.content is None:
+            raise ValueError(f"a {self.role!r} message must have content")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -135,6 +173,26 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # The rest of openai's chat CompletionCreateParams. Bookkeeping, caching and routing hints are
+    # accepted and ignored (as vLLM does); those that would change the output are refused by
+    # unsupported_fields when set.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class ChatLogProbEntry(BaseModel):
@@ -173,8 +231,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A stream chunk's ``delta``: fields that are None are left out of the JSON, as OpenAI and vLLM do
+    (the first chunk carries ``role``, later ones only ``content``, the last one may be ``{}``)."""
+
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
@@ -236,4 +301,14 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
             return "response_format", "only response_format {'type': 'text'} is supported"
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if req.functions or req.function_call is not None:
+            param = "functions" if req.functions else "function_call"
+            return param, "function calling is not supported by this server yet"
+        if req.modalities and any(m != "text" for m in req.modalities):
+            return "modalities", "only the 'text' modality is supported"
+        if req.audio is not None:
+            return "audio", "audio output is not supported by this server"
+        for name in ("prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation"):
+            if getattr(req, name) is not None:
+                return name, f"{name} is not supported by this server"
     return None
