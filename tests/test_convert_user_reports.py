@@ -10,11 +10,14 @@
 
 from __future__ import annotations
 
+import json
 import queue
+import shutil
 import threading
 import time
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import atomtool.convert.writer as writer
@@ -22,7 +25,7 @@ from atomtool.cli import app
 from atomtool.convert.layout import is_layout
 from atomtool.convert.plan import build_plan
 from atomtool.inspect.classify import inspect_checkpoint
-from tests.checkpoints import write_hf_checkpoint
+from tests.checkpoints import write_fp8_block_checkpoint, write_hf_checkpoint
 
 runner = CliRunner()
 
@@ -95,3 +98,97 @@ def test_writer_close_is_bounded_even_if_the_thread_never_sees_the_sentinel(tmp_
     assert time.monotonic() - start < 5
     assert not w._thread.is_alive()
     assert (tmp_path / "f").read_bytes() == b"abc"
+
+
+# ------------------------------------------------------------------ 2. verify against another source
+
+
+@pytest.fixture(scope="module")
+def fp8_layout(llama, tmp_path_factory):
+    """(FP8 layout, its FP8 source, the BF16 original that was NOT converted)."""
+    root = tmp_path_factory.mktemp("fp8")
+    fp8 = write_fp8_block_checkpoint(llama, root / "fp8", block=16)
+    bf16 = write_hf_checkpoint(root / "bf16", "llama", dtype=torch.bfloat16)
+    out = root / "layout"
+    assert run("convert", fp8, out).exit_code == 0
+    return out, fp8, bf16
+
+
+def test_verify_against_a_source_that_was_not_converted(fp8_layout):
+    out, fp8, bf16 = fp8_layout
+    assert run("verify", out, "--source", fp8).exit_code == 0
+    r = run("verify", out, "--source", bf16)
+    assert r.exit_code == 1 and not isinstance(r.exception, Exception), r.output  # SystemExit(1), no crash
+    assert "Traceback" not in r.output and "NotImplementedError" not in r.output
+    assert r.stdout.startswith("FAILED (")
+    lines = r.stderr.splitlines()
+    assert ("problem: model.layers.0.self_attn.qkv_proj.weight: part model.layers.0.self_attn.k_proj.weight is "
+            "BF16 [32, 64] in the source, but the layout was converted from F8_E4M3 [32, 64]: the dtype/scheme "
+            "differs from the source (is this the checkpoint that was converted?)") in lines
+    # one line per FP8 part: 2 layers x (q, k, v, o, gate, up, down)
+    assert sum("differs from the source" in ln for ln in lines) == 14
+    assert ("problem: model.layers.1.mlp.down_proj.weight_scale_inv: part "
+            "model.layers.1.mlp.down_proj.weight_scale_inv is not in the source") in lines
+
+
+def test_verify_without_recorded_source_dtypes_still_reports_not_crashes(fp8_layout, tmp_path):
+    """A manifest without source_dtype/source_shape (hand-edited or older) falls through to the value
+    comparison; casting the BF16 source to FP8 must give a problem line, not NotImplementedError."""
+    out, _, bf16 = fp8_layout
+    copy = tmp_path / "layout"
+    shutil.copytree(out, copy)
+    manifest = json.loads((copy / "atomtool.json").read_text())
+    for entry in manifest["tensors"].values():
+        for part in entry["parts"]:
+            part.pop("source_dtype", None)
+            part.pop("source_shape", None)
+    (copy / "atomtool.json").write_text(json.dumps(manifest))
+    r = run("verify", copy, "--source", bf16)
+    assert r.exit_code == 1 and not isinstance(r.exception, Exception), r.output
+    assert ("problem: model.layers.1.self_attn.qkv_proj.weight: part model.layers.1.self_attn.v_proj.weight does "
+            "not reproduce the source (as F8_E4M3)") in r.stderr.splitlines()
+
+
+def test_checked_cast_to_fp8_checks_overflow():
+    from atomtool.convert.cast import checked_cast
+    from atomtool.errors import ConversionError
+
+    ok = checked_cast(torch.tensor([1.0, -2.0], dtype=torch.bfloat16), torch.float8_e4m3fn, name="w")
+    assert ok.dtype == torch.float8_e4m3fn and ok.float().tolist() == [1.0, -2.0]
+    with pytest.raises(ConversionError, match=r"w: casting BF16 -> F8_E4M3 overflows \(\|value\| up to 1000"):
+        checked_cast(torch.tensor([1.0, 1000.0], dtype=torch.bfloat16), torch.float8_e4m3fn, name="w")
+
+
+# ------------------------------------------------------------ 3. truncated shard, unreferenced shard
+
+
+@pytest.fixture()
+def layout(llama, tmp_path):
+    out = tmp_path / "layout"
+    assert run("convert", llama, out, "--shard-size", "60KB").exit_code == 0
+    return out
+
+
+def test_verify_truncated_shard_is_one_problem(llama, layout):
+    shard = sorted(layout.glob("model-*.safetensors"))[0]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1000)
+    for args in ([], ["--source", llama]):
+        r = run("verify", layout, *args)
+        assert r.exit_code == 1, r.output
+        problems = [ln for ln in r.stderr.splitlines() if ln.startswith("problem:")]
+        assert problems == [f"problem: shard {shard.name} is truncated: {size - 1000} bytes, "
+                            f"header declares {size}"], r.stderr
+        assert "sha256" not in r.stderr and "unreadable" not in r.stderr
+        assert r.stdout.startswith("FAILED (1 problems)")
+
+
+def test_verify_reports_an_unreferenced_safetensors_file(layout):
+    shard = sorted(layout.glob("model-*.safetensors"))[0]
+    shutil.copy(shard, layout / "model-extra.safetensors")
+    r = run("verify", layout)
+    assert r.exit_code == 1
+    assert r.stderr.splitlines() == [
+        "problem: model-extra.safetensors: a safetensors file the index does not reference (not part of this "
+        "layout; loaders that read every *.safetensors would pick it up)"]

@@ -135,14 +135,17 @@ def checked_cast(t: torch.Tensor, dtype: torch.dtype, *, name: str) -> torch.Ten
     Returns ``t`` itself when the dtype already matches.
 
     Raises:
-        ConversionError: a finite value of ``t`` becomes +-inf in ``dtype`` (names the tensor, the largest
-            magnitude and the target's maximum).
+        ConversionError: a finite value of ``t`` becomes +-inf in ``dtype`` (for FP8 targets, which torch
+            saturates: exceeds the target's maximum); names the tensor, the largest magnitude and the maximum.
     """
     if t.dtype == dtype:
         return t
     out = t.to(dtype)
     if out.is_floating_point() and t.is_floating_point() and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
-        bad = torch.isinf(out) & torch.isfinite(t)
+        if out.element_size() == 1:  # FP8: torch has no isinf for it, and the cast saturates instead
+            bad = torch.isfinite(t) & (t.abs() > torch.finfo(dtype).max)
+        else:
+            bad = torch.isinf(out) & torch.isfinite(t)
         if bool(bad.any()):
             peak = float(t[torch.isfinite(t)].abs().max())
             raise ConversionError(

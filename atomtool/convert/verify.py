@@ -3,10 +3,13 @@
 Layout checks: the manifest parses; ``model.safetensors.index.json`` names exactly the manifest's tensors
 and files; every shard header declares each tensor with the manifest's dtype and shape and nothing else;
 each tensor's bytes hash to the sha256 recorded at write time; fused parts tile their output (part rows +
-padding cover dim 0 exactly, no overlap).
+padding cover dim 0 exactly, no overlap); a shard shorter than its header declares is reported once as
+truncated (its tensors are not hashed); a ``*.safetensors`` file the index does not reference is reported.
 
 Source checks (``--source SRC``): every source tensor appears in exactly one part; every part reproduces its
-source -- bit-exact when dtypes match, else equal to the source cast to the output dtype; padding rows are
+source -- a part whose source tensor has another dtype or shape than the manifest recorded (SRC is not the
+checkpoint that was converted, e.g. the BF16 original of an FP8 checkpoint) is one problem line; otherwise
+bit-exact when dtypes match, else equal to the source cast to the output dtype; padding rows are
 zero; and for FP8 block outputs the dequantized rows of every part (``fp8 * scale`` per block) equal the
 dequantized source, which is the property the padding rule exists for (research/dsa.md §4).
 """
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from atomtool.convert.cast import checked_cast, torch_dtype
+from atomtool.convert.cast import TAG_OF_TORCH, checked_cast, torch_dtype
 from atomtool.convert.layout import entry_to_spec, read_manifest, read_safetensors_header, tensor_files
 from atomtool.convert.plan_types import OutputTensor
 from atomtool.errors import AtomtoolError, LayoutError
@@ -119,8 +122,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyReport, digests: dict[str, str]
-                        ) -> None:
+def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyReport, digests: dict[str, str],
+                        bad_files: set[str]) -> None:
+    """Index, shard headers and sha256 of every tensor; files that cannot be read as a whole (missing,
+    unreadable header, truncated) go into ``bad_files`` so the source comparison skips them (one problem
+    line per such file, not one per tensor)."""
     specs = manifest["tensors"]
     try:
         weight_map = tensor_files(root)
@@ -135,13 +141,19 @@ def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyRepo
         path = root / file
         if not path.is_file():
             report.problems.append(f"{file}: shard missing")
+            bad_files.add(file)
             continue
         try:
             header, data_start = read_safetensors_header(path)
         except LayoutError as exc:
             report.problems.append(str(exc))
+            bad_files.add(file)
             continue
         header.pop("__metadata__", None)
+        truncated = _truncation(path, header, data_start)
+        if truncated:
+            report.problems.append(truncated)
+            bad_files.add(file)
         for name, h in header.items():
             entry = specs.get(name)
             if entry is None:
@@ -155,6 +167,8 @@ def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyRepo
                                        f"{entry['dtype']} {entry['shape']}")
                 continue
             b0, b1 = h["data_offsets"]
+            if truncated:
+                continue  # its bytes are not all there: reported once for the file above
             digest = _sha256_range(path, data_start + b0, b1 - b0)
             digests[name] = digest
             if digest != entry.get("sha256"):
@@ -164,10 +178,26 @@ def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyRepo
         for name, w in weight_map.items():
             if w == file and name not in header:
                 report.problems.append(f"{name}: index says {file} but its header lacks it")
+    referenced = set(weight_map.values())
+    for path in sorted(root.glob("*.safetensors")):
+        if path.name not in referenced:
+            report.problems.append(f"{path.name}: a safetensors file the index does not reference (not part of "
+                                   "this layout; loaders that read every *.safetensors would pick it up)")
+
+
+def _truncation(path: Path, header: dict[str, Any], data_start: int) -> str | None:
+    """A problem line when ``path`` is shorter than its header declares (an interrupted copy), else None."""
+    ends = [h["data_offsets"][1] for h in header.values()
+            if isinstance(h, dict) and isinstance(h.get("data_offsets"), list) and len(h["data_offsets"]) == 2]
+    declared = data_start + max(ends, default=0)
+    size = path.stat().st_size
+    if size < declared:
+        return f"shard {path.name} is truncated: {size} bytes, header declares {declared}"
+    return None
 
 
 def _check_source(root: Path, manifest: dict[str, Any], source: str, report: VerifyReport,
-                  digests: dict[str, str]) -> None:
+                  digests: dict[str, str], bad_files: set[str]) -> None:
     from atomtool.inspect.source import CheckpointSource
 
     src = CheckpointSource.open(source)
@@ -175,7 +205,8 @@ def _check_source(root: Path, manifest: dict[str, Any], source: str, report: Ver
         report.problems.append(f"{source}: not available locally")
         return
     src_files = {n: t.file for n, t in src.tensors.items()}
-    out = _Tensors(root, tensor_files(root))
+    out_files = {n: f for n, f in tensor_files(root).items() if f not in bad_files}
+    out = _Tensors(root, out_files)
     srct = _Tensors(src.root, src_files)
     copies = _CopyHasher(src.root, src.tensors, digests)
     with out.stack, srct.stack:
@@ -218,6 +249,8 @@ def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Te
     for spec in specs.values():
         if any(p.source not in src_files for p in spec.parts) or spec.name not in out.files:
             continue
+        if _source_differs(spec.name, manifest["tensors"][spec.name], copies.tensors, report):
+            continue
         if spec.op == "copy":
             same = copies.same(spec.name, spec.parts[0].source)
             if same is False:
@@ -238,6 +271,10 @@ def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Te
             except AtomtoolError as exc:
                 report.problems.append(str(exc))
                 continue
+            except (RuntimeError, NotImplementedError, TypeError) as exc:  # torch has no such cast
+                report.problems.append(f"{spec.name}: part {p.source} ({TAG_OF_TORCH.get(s.dtype, s.dtype)}) "
+                                       f"cannot be compared with the layout's {spec.dtype} ({exc})")
+                continue
             if spec.op in ("copy", "cast"):
                 got, pad = t, None
             else:
@@ -256,6 +293,26 @@ def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Te
             scale_name = spec.name[: -len("weight")] + "weight_scale_inv"
             if scale_name in out.files:
                 _check_dequant(spec, t, out.get(scale_name), srct, report)
+
+
+def _source_differs(name: str, entry: dict[str, Any], infos: dict[str, Any], report: VerifyReport) -> bool:
+    """True (with one problem line per part) when a part's source tensor has another dtype or shape than
+    the manifest recorded at conversion time: SRC is not the checkpoint that was converted (e.g. the BF16
+    original of an FP8 checkpoint), so its values cannot be compared."""
+    differs = False
+    for part in entry.get("parts", []):
+        info = infos.get(part.get("source"))
+        want_dtype, want_shape = part.get("source_dtype"), part.get("source_shape")
+        if info is None or (want_dtype is None and want_shape is None):
+            continue
+        if (want_dtype is not None and info.dtype != want_dtype) or \
+                (want_shape is not None and list(info.shape) != list(want_shape)):
+            report.problems.append(
+                f"{name}: part {part['source']} is {info.dtype} {list(info.shape)} in the source, but the layout "
+                f"was converted from {want_dtype} {want_shape}: the dtype/scheme differs from the source "
+                "(is this the checkpoint that was converted?)")
+            differs = True
+    return differs
 
 
 def _check_dequant(spec: OutputTensor, w: torch.Tensor, s: torch.Tensor, srct: _Tensors, report: VerifyReport) -> None:
@@ -297,7 +354,8 @@ def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport
     for name, entry in manifest["tensors"].items():
         _check_tiling(entry_to_spec(name, entry), report.problems)
     digests: dict[str, str] = {}
-    _check_layout_files(root, manifest, report, digests)
+    bad_files: set[str] = set()
+    _check_layout_files(root, manifest, report, digests, bad_files)
     if source is not None:
-        _check_source(root, manifest, source, report, digests)
+        _check_source(root, manifest, source, report, digests, bad_files)
     return report
