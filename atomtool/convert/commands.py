@@ -56,8 +56,15 @@ def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[st
     except HFValidationError:
         raise SourceError(f"{src}: neither a local directory nor a valid Hub repo id") from None
     except Exception as exc:  # huggingface_hub raises many typed errors; all mean "cannot download"
+        from huggingface_hub import constants
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        if isinstance(exc, LocalEntryNotFoundError) and constants.is_offline_mode():
+            raise SourceError(f"{src}: HF_HUB_OFFLINE is set, and the repo is not in the local HF cache "
+                              f"({constants.HF_HUB_CACHE})") from None
+        detail = " ".join(str(exc).split())  # huggingface_hub's messages span lines; ours is one
         raise SourceError(f"{src}: not a local directory, and cannot download it from the Hugging Face Hub "
-                          f"({type(exc).__name__}: {exc})") from None
+                          f"({type(exc).__name__}: {detail})") from None
     return Path(local), {"path": str(local), "repo_id": src, "revision": revision,
                          "commit": Path(local).name}
 

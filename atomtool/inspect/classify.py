@@ -14,7 +14,7 @@ from typing import Any
 from atomtool.errors import ConfigError
 from atomtool.inspect import memory as mem
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
-from atomtool.inspect.families import family_for, supported_architectures
+from atomtool.inspect.families import SERVABLE_SCHEMES, family_for, supported_architectures
 from atomtool.inspect.quant import (
     QUANTIZED_SCHEMES,
     classify_modules,
@@ -78,6 +78,12 @@ def _prev_full(roles: list[str], i: int) -> int:
     while i > 0 and roles[i] != FULL:
         i -= 1
     return i
+
+
+def unservable_modules(modules: list[ModuleInfo]) -> list[ModuleInfo]:
+    """Modules treated as quantized whose storage scheme the engine cannot run (not in
+    :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`), in the given order."""
+    return [m for m in modules if m.treated_as == "quantized" and m.scheme not in SERVABLE_SCHEMES]
 
 
 def _totals(modules: list[ModuleInfo], other: list[str], tensors: dict[str, TensorInfo]) -> dict[str, Any]:
@@ -172,6 +178,13 @@ def build_report(
     model_dtype = mem.model_dtype_tag(flat, raw)
     keep = tuple(fam.fp32_keep) if fam is not None else ()
     findings.extend(dtype_findings(tensors, model_dtype, keep))
+    unservable = unservable_modules(modules)
+    if unservable:
+        schemes = sorted({m.scheme for m in unservable})
+        findings.append(Finding(
+            "scheme-not-servable", "warning", unservable[0].name,
+            f"{len(unservable)} module(s) stored as {', '.join(schemes)} (e.g. {unservable[0].name}); serve runs "
+            f"{', '.join(sorted(SERVABLE_SCHEMES))} weights only (convert cannot change that)"))
 
     if tensors:
         totals = _totals(modules, other, tensors)
@@ -201,7 +214,7 @@ def build_report(
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return InspectReport(
         source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",
-        servable=bool(fam and fam.servable), config=raw, config_flat=flat, dsa=dsa, tensors=dict(tensors),
+        servable=bool(fam and fam.servable) and not unservable, config=raw, config_flat=flat, dsa=dsa, tensors=dict(tensors),
         modules=modules, other_tensors=other, totals=totals, memory=memory, findings=findings,
         root=None if root is None else str(root),
         quant_method=spec.method if spec is not None else None,

@@ -89,6 +89,11 @@ FAMILIES: tuple[Family, ...] = (
 
 _BY_ARCH = {arch: fam for fam in FAMILIES for arch in fam.architectures}
 
+#: storage schemes the engine runs (the one definition: inspect's ``servable`` and serve's loader read it).
+#: Float weights, plus FP8 with 2-D block scales (``weight_scale_inv``, DeepSeek/GLM releases); every other
+#: quantized scheme (awq, gptq, int4_pack, nvfp4, mxfp4, per-tensor/channel fp8, ...) is refused.
+SERVABLE_SCHEMES = frozenset({"bf16", "fp16", "fp32", "fp8_block"})
+
 
 def supported_architectures() -> list[str]:
     """Architectures ``serve`` can run, sorted."""

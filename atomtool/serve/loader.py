@@ -59,6 +59,19 @@ def resolve_dtype(dtype: str | torch.dtype, config: dict[str, Any], device: torc
     return _DTYPES[dtype]
 
 
+def resolve_model_dir(model: str | os.PathLike) -> Path:
+    """The local directory of ``model``: an existing path as is; a Hub repo id (``org/name``, not an existing
+    path) through convert's :func:`~atomtool.convert.commands.resolve_source` (the HF cache, else a download
+    of weights, configs and tokenizer). Raises SourceError when a repo id can be neither found nor downloaded.
+    """
+    from atomtool.convert.commands import _looks_like_path, resolve_source
+
+    path = Path(model).expanduser()
+    if isinstance(model, str) and not path.exists() and not _looks_like_path(model):
+        return resolve_source(model)[0]
+    return path
+
+
 def read_config(model_dir: Path) -> dict[str, Any]:
     """config.json as a dict. Raises SourceError / ConfigError."""
     if not model_dir.is_dir():
@@ -103,18 +116,21 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         UnsupportedArchitectureError: the architecture is not served (lists the supported ones).
         EngineError: missing / unexpected / mis-shaped tensors (named), bad dtype or device.
     """
-    model_dir = Path(model_path)
+    model_dir = resolve_model_dir(model_path)
     raw_config = read_config(model_dir)
     arch = resolve_architecture(raw_config)
     dev = resolve_device(device)
-    from atomtool.convert.layout import is_layout
+    from atomtool.convert.layout import MANIFEST_NAME
     from atomtool.inspect.dsa import flatten_dsa_config
 
-    if is_layout(model_dir):
+    # a manifest makes the directory a layout: an unreadable or unsupported one is a LayoutError, never a
+    # silent fallback to loading the directory as a raw checkpoint
+    if (model_dir / MANIFEST_NAME).exists():
         from atomtool.convert.layout import load_layout_specs
 
         config = flatten_dsa_config(raw_config)
         specs = load_layout_specs(model_dir)
+        _check_layout_servable(model_path, model_dir, specs)
         torch_dtype = resolve_dtype(dtype, config, dev)
         model = get_model_class(arch)(config, specs, torch_dtype, dev)
         from atomtool.serve.layout_load import load_layout_weights
@@ -126,6 +142,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         from atomtool.inspect.classify import inspect_checkpoint
 
         report = inspect_checkpoint(str(model_dir))
+        _check_raw_servable(model_path, report)  # before building (allocating) the model
         config = report.config_flat
         torch_dtype = resolve_dtype(dtype, config, dev)
         plan_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
@@ -135,3 +152,41 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
     model.eval()
     return LoadedModel(model, config, arch, model_dir, torch_dtype, dev)
+
+
+def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
+    """Refuse a raw checkpoint the engine cannot run, before the model is built: no safetensors weights
+    (config.json only), or a linear stored in a scheme outside ``SERVABLE_SCHEMES`` (AWQ, GPTQ, NVFP4, ...).
+
+    Raises:
+        EngineError: one line naming the directory (and the first unservable module with its scheme).
+    """
+    from atomtool.inspect.classify import unservable_modules
+
+    if not report.tensors:
+        raise EngineError(f"{model_path}: no safetensors weights (*.safetensors) found; config.json alone "
+                          "describes the model but there is nothing to load")
+    bad = unservable_modules(report.modules)
+    if bad:
+        raise EngineError(f"{model_path}: layer {bad[0].name} is stored as {bad[0].scheme}; {_SCHEME_HINT}")
+
+
+def _check_layout_servable(model_path: str | os.PathLike, model_dir: Path, specs: dict[str, Any]) -> None:
+    """The layout counterpart of :func:`_check_raw_servable`: every shard its index names exists, and every
+    tensor's scheme is one the engine runs. Raises LayoutError (index) / EngineError (one line)."""
+    from atomtool.convert.layout import tensor_files
+    from atomtool.inspect.families import SERVABLE_SCHEMES
+    from atomtool.inspect.quant import QUANTIZED_SCHEMES
+
+    if not specs:
+        raise EngineError(f"{model_path}: the layout manifest lists no tensors; nothing to load")
+    missing = sorted({f for f in tensor_files(model_dir).values() if not (model_dir / f).is_file()})
+    if missing:
+        raise EngineError(f"{model_path}: layout shard(s) missing: {', '.join(missing[:5])}"
+                          + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+    bad = [s for s in specs.values() if s.scheme in QUANTIZED_SCHEMES and s.scheme not in SERVABLE_SCHEMES]
+    if bad:
+        raise EngineError(f"{model_path}: tensor {bad[0].name} is stored as {bad[0].scheme}; {_SCHEME_HINT}")
+
+
+_SCHEME_HINT = "the engine runs bf16/fp16/fp32 and fp8_block weights (convert cannot change that)"

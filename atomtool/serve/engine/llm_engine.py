@@ -265,11 +265,30 @@ class LLMEngine:
         }
 
 
+#: files any transformers tokenizer is loaded from (fast, sentencepiece, BPE/WordPiece vocabularies, tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "*.tiktoken")
+
+
 def load_tokenizer(model_dir: Path):
-    """transformers ``AutoTokenizer`` from the model directory. Raises EngineError when there is none."""
+    """transformers ``AutoTokenizer`` from the model directory.
+
+    The tokenizer's ``model_max_length`` is lifted: the engine checks prompt length against its own
+    ``max_model_len`` (one error line), so transformers' "Token indices sequence length is longer ..." warning
+    would only print ahead of it.
+
+    Raises:
+        EngineError: (one line) no tokenizer files in ``model_dir``, or transformers cannot load them.
+    """
     from transformers import AutoTokenizer
 
+    if not any(any(Path(model_dir).glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise EngineError(f"{model_dir}: cannot load a tokenizer: no tokenizer files found "
+                          f"({', '.join(TOKENIZER_FILES)}); copy them from the original checkpoint")
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
-        raise EngineError(f"{model_dir}: cannot load a tokenizer ({type(exc).__name__}: {exc})") from exc
+        detail = " ".join(str(exc).split())  # transformers' messages span several lines; ours is one
+        raise EngineError(f"{model_dir}: cannot load a tokenizer ({type(exc).__name__}: {detail})") from exc
+    tokenizer.model_max_length = int(1e30)  # transformers' own "no limit" value (VERY_LARGE_INTEGER)
+    return tokenizer

@@ -69,6 +69,14 @@ class CausalLM(nn.Module):
         names |= {n for n, _ in self.named_buffers(remove_duplicate=True) if n in self.state_dict()}
         return names - set(self.tied_weight_names())
 
+    def architecture_name(self) -> str:
+        """The checkpoint's architecture (``config.json`` ``architectures[0]``, e.g. ``Qwen3ForCausalLM``) for
+        messages; the engine class name when the config does not say (one class serves several)."""
+        archs = self.config_flat.get("architectures")
+        if isinstance(archs, list) and archs and isinstance(archs[0], str):
+            return archs[0]
+        return type(self).__name__
+
     def tied_weight_names(self) -> list[str]:
         """Parameter names that alias another parameter and are not loaded (e.g. a tied ``lm_head.weight``)."""
         return []
@@ -116,7 +124,7 @@ class CausalLM(nn.Module):
         if bad_shape:
             problems.append(f"shape mismatches: {_short_list(bad_shape)}")
         if problems:
-            raise EngineError(f"cannot load {type(self).__name__} weights: " + "; ".join(problems))
+            raise EngineError(f"cannot load {self.architecture_name()} weights: " + "; ".join(problems))
         self.post_load()
 
     def post_load(self) -> None:
