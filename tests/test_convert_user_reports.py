@@ -192,3 +192,62 @@ def test_verify_reports_an_unreferenced_safetensors_file(layout):
     assert r.stderr.splitlines() == [
         "problem: model-extra.safetensors: a safetensors file the index does not reference (not part of this "
         "layout; loaders that read every *.safetensors would pick it up)"]
+
+
+# ------------------------------------------------------------------ 4. tokenizer remote-code side files
+
+KIMI_TOKENIZER_CODE = """from typing import Any
+
+from .tool_declaration_ts import encode_tools_to_typescript_style
+from transformers import PreTrainedTokenizer
+
+
+class TikTokenTokenizer(PreTrainedTokenizer):
+    vocab_files_names = {"vocab_file": "tiktoken.model"}
+"""
+
+
+def test_tokenizer_remote_code_files_are_copied_but_not_model_code(llama, tmp_path):
+    src = tmp_path / "kimi"
+    shutil.copytree(llama, src)
+    files = {
+        "tiktoken.model": b"IQ== 0\nIg== 1\n",
+        "extra.tiktoken": b"Iw== 2\n",
+        "tokenization_kimi.py": KIMI_TOKENIZER_CODE.encode(),
+        "tool_declaration_ts.py": b"def encode_tools_to_typescript_style(tools):\n    return ''\n",
+    }
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    (src / "modeling_kimi.py").write_text("raise SystemExit('remote model code must not be copied')\n")
+    (src / "configuration_kimi.py").write_text("x = 1\n")
+    out = tmp_path / "out"
+    r = run("convert", src, out)
+    assert r.exit_code == 0, r.output
+    for name, data in files.items():
+        assert (out / name).read_bytes() == data, name
+    assert not (out / "modeling_kimi.py").exists() and not (out / "configuration_kimi.py").exists()
+    assert run("verify", out, "--source", src).exit_code == 0
+
+
+def test_hub_download_includes_tokenizer_code_and_excludes_model_code(llama, tmp_path, monkeypatch):
+    from fnmatch import fnmatch
+
+    import huggingface_hub
+
+    calls = []
+
+    def fake(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
+        calls.append((allow_patterns, ignore_patterns))
+        return str(llama)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert run("convert", "moonshotai/Kimi-K2-Instruct", tmp_path / "out").exit_code == 0
+    allow, ignore = calls[0]
+
+    def fetched(name):
+        return any(fnmatch(name, p) for p in allow) and not any(fnmatch(name, p) for p in ignore or [])
+
+    for name in ("tiktoken.model", "tokenization_kimi.py", "tool_declaration_ts.py", "a.tiktoken",
+                 "model-00001-of-00002.safetensors", "tokenizer_config.json"):
+        assert fetched(name), name
+    assert not fetched("modeling_deepseek.py")

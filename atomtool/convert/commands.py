@@ -25,8 +25,12 @@ from atomtool.errors import ConversionError, SourceError
 from atomtool.inspect.families import family_for
 from atomtool.inspect.types import InspectReport
 
-#: files a conversion needs from a Hub repo (weights, configs, tokenizer and templates)
-HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "LICENSE*"]
+#: files a conversion needs from a Hub repo (weights, configs, tokenizer and templates, and Python files for
+#: tokenizer remote code such as Kimi-K2's tokenization_kimi.py and the modules it imports; the writer copies
+#: only those, see :func:`atomtool.convert.writer.side_files`)
+HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py", "LICENSE*"]
+#: never downloaded: remote model code (we do not run it)
+HUB_IGNORE = ["modeling_*.py"]
 
 
 def _looks_like_path(s: str) -> bool:
@@ -52,7 +56,8 @@ def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[st
     from huggingface_hub.utils import HFValidationError
 
     try:
-        local = snapshot_download(repo_id=src, revision=revision, allow_patterns=HUB_PATTERNS)
+        local = snapshot_download(repo_id=src, revision=revision, allow_patterns=HUB_PATTERNS,
+                                  ignore_patterns=HUB_IGNORE)
     except HFValidationError:
         raise SourceError(f"{src}: neither a local directory nor a valid Hub repo id") from None
     except Exception as exc:  # huggingface_hub raises many typed errors; all mean "cannot download"

@@ -49,12 +49,17 @@ from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError
 from atomtool.inspect.safetensors_header import DTYPE_BITS
 
-#: side files copied unchanged (tokenizer, generation config, chat templates); matched on the file name
+#: side files copied unchanged (tokenizer, generation config, chat templates); matched on the file name.
+#: Tokenizer remote code (``tokenization_*.py``, loaded by ``AutoTokenizer`` with ``trust_remote_code``, e.g.
+#: Kimi-K2's TikTokenTokenizer with its ``tiktoken.model``) is copied too, with the modules it imports
+#: relatively (:func:`side_files`); model code (``modeling_*.py``) never is: we do not run remote model code.
 SIDE_FILE_PATTERNS = (
     r"tokenizer.*", r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\..*", r"merges\.txt",
-    r".*\.tiktoken", r"spiece\.model", r"generation_config\.json", r"chat_template.*", r"preprocessor_config\.json",
-    r"LICENSE.*", r"README\.md",
+    r".*\.tiktoken", r"tiktoken\.model", r"spiece\.model", r"tokenization_.*\.py",
+    r"generation_config\.json", r"chat_template.*", r"preprocessor_config\.json", r"LICENSE.*", r"README\.md",
 )
+#: ``from .mod import x`` / ``from . import mod`` in tokenizer code: the sibling modules it needs
+_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w*)\s+import\s+\(?\s*([\w\s,]+)", re.M)
 #: seconds to sleep after each shard; a test hook to kill a conversion mid-write deterministically
 SLEEP_ENV = "ATOMTOOL_CONVERT_TEST_SLEEP_PER_SHARD"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -118,9 +123,28 @@ def check_disk_space(out: str | Path, needed: int) -> None:
 
 
 def side_files(src: str | Path) -> list[Path]:
-    """Tokenizer, generation and chat-template files of a checkpoint directory (copied unchanged)."""
+    """Tokenizer, generation and chat-template files of a checkpoint directory (copied unchanged).
+
+    Includes tokenizer remote code (``tokenization_*.py``) and, transitively, the sibling ``.py`` modules
+    it imports relatively (Kimi-K2's ``tokenization_kimi.py`` imports ``tool_declaration_ts``), except
+    ``modeling_*.py``.
+    """
+    root = Path(src)
     pats = [re.compile(p) for p in SIDE_FILE_PATTERNS]
-    return sorted(f for f in Path(src).iterdir() if f.is_file() and any(p.fullmatch(f.name) for p in pats))
+    files = {f for f in root.iterdir() if f.is_file() and any(p.fullmatch(f.name) for p in pats)}
+    todo = [f for f in files if f.suffix == ".py"]
+    while todo:
+        try:
+            code = todo.pop().read_text(errors="replace")
+        except OSError:
+            continue
+        for module, names in _RELATIVE_IMPORT.findall(code):
+            for mod in [module] if module else re.findall(r"\w+", names):
+                dep = root / f"{mod}.py"
+                if not mod.startswith("modeling_") and dep.is_file() and dep not in files:
+                    files.add(dep)
+                    todo.append(dep)
+    return sorted(files)
 
 
 def tensor_nbytes(spec: OutputTensor) -> int:
