@@ -47,3 +47,57 @@ def test_quantization_row_reads_hf_quant_config():  # nvidia NVFP4: hf_quant_con
 def test_quantization_row_none_when_unquantized():
     row = _summary_row(_text(build_report("q", _load("Qwen__Qwen3-0.6B.json"), {})), "quantization_config")
     assert row.replace("│", " ").split()[-1] == "none"
+
+
+def _expand(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.replace(" ", "").split(","):
+        if ".." not in part:
+            out.append(int(part))
+            continue
+        rng, _, step = part.partition(":")
+        a, b = rng.split("..")
+        out.extend(range(int(a), int(b) + 1, int(step or 1)))
+    return out
+
+
+def _cell(text: str, label: str) -> str:
+    """The second cell of the row labelled ``label``, its wrapped continuation lines joined."""
+    lines = text.splitlines()
+    i = next(k for k, line in enumerate(lines) if label in line)
+    cells = [lines[i].split("│")[2].strip()]
+    for line in lines[i + 1:]:
+        parts = line.split("│")
+        if len(parts) < 3 or parts[1].strip():
+            break
+        cells.append(parts[2].strip())
+    return " ".join(cells)
+
+
+def test_long_dsa_layer_lists_are_never_truncated():  # GLM-5.2: 57 shared layers in 19 runs
+    from atomtool.inspect.dsa import flatten_dsa_config
+
+    cfg = _load("zai-org__GLM-5.2.json")
+    roles = flatten_dsa_config(cfg)["indexer_types"]
+    report = build_report("glm52", cfg, {})
+    for width in (80, 160):
+        text = _text(report, width)
+        assert "…" not in text
+        for role in ("full", "shared"):
+            want = [i for i, r in enumerate(roles) if r == role]
+            assert _expand(_cell(text, f"{role} layers ({len(want)})")) == want
+
+
+def test_piped_output_does_not_wrap_module_names(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+    from tests.checkpoints import write_hf_checkpoint
+
+    ckpt = write_hf_checkpoint(tmp_path / "ds3", "deepseek_v3", seed=6)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    res = CliRunner().invoke(app, ["inspect", str(ckpt)])  # stdout is not a terminal here
+    assert res.exit_code == 0, res.output
+    for pattern in ("model.layers.{0..2}.self_attn.kv_a_proj_with_mqa",
+                    "model.layers.{1,2}.mlp.experts.{0..7}.down_proj"):
+        assert pattern in res.stdout

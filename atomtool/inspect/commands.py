@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import sys
 
-from rich.console import Console
-
 
 def run_inspect(source: str, *, revision: str | None = None, json_out: bool = False, show_tensors: bool = False,
                 gpu_memory_gb: float | None = None) -> int:
@@ -19,7 +17,7 @@ def run_inspect(source: str, *, revision: str | None = None, json_out: bool = Fa
     """
     from atomtool.errors import AtomtoolError
     from atomtool.inspect.classify import inspect_checkpoint
-    from atomtool.inspect.report import render, to_json
+    from atomtool.inspect.report import make_console, render, to_json
 
     if gpu_memory_gb is not None and not gpu_memory_gb > 0:
         raise AtomtoolError(f"--gpu-memory must be a positive number of GB, got {gpu_memory_gb}")
@@ -27,7 +25,7 @@ def run_inspect(source: str, *, revision: str | None = None, json_out: bool = Fa
     if json_out:
         sys.stdout.write(json.dumps(to_json(report, show_tensors=show_tensors), indent=2) + "\n")
     else:
-        render(report, Console(), show_tensors=show_tensors)
+        render(report, make_console(), show_tensors=show_tensors)
     errors = [f for f in report.findings if f.severity == "error"]
     if errors:
         print(f"error: {len(errors)} error finding(s); first: {errors[0].message}", file=sys.stderr)

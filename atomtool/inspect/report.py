@@ -7,6 +7,7 @@ of 4), findings collapse per code and severity.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from typing import Any
@@ -19,6 +20,9 @@ from rich.text import Text
 from atomtool.inspect.types import Finding, InspectReport
 
 SCHEMA_VERSION = 1
+#: console width when stdout is not a terminal (pipe, file) and COLUMNS is unset: rich would use 80 and
+#: wrap module names mid-word; tables still take only the width their content needs
+PIPE_WIDTH = 200
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
 
@@ -154,6 +158,21 @@ def collapse_findings(findings: list[Finding]) -> list[tuple[str, str, int, str,
     return rows
 
 
+def make_console(file: Any = None) -> Console:
+    """A rich Console for the report: the terminal's width on a terminal (or ``COLUMNS``), else
+    :data:`PIPE_WIDTH` so piped output does not wrap at 80 columns."""
+    console = Console(file=file)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(file=file, width=PIPE_WIDTH)
+    return console
+
+
+def layer_list(layers: list[int]) -> str:
+    """Layer indices as comma-and-space separated runs (``0..2, 6..74:4``; :func:`format_ints`), so a long
+    list wraps between runs in a table cell instead of being cut off."""
+    return format_ints(layers).replace(",", ", ")
+
+
 def render(report: InspectReport, console: Console | None = None, *, show_tensors: bool = False) -> None:
     """Print the report as rich tables: summary, DSA schedule, modules (collapsed), totals, memory, findings,
     and with ``show_tensors`` every tensor (one row each)."""
@@ -180,13 +199,13 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         d = r.dsa
         t = Table(title="DeepSeek Sparse Attention", show_header=False, title_justify="left")
         t.add_column(style="bold")
-        t.add_column()
+        t.add_column(overflow="fold")  # never '…': the full layer list is the point of this table
         t.add_row("index_topk / n_heads / head_dim / rope_dim",
                   f"{d.index_topk} / {d.index_n_heads} / {d.index_head_dim} / {d.index_rope_dim}")
         for role in ("full", "shared", "dense"):
             layers = [i for i, x in enumerate(d.roles) if x == role]
             if layers:
-                t.add_row(f"{role} layers ({len(layers)})", format_ints(layers))
+                t.add_row(f"{role} layers ({len(layers)})", layer_list(layers))
         console.print(t)
 
     if r.modules:
@@ -239,7 +258,7 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
             head = f"[{style.get(sev, '')}]{sev:7}[/] {code}" + (f" x{n}" if n > 1 else "")
             head += f"  {where}" if where and n > 1 else ""
             console.print(head, highlight=False)
-            console.print(Padding(Text(msg), (0, 0, 0, 8)))
+            console.print(Padding(Text(msg), (0, 0, 0, 8), expand=False))
     else:
         console.print("No findings.")
 
