@@ -354,13 +354,18 @@ def test_fp8_block_linear(M, N, K, block):
 
 
 @pytest.mark.parametrize("N,K,block", [(70, 200, (16, 16)), (130, 256, (128, 128)), (1100, 96, (32, 32))])
-def test_fp8_block_linear_small_m_split_k(N, K, block):
-    """M = 1..16 take the split-K path: K cut into several splits (13, 2 and 1 here), fp32 partials summed in
-    split order; every row equals the dequantized reference, and is bitwise the same alone as in a batch."""
-    from atomtool.serve.ops.triton.linear import SMALL_M, split_k_plan
+def test_fp8_block_linear_small_m_split_k(N, K, block, monkeypatch):
+    """Every M takes the split-K path: K cut into several splits (13, 2 and 1 here), fp32 partials summed in
+    split order; every row equals the dequantized reference, and is bitwise the same alone as in a batch of
+    any size (also one cut into several SPLIT_ROWS launches)."""
+    import sys
+
+    from atomtool.serve.ops.triton.linear import split_k_plan
+
+    tri_linear = sys.modules["atomtool.serve.ops.triton.linear"]  # the package re-exports a function `linear`
 
     g = torch.Generator().manual_seed(16)
-    x = torch.randn(SMALL_M, K, generator=g)
+    x = torch.randn(16, K, generator=g)
     w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)
     s = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
     b = torch.randn(N, generator=g)
@@ -372,6 +377,11 @@ def test_fp8_block_linear_small_m_split_k(N, K, block):
         part = tri.linear(x[:M], w, None, s, block)
         _close(part, torch_ref.linear(x[:M], w, None, s, block), 1e-4, 1e-5)
         assert torch.equal(tri.linear(x[M - 1:M], w, b, s, block)[0], full[M - 1])  # batch-invariant row
+    big_x = torch.cat([x, torch.randn(21, K, generator=g)])  # 37 rows: several 16-row tiles
+    monkeypatch.setattr(tri_linear, "SPLIT_ROWS", 16)           # and several workspace chunks
+    big = tri.linear(big_x, w, b, s, block)
+    _close(big, torch_ref.linear(big_x, w, b, s, block), 1e-4, 1e-5)
+    assert torch.equal(big[:16], full) and torch.equal(tri.linear(big_x[36:], w, b, s, block)[0], big[36])
     xb, bb = x[:3].bfloat16(), b.bfloat16()
     _close(tri.linear(xb, w, bb, s, block), torch_ref.linear(xb, w, bb, s, block), 0.3, 0.02)
 
@@ -440,17 +450,14 @@ def test_fused_moe_fp8_block_matches_dequantized_reference():
         tri.fused_moe(x[:, :5], w13, w2, tw, ids)
 
 
-def test_fused_moe_block_m_regimes_and_batch_invariance():
-    """Small batches use 16-row expert tiles, larger ones 64 (moe_block_m); FP8 weights and -1 / foreign
-    expert ids in both regimes match the reference, and within a regime a token's output has the same bits
-    whatever its batch (alone vs in a small batch; in two different 64-row-tile batches)."""
-    from atomtool.serve.ops.triton.moe import moe_block_m
+def test_fused_moe_batch_invariance():
+    """Expert tiles are 16 rows for every batch size (MOE_BLOCK_M); FP8 weights and -1 / foreign expert ids
+    match the reference, and a token's output has the same bits alone, in a small batch and in a large one."""
+    from atomtool.serve.ops.triton.moe import MOE_BLOCK_M
 
+    assert MOE_BLOCK_M == 16
     E, k = 4, 2
-    assert moe_block_m(1 * 8, 256) == 16 and moe_block_m(64 * 8, 256) == 16 and moe_block_m(1024 * 8, 256) == 64
-    assert moe_block_m(16 * E, E) == 16 and moe_block_m(16 * E + 1, E) == 64
     T, H, inter, block = 40, 48, 40, (16, 16)
-    assert moe_block_m(T * k, E) == 64 and moe_block_m(k, E) == 16
     x, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k, seed=10)
     ids[3, 0], ids[9] = -1, torch.tensor([E + 2, -1])
     g = torch.Generator().manual_seed(11)
@@ -465,12 +472,12 @@ def test_fused_moe_block_m_regimes_and_batch_invariance():
         full = tri.fused_moe(x, wa, wb, tw, ids, *extra)
         ref = torch_ref_mla.fused_moe(x, d13 if fp8 else w13, d2 if fp8 else w2, tw, ids)
         _close(full, ref, 2e-5, 1e-5)
-        small = tri.fused_moe(x[:8], wa, wb, tw[:8], ids[:8], *extra)  # 16 pairs: 16-row tiles
+        small = tri.fused_moe(x[:8], wa, wb, tw[:8], ids[:8], *extra)
         _close(small, ref[:8], 2e-5, 1e-5)
         for t in (0, 3, 7):
             alone = tri.fused_moe(x[t:t + 1], wa, wb, tw[t:t + 1], ids[t:t + 1], *extra)
-            assert torch.equal(alone[0], small[t])
-        part = tri.fused_moe(x[3:38], wa, wb, tw[3:38], ids[3:38], *extra)  # 70 pairs: still 64-row tiles
+            assert torch.equal(alone[0], small[t]) and torch.equal(alone[0], full[t])
+        part = tri.fused_moe(x[3:38], wa, wb, tw[3:38], ids[3:38], *extra)
         assert torch.equal(part, full[3:38])
 
 

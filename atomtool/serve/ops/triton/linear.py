@@ -10,13 +10,12 @@ the numerics against the reference; the GPU tests probe whether the installed to
 tests/gpu/test_kernels_gpu.py) so a later performance change can adopt it with a measured error.
 Unquantized weights go to ``torch.nn.functional.linear`` (cuBLAS).
 
-Two launch shapes. M > ``SMALL_M`` (prefill): 64x128 tiles, each program reduces all of K. M <= ``SMALL_M``
-(decode): at M = 1 that layout gives N / 128 programs (56 for o_proj) each streaming MBs of weight serially,
-so the small-M path uses 16x64 tiles and split-K (split-K GEMM as in CUTLASS's "split-K serial/parallel"
-and FlashDecoding-style GEMV), the split count taken from the weight's (N, K) only; the fp32 partials are
-summed in split order by a second kernel. Each path is deterministic and a row's result does not depend on
-the other rows of the batch; the two paths round differently, so a row's bits can change when M crosses
-``SMALL_M``.
+One launch shape for every M: at M = 1 a 64x128-tile layout would give N / 128 programs (56 for o_proj)
+each streaming MBs of weight serially, so the kernel uses 16x64 tiles and split-K (split-K GEMM as in
+CUTLASS's "split-K serial/parallel" and FlashDecoding-style GEMV), the split count taken from the weight's
+(N, K) only; the fp32 partials are summed in split order by a second kernel. Decode and prefill share the
+tile shape and the split, so a row's bits never depend on the other rows or on M (batch invariance, at some
+cost to prefill efficiency).
 """
 
 from __future__ import annotations
@@ -75,15 +74,15 @@ def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-#: rows up to which the small-M (decode) path runs: BLOCK_M 16 and split-K
-SMALL_M = 16
-#: programs the small-M path aims for (about 4 per SM of an H100/H200); a constant, so the split of a given
+#: rows per split-K launch (bounds the fp32 partials workspace; does not change any row's result)
+SPLIT_ROWS = 512
+#: programs the split-K plan aims for (about 4 per SM of an H100/H200); a constant, so the split of a given
 #: weight is the same on every call and every device
 _SPLIT_TARGET_PROGRAMS = 512
 
 
 def split_k_plan(N: int, K: int, block_n: int, block_k: int) -> tuple[int, int]:
-    """(number of K splits, K elements per split) of the small-M path for an [N, K] weight.
+    """(number of K splits, K elements per split) of the split-K plan for an [N, K] weight.
 
     Chosen from the weight's shape only, never from M: enough splits that ``N / block_n`` tiles times the
     splits reach ~``_SPLIT_TARGET_PROGRAMS`` programs, each split a whole number of ``block_k`` steps
@@ -120,36 +119,34 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         raise ValueError(f"fp8 linear: block size {bk} along K must be a multiple of 16")
     has_bias = bias is not None
     bias_arg = bias if has_bias else s
-    if M > SMALL_M:
-        # large M (prefill, big decode batches): one 64x128 tile shape whatever M is, no split-K
-        grid = (triton.cdiv(M, 64), triton.cdiv(N, 128), 1)
-        _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, M, N, K, bn, bk, K,
-                                     a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0,
-                                     HAS_BIAS=has_bias, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot_dtype(x.dtype), num_warps=8, num_stages=3)
-        return out.view(*lead, N)
-    # small M (decode): a GEMV is bound by streaming the weight, so it needs many programs in flight.
-    # 16-row tiles (the smallest tensor-core tile) and split-K from the weight's shape only; the splits'
-    # fp32 partials are summed in split order by a second kernel (no atomics): a row's result depends on
-    # neither the other rows nor M (deterministic, batch-invariant for M <= SMALL_M).
+    # One tile shape and one K split for every M (decode and prefill alike): 16-row tiles (the smallest
+    # tensor-core tile) and split-K chosen from the weight's shape only, the splits' fp32 partials summed in
+    # split order by a second kernel (no atomics). A row's bits therefore depend on neither the other rows
+    # nor M: strictly batch-invariant, at some cost to large-M (prefill) efficiency. A GEMV is bound by
+    # streaming the weight, so the split gives decode the programs in flight it needs.
     block_m, block_n = 16, 64
     n_splits, k_chunk = split_k_plan(N, K, block_n, block_k)
-    grid = (1, triton.cdiv(N, block_n), n_splits)
     dot = dot_dtype(x.dtype)
     if n_splits == 1:
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1)
         _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, M, N, K, bn, bk, k_chunk,
                                      a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0,
                                      HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                      DOT_DTYPE=dot, num_warps=4, num_stages=4)
         return out.view(*lead, N)
-    ws = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
-    _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, ws, M, N, K, bn, bk, k_chunk,
-                                 a.stride(0), w.stride(0), s.stride(0), ws.stride(1), ws.stride(0),
-                                 HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                 DOT_DTYPE=dot, num_warps=4, num_stages=4)
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(M * N, block),)](ws, bias_arg, out, M * N, N, n_splits, HAS_BIAS=has_bias,
-                                                     BLOCK=block, num_warps=4)
+    # rows in chunks bound the fp32 workspace ([splits, rows, N]); chunking never changes a row's bits
+    for r0 in range(0, M, SPLIT_ROWS):
+        rows = min(SPLIT_ROWS, M - r0)
+        a_r, out_r = a[r0:r0 + rows], out[r0:r0 + rows]
+        ws = torch.empty((n_splits, rows, N), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(N, block_n), n_splits)
+        _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, ws, rows, N, K, bn, bk, k_chunk,
+                                     a_r.stride(0), w.stride(0), s.stride(0), ws.stride(1), ws.stride(0),
+                                     HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                     DOT_DTYPE=dot, num_warps=4, num_stages=4)
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
+                                                            HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
     return out.view(*lead, N)
 
 

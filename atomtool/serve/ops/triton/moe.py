@@ -3,11 +3,11 @@
 Routed SwiGLU experts (DeepSeek-V3 / Mixtral style): ``y[t] = Σ_j w[t,j] · W2[e] (silu(G[e] x[t]) * U[e] x[t])``
 with ``e = topk_ids[t, j]``. The (token, slot) pairs are sorted by expert and each expert's run is padded
 to a multiple of BLOCK_M (the grouped-GEMM layout of vLLM's fused_moe, after MegaBlocks, Gale et al. 2023),
-so one GEMM launch serves all experts: a program owns BLOCK_M rows of one expert. BLOCK_M is 16 for
-small (decode) batches and 64 otherwise (``moe_block_m``). Sorting uses scatter /
+so one GEMM launch serves all experts: a program owns BLOCK_M rows of one expert (``MOE_BLOCK_M``, the same
+for every batch size). Sorting uses scatter /
 cumsum / searchsorted only (no host sync, CUDA-graph capturable). Expert ids outside ``[0, E)`` (e.g.
 experts owned by another rank) contribute nothing. The k slot outputs of a token are summed in float32
-in slot order, so a token's result does not depend on the batch (within one ``moe_block_m`` regime).
+in slot order, so a token's result does not depend on the batch.
 """
 
 from __future__ import annotations
@@ -113,18 +113,11 @@ def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k
     )
 
 
-def moe_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per grouped-GEMM tile: 16 when the experts get few tokens each (decode: at batch 1 each active
-    expert holds one token, and a 64-row tile would do 64x the needed MMA work), else 64.
-
-    Chosen from shapes (``T * top_k`` routed pairs, E experts; no host sync): 16 while the average load is at
-    most 16 pairs per expert (DeepSeek-V3: T <= 512, so every decode batch). Every row is reduced over K in
-    the same ``BLOCK_K`` steps in the same order (no split-K) in both regimes, but the dot's tile height
-    changes the instruction that computes it (and, under the CPU interpreter, the BLAS call), which may round
-    differently: a token's result is batch-invariant within a regime, and its bits can change when its
-    batch crosses the threshold.
-    """
-    return 16 if num_pairs <= 16 * num_experts else 64
+#: rows per grouped-GEMM tile, for every batch size. 16 keeps decode cheap (at batch 1 each active expert
+#: holds one token; a 64-row tile would do 64x the MMA work), and one tile height for every batch keeps a
+#: token's bits independent of its batch (the dot's tile height decides the instruction and its rounding),
+#: at some cost to large prefill batches.
+MOE_BLOCK_M = 16
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -149,7 +142,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     n_pairs = T * k
-    block_m = moe_block_m(n_pairs, E)
+    block_m = MOE_BLOCK_M
     sorted_pairs, block_expert = sort_tokens_by_expert(topk_ids, E, block_m)
     h13 = torch.empty((n_pairs, two_i), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, w13_scale_inv, h13, sorted_pairs, block_expert, n_pairs, k, True, None, block_m,
