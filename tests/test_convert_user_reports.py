@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import shutil
 import threading
 import time
@@ -251,3 +252,30 @@ def test_hub_download_includes_tokenizer_code_and_excludes_model_code(llama, tmp
                  "model-00001-of-00002.safetensors", "tokenizer_config.json"):
         assert fetched(name), name
     assert not fetched("modeling_deepseek.py")
+
+
+# ------------------------------------------------------------------------------- 5. human-readable sizes
+
+
+def test_human_bytes():
+    assert [writer.human_bytes(n) for n in (10, 1536, 3 * 2**20, 3 * 2**30 + 2**29)] == \
+        ["10 B", "1.50 KiB", "3.00 MiB", "3.50 GiB"]
+
+
+def test_disk_space_refusal_of_a_small_model_says_kib_not_zero_gb(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
+    r = run("convert", llama, tmp_path / "out")
+    assert r.exit_code == 1
+    assert re.fullmatch(rf"error: not enough free disk space for {re.escape(str(tmp_path / 'out'))}: needs "
+                        rf"\d+\.\d\d KiB, 10 B free on {re.escape(str(tmp_path))}\n", r.stderr), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_summary_rate_is_not_zero_gb_per_s(llama, tmp_path):
+    r = run("convert", llama, tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    m = re.search(r"shard\(s\), (\d+\.\d\d) KiB in \d+\.\d\ds \((\d+(?:\.\d\d)?) (B|KiB|MiB|GiB)/s\)\n$", r.stdout)
+    assert m, r.stdout
+    assert float(m.group(2)) > 0 and "GB/s" not in r.stdout
+    size = sum(p.stat().st_size for p in llama.glob("*.safetensors"))  # F32 copies: about the source data
+    assert abs(float(m.group(1)) * 1024 - size) < 0.01 * size

@@ -20,7 +20,7 @@ from typing import Any
 from atomtool.convert.layout import spec_to_entry
 from atomtool.convert.plan import build_plan
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
-from atomtool.convert.writer import check_destination, parse_size, write_layout
+from atomtool.convert.writer import check_destination, human_bytes, parse_size, write_layout
 from atomtool.errors import ConversionError, SourceError
 from atomtool.inspect.families import family_for
 from atomtool.inspect.types import InspectReport
@@ -191,15 +191,15 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     with _sigterm_as_interrupt():
         result = write_layout(plan, root, out, shard_size=size, overwrite=overwrite, source=source_meta,
                               progress=not json_out and sys.stderr.isatty())
-    rate = result.bytes / 1e9 / result.seconds if result.seconds > 0 else 0.0
+    rate = result.bytes / result.seconds if result.seconds > 0 else 0.0  # bytes/s
     summary = {"out": str(result.out), "tensors": result.tensors, "shards": result.shards, "bytes": result.bytes,
-               "seconds": round(result.seconds, 3), "gb_per_s": round(rate, 3), "warnings": plan.warnings,
-               "notes": plan.notes}
+               "seconds": round(result.seconds, 3), "gb_per_s": round(rate / 1e9, 3),
+               "bytes_per_s": round(rate), "warnings": plan.warnings, "notes": plan.notes}
     if json_out:
         print(json.dumps(summary, indent=1))
     else:
         print(f"wrote {result.out}: {result.tensors} tensors in {result.shards} shard(s), "
-              f"{result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s ({rate:.2f} GB/s)")
+              f"{human_bytes(result.bytes)} in {result.seconds:.2f}s ({human_bytes(rate)}/s)")
     return 0
 
 
@@ -217,7 +217,7 @@ def run_verify(layout: str, *, source: str | None = None, json_out: bool = False
     else:
         for p in report.problems:
             print(f"problem: {p}", file=sys.stderr)
-        what = f"{report.tensors} tensors, {report.bytes / 1e6:.1f} MB checksummed"
+        what = f"{report.tensors} tensors, {human_bytes(report.bytes)} checksummed"
         if source is not None:
             what += f"; {report.parts} parts reproduce {source}"
             if report.dequantized:

@@ -107,6 +107,14 @@ def check_destination(src: str | Path, out: str | Path, *, overwrite: bool) -> N
                                   f"(no {MANIFEST_NAME}); remove it yourself if it should go")
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units, the way ``atomtool inspect`` prints sizes (``512 B``, ``117.74 KiB``,
+    ``1.40 GiB``): small models no longer show as ``0.00 GB``."""
+    from atomtool.inspect.report import _bytes  # the inspect report's formatter (one format for the tool)
+
+    return _bytes(n)
+
+
 def check_disk_space(out: str | Path, needed: int) -> None:
     """Refuse when the filesystem of OUT has fewer than ``needed`` bytes free (checked before writing).
 
@@ -118,8 +126,8 @@ def check_disk_space(out: str | Path, needed: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < needed:
-        raise ConversionError(f"not enough free disk space for {out}: needs {needed / 1e9:.2f} GB, "
-                              f"{free / 1e9:.2f} GB free on {probe}")
+        raise ConversionError(f"not enough free disk space for {out}: needs {human_bytes(needed)}, "
+                              f"{human_bytes(free)} free on {probe}")
 
 
 def side_files(src: str | Path) -> list[Path]:
