@@ -101,3 +101,50 @@ def test_piped_output_does_not_wrap_module_names(tmp_path, monkeypatch):
     for pattern in ("model.layers.{0..2}.self_attn.kv_a_proj_with_mqa",
                     "model.layers.{1,2}.mlp.experts.{0..7}.down_proj"):
         assert pattern in res.stdout
+
+
+def _invoke(*args: str):
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def _config_dir(tmp_path, **overrides) -> Path:
+    cfg = {**_load("Qwen__Qwen3-0.6B.json"), **overrides}
+    d = tmp_path / "bad"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_nonsense_layer_count_is_an_error_finding(tmp_path):
+    res = _invoke("inspect", str(_config_dir(tmp_path, num_hidden_layers="four")))
+    assert res.exit_code == 1, res.output
+    assert "config-invalid" in res.stdout and "num_hidden_layers must be a positive integer, got 'four'" in res.stdout
+    assert "error: " in res.stderr and "num_hidden_layers" in res.stderr
+    assert _summary_row(res.stdout, "servable").replace("│", " ").split()[-1] == "no"
+
+
+def test_negative_and_zero_sizes_are_errors_and_never_printed(tmp_path):
+    res = _invoke("inspect", str(_config_dir(tmp_path, num_hidden_layers=-3, hidden_size=0)), "--json")
+    assert res.exit_code == 1
+    obj = json.loads(res.stdout)
+    msgs = [f["message"] for f in obj["findings"] if f["code"] == "config-invalid" and f["severity"] == "error"]
+    assert any("num_hidden_layers" in m and "-3" in m for m in msgs) and any("hidden_size" in m for m in msgs)
+    assert obj["memory"]["kv_bytes_per_token"] is None and obj["totals"]["parameters"] is None
+    assert obj["servable"] is False
+    text = _invoke("inspect", str(_config_dir(tmp_path / "t", num_hidden_layers=-3, hidden_size=0))).stdout
+    assert "KV cache / token" not in text and "-3 layers" not in text and " 0 B" not in text
+
+
+def test_real_configs_have_no_invalid_size_fields():
+    from atomtool.inspect.config_check import invalid_size_fields
+    from atomtool.inspect.dsa import flatten_dsa_config
+
+    for path in sorted(REALWORLD.glob("*.json")):
+        cfg = json.loads(path.read_text())
+        if "hf_quant_config" in path.name or "inference-config" in path.name:
+            continue
+        assert invalid_size_fields(flatten_dsa_config(cfg)) == [], path.name

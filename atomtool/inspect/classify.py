@@ -13,6 +13,7 @@ from typing import Any
 
 from atomtool.errors import ConfigError
 from atomtool.inspect import memory as mem
+from atomtool.inspect.config_check import invalid_size_fields
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
 from atomtool.inspect.families import SERVABLE_SCHEMES, family_for, supported_architectures
 from atomtool.inspect.quant import (
@@ -162,6 +163,8 @@ def build_report(
             schedule_ok = True
         except ConfigError as exc:  # report what can be known; the schedule itself is unusable
             findings.append(Finding("config-invalid", "error", None, str(exc)))
+    bad_sizes = invalid_size_fields(flat) if config is not None else []  # no sizes computed from these
+    findings.extend(bad_sizes)
     dsa = None
     roles: list[str] | None = None
     if schedule_ok and is_dsa_config(flat) and "indexer_types" in flat:
@@ -190,7 +193,7 @@ def build_report(
         totals = _totals(modules, other, tensors)
         weights_bytes = totals["bytes"]
     else:
-        est = mem.estimate_parameters(flat, roles) if config is not None else None
+        est = mem.estimate_parameters(flat, roles) if config is not None and not bad_sizes else None
         nbytes = est * mem.TAG_BYTES.get(model_dtype or "BF16", 2) if est is not None and spec is None else None
         totals = {"parameters": est, "bytes": nbytes, "by_dtype": {}, "by_scheme": {}, "estimated": True}
         weights_bytes = nbytes
@@ -199,7 +202,7 @@ def build_report(
                                     f"{source}: no safetensors weights; schedule and sizes come from config.json"
                                     + ("" if spec is None else " (quantized: weight bytes unknown)")))
     memory: dict[str, Any] = {"weights_bytes": weights_bytes, "kv_bytes_per_token": None}
-    if config is not None and isinstance(flat.get("num_hidden_layers"), int):
+    if config is not None and not bad_sizes and isinstance(flat.get("num_hidden_layers"), int):
         kv_tag = model_dtype if model_dtype in mem.TAG_BYTES else "BF16"
         memory.update(mem.kv_cache_bytes(flat, roles, mem.TAG_BYTES[kv_tag]))
         memory["kv_dtype"] = kv_tag
@@ -214,7 +217,8 @@ def build_report(
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return InspectReport(
         source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",
-        servable=bool(fam and fam.servable) and not unservable, config=raw, config_flat=flat, dsa=dsa, tensors=dict(tensors),
+        servable=bool(fam and fam.servable) and not unservable and not bad_sizes, config=raw, config_flat=flat,
+        dsa=dsa, tensors=dict(tensors),
         modules=modules, other_tensors=other, totals=totals, memory=memory, findings=findings,
         root=None if root is None else str(root),
         quant_method=spec.method if spec is not None else None,

@@ -120,7 +120,8 @@ def _mlp_kinds(flat: dict[str, Any]) -> list[str]:
         return ["dense"] * n
     first = _int(flat, "first_k_dense_replace")
     step = _int(flat, "decoder_sparse_step", 1) or 1
-    only = set(flat.get("mlp_only_layers") or [])
+    only_v = flat.get("mlp_only_layers")
+    only = {i for i in only_v if isinstance(i, int)} if isinstance(only_v, list) else set()
     out = []
     for i in range(n):
         moe = i >= first and (i + 1) % step == 0 and i not in only
