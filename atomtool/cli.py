@@ -21,7 +21,26 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: rich's option panels cut long flag names at 80 columns ("--served-model-n…")
+    # and show a "<bool>" placeholder for flags; click wraps the help text and keeps every flag whole.
+    rich_markup_mode=None,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from atomtool import __version__
+
+        print(f"atomtool {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Inspect, convert and serve LLM checkpoints (MLA + DSA + MoE, dense Llama/Qwen)."""
 
 
 class DType(str, Enum):
@@ -54,7 +73,7 @@ def _user_errors(fn):
     return wrapper
 
 
-@app.command("inspect")
+@app.command("inspect", short_help="Classify a checkpoint from config.json and safetensors headers.")
 @_user_errors
 def inspect_cmd(
     source: Annotated[str, typer.Argument(help="Local checkpoint directory or Hugging Face Hub repo id.")],
@@ -70,7 +89,7 @@ def inspect_cmd(
                                  gpu_memory_gb=gpu_memory))
 
 
-@app.command("convert")
+@app.command("convert", short_help="Stream a checkpoint into the atomtool layout.")
 @_user_errors
 def convert_cmd(
     src: Annotated[str, typer.Argument(help="Source checkpoint directory (or Hub repo id, downloaded first).")],
@@ -89,7 +108,7 @@ def convert_cmd(
                                  dry_run=dry_run, json_out=json_out, revision=revision))
 
 
-@app.command("verify")
+@app.command("verify", short_help="Check a layout against its manifest (and its source).")
 @_user_errors
 def verify_cmd(
     layout: Annotated[str, typer.Argument(help="An atomtool layout directory.")],
@@ -102,7 +121,7 @@ def verify_cmd(
     raise typer.Exit(run_verify(layout, source=source, json_out=json_out))
 
 
-@app.command("generate")
+@app.command("generate", short_help="Generate completions offline with the engine.")
 @_user_errors
 def generate_cmd(
     model: Annotated[str, typer.Argument(help="atomtool layout or raw HF checkpoint directory.")],
@@ -125,7 +144,7 @@ def generate_cmd(
                                   device=device.value, json_out=json_out))
 
 
-@app.command("serve")
+@app.command("serve", short_help="Serve a model over an OpenAI-compatible HTTP API.")
 @_user_errors
 def serve_cmd(
     model: Annotated[str | None, typer.Argument(help="Layout or raw HF checkpoint; default: the built-in demo model.")] = None,
@@ -155,7 +174,7 @@ def serve_cmd(
         tensor_parallel_size=tensor_parallel_size))
 
 
-@app.command("demo")
+@app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")
 @_user_errors
 def demo_cmd(
     port: Annotated[int, typer.Option(help="Port for the temporary server (0 = any free port).")] = 0,
