@@ -42,6 +42,14 @@ def one_error_line(res) -> str:
     return lines[0]
 
 
+def serve_error_line(res) -> str:
+    """serve prints "atomtool serve: loading MODEL ..." first; after it, exactly one error line, exit 1."""
+    lines = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("atomtool serve: loading ")]
+    assert res.exit_code == 1, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
 @pytest.fixture
 def no_model_build(monkeypatch):
     """Fail the test if the loader gets as far as building (allocating) a model."""
@@ -257,3 +265,18 @@ def test_offline_repo_id_not_in_cache_is_one_line(hf_offline, tmp_path, monkeypa
 def test_missing_local_path_is_not_treated_as_a_repo_id(tmp_path):
     line = one_error_line(run("generate", tmp_path / "nope", "--prompt", "hi"))
     assert "does not exist" in line
+
+
+# -- serve goes through the same loader ------------------------------------------------------------------
+
+def test_serve_refuses_the_same_inputs(qwen3, tmp_path, hf_offline, monkeypatch, no_model_build):
+    d = tmp_path / "ds"
+    d.mkdir()
+    shutil.copy(DSV32_CONFIG, d / "config.json")
+    line = serve_error_line(run("serve", d, "--port", "0", "--device", "cpu"))
+    assert line.startswith(f"error: {d}: no safetensors weights")
+    q = ck.write_awq_checkpoint(qwen3, tmp_path / "q-awq")
+    assert serve_error_line(run("serve", q, "--port", "0", "--device", "cpu")).endswith(SCHEME_HINT)
+    monkeypatch.chdir(tmp_path)
+    line = serve_error_line(run("serve", "some/repo", "--port", "0"))
+    assert line.startswith("error: some/repo: HF_HUB_OFFLINE is set, and the repo is not in the local HF cache")
