@@ -107,14 +107,18 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
                device: str | torch.device = "auto") -> LoadedModel:
     """Build the engine model for ``model_path`` and load its weights.
 
-    A directory with an ``atomtool.json`` manifest is a layout (specs from the manifest, tensors from its
-    shards); anything else is treated as a raw HF checkpoint: ``inspect_checkpoint`` -> ``build_plan`` ->
-    ``iter_output_tensors`` in memory.
+    ``model_path``: a directory, or a Hub repo id (:func:`resolve_model_dir`). A directory with an
+    ``atomtool.json`` manifest is a layout (specs from the manifest, tensors from its shards); anything else
+    is treated as a raw HF checkpoint: ``inspect_checkpoint`` -> ``build_plan`` -> ``iter_output_tensors``
+    in memory. Inputs that cannot load (no weights, missing shards, unservable schemes) are refused before
+    the model is built.
 
     Raises:
-        SourceError / ConfigError: unreadable directory or config.
+        SourceError / ConfigError: unreadable directory or config, a repo id neither cached nor downloadable.
+        LayoutError: an unreadable, malformed or unsupported-version ``atomtool.json``.
         UnsupportedArchitectureError: the architecture is not served (lists the supported ones).
-        EngineError: missing / unexpected / mis-shaped tensors (named), bad dtype or device.
+        EngineError: no weights, a scheme outside ``SERVABLE_SCHEMES``, missing / unexpected / mis-shaped
+            tensors (named), bad dtype or device.
     """
     model_dir = resolve_model_dir(model_path)
     raw_config = read_config(model_dir)
