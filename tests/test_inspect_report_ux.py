@@ -148,3 +148,24 @@ def test_real_configs_have_no_invalid_size_fields():
         if "hf_quant_config" in path.name or "inference-config" in path.name:
             continue
         assert invalid_size_fields(flatten_dsa_config(cfg)) == [], path.name
+
+
+def test_fp8_layout_parameters_exclude_padding_rows(tmp_path):
+    from atomtool.convert.layout import load_layout_specs
+    from atomtool.inspect.classify import inspect_checkpoint
+    from tests.checkpoints import write_fp8_block_checkpoint, write_hf_checkpoint
+
+    hf = write_hf_checkpoint(tmp_path / "hf", "glm_moe_dsa", seed=3)
+    fp8 = write_fp8_block_checkpoint(hf, tmp_path / "fp8", block=128)  # tiny dims: every part padded to 128
+    layout = tmp_path / "layout"
+    res = _invoke("convert", str(fp8), str(layout))
+    assert res.exit_code == 0, res.output
+    pad_rows = sum(p.pad_rows for s in load_layout_specs(layout).values() if s.name.endswith(".weight")
+                   for p in s.parts)
+    assert pad_rows > 0  # the case under test: the layout stores zero rows
+    src, out = inspect_checkpoint(str(fp8)), inspect_checkpoint(str(layout))
+    assert out.totals["parameters"] == src.totals["parameters"]
+    assert out.totals["by_scheme"]["fp8_block"]["parameters"] == src.totals["by_scheme"]["fp8_block"]["parameters"]
+    assert out.totals["padding_rows"] == pad_rows and "padding_rows" not in src.totals
+    text = _invoke("inspect", str(layout)).stdout
+    assert f"(+{pad_rows:,} padding rows)" in text

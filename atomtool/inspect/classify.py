@@ -124,6 +124,7 @@ def build_report(
     hf_quant_config: dict[str, Any] | None = None,
     gpu_memory_gb: float | None = None,
     extra_findings: list[Finding] | None = None,
+    padding: dict[str, tuple[int, int]] | None = None,
 ) -> InspectReport:
     """Classify a checkpoint from its config and header tensors (pure; no I/O).
 
@@ -137,6 +138,8 @@ def build_report(
         gpu_memory_gb: when given, ``memory.max_context_tokens`` is the longest context whose KV cache fits
             next to the weights in this many GB (10^9 bytes).
         extra_findings: findings from reading the source (e.g. a stale index.json), appended.
+        padding: an atomtool layout's zero rows added for FP8 block alignment, scheme -> (rows, elements)
+            (:func:`layout_padding`); subtracted from the parameter totals (``totals["padding_rows"]``).
     Returns:
         the :class:`InspectReport` (modules in natural name order, findings sorted by severity).
     Raises:
@@ -191,6 +194,11 @@ def build_report(
 
     if tensors:
         totals = _totals(modules, other, tensors)
+        for scheme, (rows, elements) in (padding or {}).items():  # stored zeros, not parameters
+            totals["parameters"] -= elements
+            totals["padding_rows"] = totals.get("padding_rows", 0) + rows
+            if scheme in totals["by_scheme"]:
+                totals["by_scheme"][scheme]["parameters"] -= elements
         weights_bytes = totals["bytes"]
     else:
         est = mem.estimate_parameters(flat, roles) if config is not None and not bad_sizes else None
@@ -245,8 +253,29 @@ def inspect_checkpoint(source: str, revision: str | None = None, *, gpu_memory_g
         if src.root is not None or (isinstance(q, dict) and q.get("quant_method") == "modelopt"):
             hf_quant = src.read_json("hf_quant_config.json")
     extra = [Finding("source-warning", "warning", None, w) for w in getattr(src, "warnings", [])]
+    padding = layout_padding(src.root) if src.root is not None and not src.is_remote else None
     return build_report(source, src.config, src.tensors, src.root, hf_quant_config=hf_quant,
-                        gpu_memory_gb=gpu_memory_gb, extra_findings=extra)
+                        gpu_memory_gb=gpu_memory_gb, extra_findings=extra, padding=padding)
+
+
+def layout_padding(root: Any) -> dict[str, tuple[int, int]] | None:
+    """Zero rows ``atomtool convert`` appended to FP8 block parts (so each part starts on a block
+    boundary), from the layout's manifest: scheme -> (padding rows, padding elements of the weights).
+    None when ``root`` is not an atomtool layout (:func:`atomtool.convert.layout.is_layout`).
+
+    Raises LayoutError (an AtomtoolError) for a manifest that looks like a layout but is malformed.
+    """
+    from atomtool.convert.layout import is_layout, load_layout_specs
+
+    if not is_layout(root):
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    for name, spec in load_layout_specs(root).items():
+        rows = sum(p.pad_rows for p in spec.parts)
+        if rows and name.endswith(".weight") and len(spec.shape) >= 2:  # scales are not parameters
+            r, e = out.get(spec.scheme, (0, 0))
+            out[spec.scheme] = (r + rows, e + rows * spec.shape[-1])
+    return out
 
 
 __all__ = ["build_report", "inspect_checkpoint", "dsa_findings", "QUANTIZED_SCHEMES", "DENSE"]

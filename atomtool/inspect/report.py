@@ -228,7 +228,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
               title_justify="left")
     for col in ("", "parameters", "bytes"):
         t.add_column(col, justify="right" if col else "left")
-    t.add_row("all", _count(tot.get("parameters")), _bytes(tot.get("bytes")))
+    pad = f" (+{tot['padding_rows']:,} padding rows)" if tot.get("padding_rows") else ""  # atomtool layout
+    t.add_row("all", _count(tot.get("parameters")) + pad, _bytes(tot.get("bytes")))
     for dt, v in (tot.get("by_dtype") or {}).items():
         t.add_row(f"dtype {dt}", _count(v["elements"]) + " el", _bytes(v["bytes"]))
     for sc, v in (tot.get("by_scheme") or {}).items():
