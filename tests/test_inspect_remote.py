@@ -244,3 +244,15 @@ def test_network_down_fails_fast_and_quietly(hub, monkeypatch, caplog, capfd, en
     assert "\n" not in msg
     logged = caplog.text + capfd.readouterr().err
     assert "Retrying in" not in logged and "thrown while requesting" not in logged
+
+
+def test_inspect_of_a_cached_repo_works_with_the_network_down(hub, repos, monkeypatch):
+    from atomtool.inspect.classify import inspect_checkpoint
+
+    for f in ["config.json", "model.safetensors"]:  # cached file by file: hf_quant_config.json never asked
+        hf_hub_download("org/single", f, endpoint=hub.endpoint)
+    set_endpoint(monkeypatch, "http://127.0.0.1:9")
+    report = inspect_checkpoint("org/single")
+    assert report.tensors and report.root is not None
+    warn = [f for f in report.findings if f.code == "source-warning" and "hf_quant_config.json" in f.message]
+    assert len(warn) == 1 and warn[0].severity == "warning"

@@ -11,7 +11,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from atomtool.errors import ConfigError
+from atomtool.errors import ConfigError, SourceError
 from atomtool.inspect import memory as mem
 from atomtool.inspect.config_check import invalid_size_fields
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
@@ -248,11 +248,17 @@ def inspect_checkpoint(source: str, revision: str | None = None, *, gpu_memory_g
     # ModelOpt's hf_quant_config.json (nvidia/* NVFP4 releases ship it instead of quantization_config).
     # Read locally always; remotely only for modelopt configs (keeps requests at config + index + headers).
     hf_quant = None
+    extra = [Finding("source-warning", "warning", None, w) for w in getattr(src, "warnings", [])]
     if src.config is not None:
         q = text_config(src.config).get("quantization_config") or src.config.get("quantization_config")
-        if src.root is not None or (isinstance(q, dict) and q.get("quant_method") == "modelopt"):
-            hf_quant = src.read_json("hf_quant_config.json")
-    extra = [Finding("source-warning", "warning", None, w) for w in getattr(src, "warnings", [])]
+        modelopt = isinstance(q, dict) and q.get("quant_method") == "modelopt"
+        if src.root is not None or modelopt:
+            try:
+                hf_quant = src.read_json("hf_quant_config.json")
+            except SourceError as exc:  # a Hub repo cached file by file, network down: not needed unless modelopt
+                if modelopt:
+                    raise
+                extra.append(Finding("source-warning", "warning", None, f"{exc}; classified without it"))
     padding = layout_padding(src.root) if src.root is not None and not src.is_remote else None
     return build_report(source, src.config, src.tensors, src.root, hf_quant_config=hf_quant,
                         gpu_memory_gb=gpu_memory_gb, extra_findings=extra, padding=padding)
