@@ -169,3 +169,15 @@ def test_fp8_layout_parameters_exclude_padding_rows(tmp_path):
     assert out.totals["padding_rows"] == pad_rows and "padding_rows" not in src.totals
     text = _invoke("inspect", str(layout)).stdout
     assert f"(+{pad_rows:,} padding rows)" in text
+
+
+def test_bad_fp8_block_size_is_a_config_error():
+    import pytest
+
+    from atomtool.errors import ConfigError
+
+    cfg = _load("Qwen__Qwen3-0.6B.json")
+    for bad in ([0, 128], [False, False], [128, float("inf")], [128.5, 128]):
+        cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": bad}
+        with pytest.raises(ConfigError, match="weight_block_size must be two positive integers"):
+            build_report("q", cfg, {})

@@ -186,7 +186,7 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
     if method in ("fp8", "fbgemm_fp8"):
         wbs = qcfg.get("weight_block_size")
         if isinstance(wbs, list) and len(wbs) == 2:
-            block = (int(wbs[0]), int(wbs[1]))
+            block = _block(wbs, "weight_block_size")
             scheme = "fp8_block"
         else:
             scheme = "fp8_channel" if method == "fbgemm_fp8" else "fp8_tensor"
@@ -203,8 +203,7 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
                 bits = int(w.get("num_bits") or 8)
                 group = w.get("group_size")
                 if w.get("block_structure"):
-                    bs = w["block_structure"]
-                    block = (int(bs[0]), int(bs[1]))
+                    block = _block(w["block_structure"], "block_structure")
             if g_scheme:
                 extra.add(g_scheme)
         excl = list(qcfg.get("ignore") or [])
@@ -243,6 +242,14 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
         extra.add(scheme)
     return QuantSpec(method, scheme, block, group if isinstance(group, int) else None, bits,
                      [str(e) for e in excl], qcfg, frozenset(extra), per_module)
+
+
+def _block(v: Any, key: str) -> tuple[int, int]:
+    """A (rows, cols) quantization block: two positive integers (0, False, inf or 1.5 raise ValueError)."""
+    if not (isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
+        raise ValueError(f"{key} must be two positive integers, got {v!r}")
+    return (v[0], v[1])
 
 
 _MODELOPT_SCHEMES = {"NVFP4": "nvfp4", "FP8": "fp8_tensor", "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel",
