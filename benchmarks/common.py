@@ -42,9 +42,9 @@ DSV32_CONFIG: dict[str, Any] = {
     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                             "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
     "rms_norm_eps": 1e-6,
-    # The published config has YaRN rope_scaling (factor 40); atomtool.serve.layers.rotary cannot build it
-    # (hf_config_from_flat falls back to PretrainedConfig, which lacks max_position_embeddings), and the rope
-    # variant does not change the step's bytes or FLOPs, so the benchmark uses plain rope.
+    # The published config has YaRN rope_scaling (factor 40). The recorded runs used plain rope (when they ran,
+    # the engine could not build YaRN configs; fixed since): the rope variant does not change the step's bytes
+    # or FLOPs, and keeping it plain keeps new runs comparable with the recorded ones.
     "rope_scaling": None,
     "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
     "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128,
