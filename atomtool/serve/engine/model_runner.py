@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from atomtool.serve.engine.batch import ForwardBatch
+from atomtool.serve.engine.block_table_buffer import BlockTableBuffer
 from atomtool.serve.engine.kv_cache import KVCachePool
 from atomtool.serve.engine.scheduler import SchedulerOutput
 from atomtool.serve.models.base import CausalLM
@@ -26,6 +28,8 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.device = device
         self.block_size = kv_pool.block_size
+        # persistent per-sequence block-table rows (issue 7: per-step cost proportional to what changed)
+        self.block_tables = BlockTableBuffer(max_num_seqs, -(-max_model_len // self.block_size))
         self.graphs = None
         if not enforce_eager and device.type == "cuda":
             self._capture(max_num_seqs, max_model_len)
@@ -50,36 +54,48 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
-        """Concatenate the scheduled chunks: ids, positions, slot mapping, block tables, lengths."""
+        """Concatenate the scheduled chunks: ids, positions, slot mapping, block tables, lengths.
+
+        Host cost is O(B + T + block ids appended since the previous step), not O(B x max_blocks): block
+        tables live in a persistent :class:`BlockTableBuffer` and the step's ``[B, max_blocks]`` table is one
+        row gather; positions and the slot mapping are computed with numpy from per-sequence starts.
+        ``sched.seqs`` need only ``token_ids``, ``num_computed_tokens`` and ``block_table``.
+        """
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        logits_idx: list[int] = []
-        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
-            logits_idx.append(cu[-1] - 1)
-        width = max(len(s.block_table) for s in sched.seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in sched.seqs]
+        seqs, num_new = sched.seqs, sched.num_new_tokens
+        B = len(seqs)
+        rows, width = self.block_tables.sync(seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=B)
+        q = np.asarray(num_new, dtype=np.int64).reshape(B)
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        seq_lens = starts + q
+        is_decode = all(n == 1 for n in num_new)
+        if is_decode:
+            input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), dtype=np.int64,
+                                    count=B)
+            positions = starts
+            seq_of_token = np.arange(B)
+        else:
+            ids: list[int] = []
+            for s, n in zip(seqs, num_new, strict=True):
+                ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
+            input_ids = np.array(ids, dtype=np.int64)
+            seq_of_token = np.repeat(np.arange(B), q)
+            positions = np.arange(int(cu[-1]), dtype=np.int64) + (starts - cu[:-1])[seq_of_token]
+        tables = self.block_tables.gather(rows, width)
+        slots = self.block_tables.table[rows[seq_of_token], positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
 
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=dev)
+        def t(x: np.ndarray) -> torch.Tensor:
+            x = torch.from_numpy(np.ascontiguousarray(x))
+            return x if dev.type == "cpu" else x.to(dev)
 
         return ForwardBatch(
-            input_ids=t(input_ids, torch.int64), positions=t(positions, torch.int64),
-            cu_seqlens_q=t(cu, torch.int32), seq_lens=t(seq_lens, torch.int32),
-            block_tables=t(tables, torch.int32), slot_mapping=t(slots, torch.int64),
-            logits_indices=t(logits_idx, torch.int64), is_decode=all(n == 1 for n in sched.num_new_tokens),
-            block_size=bs, seq_lens_cpu=seq_lens, query_lens_cpu=list(sched.num_new_tokens))
+            input_ids=t(input_ids), positions=t(positions),
+            cu_seqlens_q=t(cu.astype(np.int32)), seq_lens=t(seq_lens.astype(np.int32)),
+            block_tables=t(tables), slot_mapping=t(slots), logits_indices=t(cu[1:] - 1),
+            is_decode=is_decode, block_size=bs, seq_lens_cpu=seq_lens.tolist(), query_lens_cpu=list(num_new))
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
