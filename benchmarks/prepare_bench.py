@@ -131,7 +131,8 @@ def main() -> None:
     r = run(a.batch, a.ctx, a.steps, a.block_size, a.prefill_chunk)
     print(f"prepare per step, batch {a.batch}, ctx {a.ctx}, block_size {a.block_size}, "
           f"prefill chunk {a.prefill_chunk}, {a.steps} steps (cpu, {a.threads} thread)")
-    print(f"  legacy (list padding) : median {r['legacy_median_ms']:8.3f} ms  mean {r['legacy_mean_ms']:8.3f} ms")
+    print(f"  legacy (list padding) : median {r['legacy_median_ms']:8.3f} ms  "
+          f"mean {r['legacy_mean_ms']:8.3f} ms")
     print(f"  ModelRunner.prepare   : median {r['new_median_ms']:8.3f} ms  mean {r['new_mean_ms']:8.3f} ms")
     print(f"  ratio legacy / current (median): {r['ratio_median']:.1f}x")
 

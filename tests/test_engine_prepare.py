@@ -22,7 +22,8 @@ from atomtool.serve.engine.sequence import Sequence
 from atomtool.serve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
-FIELDS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
+FIELDS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping",
+          "logits_indices")
 DTYPES = dict(input_ids=torch.int64, positions=torch.int64, cu_seqlens_q=torch.int32, seq_lens=torch.int32,
               block_tables=torch.int32, slot_mapping=torch.int64, logits_indices=torch.int64)
 
@@ -43,8 +44,9 @@ def reference(sched: SchedulerOutput, bs: int) -> dict:
     tables = torch.full((len(sched.seqs), width), -1, dtype=torch.int32)
     for i, s in enumerate(sched.seqs):
         tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-    return dict(input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
-                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+    i64, i32 = torch.int64, torch.int32
+    return dict(input_ids=torch.tensor(ids, dtype=i64), positions=torch.tensor(pos, dtype=i64),
+                cu_seqlens_q=torch.tensor(cu, dtype=i32), seq_lens=torch.tensor(lens, dtype=i32),
                 block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
                 logits_indices=torch.tensor(last, dtype=torch.int64),
                 is_decode=all(n == 1 for n in sched.num_new_tokens), seq_lens_cpu=lens,
@@ -63,8 +65,8 @@ def assert_same(batch, ref: dict, bs: int) -> None:
 
 def make_runner(bs: int, max_num_seqs: int, max_model_len: int) -> ModelRunner:
     # prepare reads only the pool's block size; no model runs here
-    return ModelRunner(None, SimpleNamespace(block_size=bs), CPU, enforce_eager=True, max_num_seqs=max_num_seqs,
-                       max_model_len=max_model_len)
+    return ModelRunner(None, SimpleNamespace(block_size=bs), CPU, enforce_eager=True,
+                       max_num_seqs=max_num_seqs, max_model_len=max_model_len)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -122,7 +124,8 @@ def test_prepare_reflects_block_table_replacement_and_appends_between_steps():
     runner = make_runner(bs, max_num_seqs=1, max_model_len=4)
     seq = SimpleNamespace(token_ids=list(range(100, 110)), num_computed_tokens=0, block_table=[7, 3])
     # a longer neighbour: the batch is wider than seq's table, so stale ids in seq's row would show
-    other = SimpleNamespace(token_ids=list(range(12)), num_computed_tokens=11, block_table=[10, 11, 12, 13, 14, 15])
+    other = SimpleNamespace(token_ids=list(range(12)), num_computed_tokens=11,
+                            block_table=[10, 11, 12, 13, 14, 15])
     for step in [
         lambda: None,
         lambda: seq.block_table.extend([9, 1, 4]),  # growth: past the initial width (2 blocks)

@@ -1,12 +1,12 @@
 """A persistent host copy of the running sequences' block tables, updated incrementally.
 
 Building a step's padded ``[B, max_blocks]`` block table from Python lists costs O(B x max_blocks) every
-step (64 sequences at 32k context with 16-token blocks: 131k ids; ~15 ms of host time per decode step on the H200 host, issue
-7). Block tables only grow between replacements (:class:`~atomtool.serve.engine.block_manager.BlockManager`
-appends in ``allocate`` / ``match_prefix`` and installs a fresh list in ``free_seq``), so each sequence gets
-a row of a persistent int32 numpy array; a step copies in only the block ids appended since the sequence's
-previous step (a whole row only after a replacement: preemption, abort, re-admission), and the step's table
-is one row gather. This is the same structure as vLLM v1's ``BlockTable`` (persistent per-request rows).
+step (64 sequences at 32k context with 16-token blocks: 131k ids; ~15 ms of host time per decode step
+on the H200 host, issue 7). Block tables only grow between replacements (``BlockManager`` appends in
+``allocate`` / ``match_prefix`` and installs a fresh list in ``free_seq``), so each sequence gets a row
+of a persistent int32 numpy array; a step copies in only the block ids appended since the sequence's
+previous step (a whole row only after a replacement: preemption, abort, re-admission), and the step's
+table is one row gather. This is the same structure as vLLM v1's ``BlockTable`` (persistent per-request rows).
 
 Invariant relied on: a sequence's ``block_table`` list is never modified in place except by appending;
 anything else must assign a new list (as ``BlockManager.free_seq`` does).

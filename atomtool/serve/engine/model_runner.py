@@ -84,7 +84,8 @@ class ModelRunner:
             seq_of_token = np.repeat(np.arange(B), q)
             positions = np.arange(int(cu[-1]), dtype=np.int64) + (starts - cu[:-1])[seq_of_token]
         tables = self.block_tables.gather(rows, width)
-        slots = self.block_tables.table[rows[seq_of_token], positions // bs].astype(np.int64) * bs + positions % bs
+        block_ids = self.block_tables.table[rows[seq_of_token], positions // bs].astype(np.int64)
+        slots = block_ids * bs + positions % bs
         dev = self.device
 
         def t(x: np.ndarray) -> torch.Tensor:
