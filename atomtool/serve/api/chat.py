@@ -20,21 +20,54 @@ def load_chat_template(value: str | None) -> str | None:
     Returns None for None. A value that names an existing file is read; a value containing Jinja
     syntax (``{``) or a newline is the template; anything else looks like a mistyped path.
 
+    The template is compiled here (:func:`compile_chat_template`), so a broken one stops ``atomtool serve``
+    at startup instead of turning every chat request into a 400.
+
     Raises:
-        ConfigError: the value looks like a path but no such file exists, or the file is unreadable.
+        ConfigError: the value looks like a path but no such file exists, the file is unreadable, or the
+            template does not compile (Jinja syntax error).
     """
     if value is None:
         return None
     if os.path.isfile(value):
         try:
             with open(value, encoding="utf-8") as f:
-                return f.read()
+                text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read chat template file {value}: {exc}") from exc
+        compile_chat_template(text, origin=f"chat template file {value}")
+        return text
     if "{" in value or "\n" in value:
+        compile_chat_template(value, origin="--chat-template")
         return value
     raise ConfigError(f"chat template {value!r} looks like a file path, but no such file exists "
                       "(pass a Jinja template file or the template string itself)")
+
+
+def compile_chat_template(template: str, *, origin: str = "chat template") -> None:
+    """Compile ``template`` with the Jinja environment transformers' ``apply_chat_template`` renders with
+    (sandboxed, ``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``/``tojson``), so a
+    template that compiles here is one the tokenizer accepts.
+
+    Raises:
+        ConfigError: a Jinja syntax error, as one line naming ``origin``, the line and the problem.
+    """
+    import jinja2
+
+    try:  # transformers' own (cached) compile: the exact environment used when rendering
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_
+    except ImportError:  # a private helper: fall back to an equivalent sandboxed environment
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        compile_ = env.from_string
+    try:
+        compile_(template)
+    except jinja2.TemplateError as exc:
+        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        msg = " ".join(str(exc.message or exc).split())
+        raise ConfigError(f"{origin} is not a valid Jinja template{where}: {msg}") from None
 
 
 def _message_text(index: int, content: Any) -> str:
