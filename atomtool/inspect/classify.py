@@ -11,13 +11,14 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from atomtool.errors import ConfigError, SourceError
+from atomtool.errors import ConfigError, LayoutError, SourceError
 from atomtool.inspect import memory as mem
 from atomtool.inspect.config_check import invalid_size_fields
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
 from atomtool.inspect.families import SERVABLE_SCHEMES, family_for, supported_architectures
 from atomtool.inspect.quant import (
     QUANTIZED_SCHEMES,
+    QuantSpec,
     classify_modules,
     dtype_findings,
     fusion_findings,
@@ -85,6 +86,18 @@ def unservable_modules(modules: list[ModuleInfo]) -> list[ModuleInfo]:
     """Modules treated as quantized whose storage scheme the engine cannot run (not in
     :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`), in the given order."""
     return [m for m in modules if m.treated_as == "quantized" and m.scheme not in SERVABLE_SCHEMES]
+
+
+def declared_unservable_schemes(spec: QuantSpec | None) -> list[str]:
+    """Storage schemes a quantization config declares that the engine cannot run (not in
+    :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`), sorted; used when there are no weights to check.
+    A config whose method atomtool does not recognise (no scheme parsed) yields ``["unknown (<method>)"]``:
+    nothing says its weights are servable."""
+    if spec is None:
+        return []
+    if not spec.schemes:
+        return [f"unknown ({spec.method})"]
+    return sorted(s for s in spec.schemes if s not in SERVABLE_SCHEMES)
 
 
 def _totals(modules: list[ModuleInfo], other: list[str], tensors: dict[str, TensorInfo]) -> dict[str, Any]:
@@ -191,6 +204,16 @@ def build_report(
             "scheme-not-servable", "warning", unservable[0].name,
             f"{len(unservable)} module(s) stored as {', '.join(schemes)} (e.g. {unservable[0].name}); serve runs "
             f"{', '.join(sorted(SERVABLE_SCHEMES))} weights only (convert cannot change that)"))
+    # Config-only directory: no modules to judge, so the declared quantization decides (the same spec the
+    # classification above used, hf_quant_config.json included).
+    declared_bad = declared_unservable_schemes(spec) if not tensors else []
+    if declared_bad:
+        assert spec is not None
+        findings.append(Finding(
+            "scheme-not-servable", "warning", None,
+            f"quant_method {spec.method!r} stores quantized weights as {', '.join(declared_bad)}, declared by "
+            f"quantization_config; no weights to check. serve runs {', '.join(sorted(SERVABLE_SCHEMES))} "
+            f"weights only (convert cannot change that)"))
 
     if tensors:
         totals = _totals(modules, other, tensors)
@@ -225,7 +248,8 @@ def build_report(
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return InspectReport(
         source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",
-        servable=bool(fam and fam.servable) and not unservable and not bad_sizes, config=raw, config_flat=flat,
+        servable=bool(fam and fam.servable) and not unservable and not declared_bad and not bad_sizes,
+        config=raw, config_flat=flat,
         dsa=dsa, tensors=dict(tensors),
         modules=modules, other_tensors=other, totals=totals, memory=memory, findings=findings,
         root=None if root is None else str(root),
@@ -259,7 +283,13 @@ def inspect_checkpoint(source: str, revision: str | None = None, *, gpu_memory_g
                 if modelopt:
                     raise
                 extra.append(Finding("source-warning", "warning", None, f"{exc}; classified without it"))
-    padding = layout_padding(src.root) if src.root is not None and not src.is_remote else None
+    padding = None
+    if src.root is not None and not src.is_remote:
+        try:
+            padding = layout_padding(src.root)
+        except LayoutError as exc:  # generate/verify refuse this directory: say so, with convert's message
+            extra.append(Finding("layout-manifest-invalid", "error", None,
+                                 f"{exc}; generate and verify refuse this layout (re-run atomtool convert)"))
     return build_report(source, src.config, src.tensors, src.root, hf_quant_config=hf_quant,
                         gpu_memory_gb=gpu_memory_gb, extra_findings=extra, padding=padding)
 
@@ -269,11 +299,15 @@ def layout_padding(root: Any) -> dict[str, tuple[int, int]] | None:
     boundary), from the layout's manifest: scheme -> (padding rows, padding elements of the weights).
     None when ``root`` is not an atomtool layout (:func:`atomtool.convert.layout.is_layout`).
 
-    Raises LayoutError (an AtomtoolError) for a manifest that looks like a layout but is malformed.
+    Raises LayoutError (an AtomtoolError) when ``root`` has an ``atomtool.json`` that convert's own reader
+    (:func:`atomtool.convert.layout.load_layout_specs`) refuses: not JSON, wrong format, unsupported
+    version, malformed tensor entries.
     """
-    from atomtool.convert.layout import is_layout, load_layout_specs
+    from pathlib import Path
 
-    if not is_layout(root):
+    from atomtool.convert.layout import MANIFEST_NAME, load_layout_specs
+
+    if not (Path(root) / MANIFEST_NAME).exists():
         return None
     out: dict[str, tuple[int, int]] = {}
     for name, spec in load_layout_specs(root).items():

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
+#: largest --gpu-memory accepted, in GB (10^9 bytes): a petabyte, far beyond any node
+MAX_GPU_MEMORY_GB = 1e6
+
 
 def run_inspect(source: str, *, revision: str | None = None, json_out: bool = False, show_tensors: bool = False,
                 gpu_memory_gb: float | None = None) -> int:
@@ -19,8 +22,10 @@ def run_inspect(source: str, *, revision: str | None = None, json_out: bool = Fa
     from atomtool.inspect.classify import inspect_checkpoint
     from atomtool.inspect.report import make_console, render, to_json
 
-    if gpu_memory_gb is not None and not gpu_memory_gb > 0:
-        raise AtomtoolError(f"--gpu-memory must be a positive number of GB, got {gpu_memory_gb}")
+    # the one validation of --gpu-memory: nan, 0, negatives, inf and absurd sizes (int(inf * 1e9) raises)
+    if gpu_memory_gb is not None and not 0 < gpu_memory_gb <= MAX_GPU_MEMORY_GB:
+        limit = f" (at most {MAX_GPU_MEMORY_GB:g})" if gpu_memory_gb > 0 else ""  # inf, 1e300
+        raise AtomtoolError(f"--gpu-memory must be a positive number of GB{limit}, got {gpu_memory_gb}")
     report = inspect_checkpoint(source, revision, gpu_memory_gb=gpu_memory_gb)
     if json_out:
         sys.stdout.write(json.dumps(to_json(report, show_tensors=show_tensors), indent=2) + "\n")

@@ -2,7 +2,7 @@
 
 Tables fit a screen: repeated modules collapse into name patterns with numeric ranges
 (``model.layers.{3..60}.mlp.experts.{0..255}.down_proj``; ``{0..2,6..74:4}`` = 0,1,2 and 6 to 74 in steps
-of 4), findings collapse per code and severity.
+of 4), findings collapse per code and severity (each distinct message still printed).
 """
 
 from __future__ import annotations
@@ -144,15 +144,41 @@ def _shape(shape: tuple[int, ...] | list[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def collapse_findings(findings: list[Finding]) -> list[tuple[str, str, int, str, str]]:
-    """Group findings by (severity, code, module pattern): [(severity, code, count, modules, first message)]."""
+#: a layer/expert index in a message, as a path component (``model.layers.3:``, ``experts.7.w2``) or in prose
+#: (``layer 3``): differs between findings of one group without changing what they say
+_PATH_NUM = re.compile(r"(?<=\.)\d+\b")
+_LAYER_WORD = re.compile(r"\b(layers?|experts?) \d+\b")
+#: distinct warning/info messages printed per collapsed group (errors: all of them)
+MAX_MESSAGES = 5
+
+
+def _gist(message: str) -> str:
+    """A finding message with its layer/expert numbers masked: two messages with the same gist say the same
+    thing about different layers (``model.layers.3.mlp`` / ``model.layers.7.mlp``)."""
+    return _LAYER_WORD.sub(r"\1 #", _PATH_NUM.sub("#", message))
+
+
+def distinct_messages(findings: list[Finding]) -> list[str]:
+    """The messages of ``findings`` that differ in substance, not just in a layer number: the first of each
+    :func:`_gist`, in order."""
+    seen: dict[str, str] = {}
+    for f in findings:
+        seen.setdefault(_gist(f.message), f.message)
+    return list(seen.values())
+
+
+def collapse_findings(findings: list[Finding]) -> list[tuple[str, str, int, str, list[str]]]:
+    """Group findings by (severity, code, module pattern): [(severity, code, count, modules, messages)],
+    where messages are the group's :func:`distinct_messages` (one when they differ only in a layer number,
+    e.g. ``config-invalid`` for two fields gives two)."""
     groups: dict[tuple[str, str, str], list[Finding]] = defaultdict(list)
     for f in findings:
         groups[(f.severity, f.code, _NUM.sub("#", f.module or ""))].append(f)
     rows = []
     for (sev, code, _), fs in groups.items():
         mods = [f.module for f in fs if f.module]
-        rows.append((sev, code, len(fs), collapse(sorted(set(mods), key=_natural)) if mods else "", fs[0].message))
+        rows.append((sev, code, len(fs), collapse(sorted(set(mods), key=_natural)) if mods else "",
+                     distinct_messages(fs)))
     order = {"error": 0, "warning": 1, "info": 2}
     rows.sort(key=lambda r: (order.get(r[0], 3), r[1]))
     return rows
@@ -255,11 +281,16 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
     if r.findings:
         console.print(f"[bold]Findings ({len(r.findings)})[/]")
         style = {"error": "bold red", "warning": "yellow", "info": "dim"}
-        for sev, code, n, where, msg in collapse_findings(r.findings):
+        for sev, code, n, where, msgs in collapse_findings(r.findings):
             head = f"[{style.get(sev, '')}]{sev:7}[/] {code}" + (f" x{n}" if n > 1 else "")
             head += f"  {where}" if where and n > 1 else ""
             console.print(head, highlight=False)
-            console.print(Padding(Text(msg), (0, 0, 0, 8), expand=False))
+            shown = msgs if sev == "error" else msgs[:MAX_MESSAGES]  # every distinct error is shown
+            for msg in shown:
+                console.print(Padding(Text(msg), (0, 0, 0, 8), expand=False))
+            if len(shown) < len(msgs):
+                console.print(Padding(Text(f"(+{len(msgs) - len(shown)} more distinct messages; --json lists all)"),
+                                      (0, 0, 0, 8), expand=False), style="dim")
     else:
         console.print("No findings.")
 
