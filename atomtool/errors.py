@@ -44,3 +44,10 @@ class EngineError(AtomtoolError):
 
 class InvalidRequestError(AtomtoolError):
     """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ..."""
+
+
+def one_line(text: object) -> str:
+    """``text`` (a message, or a foreign exception whose text we embed in ours) squeezed onto one line:
+    runs of whitespace, newlines included, become one space. The CLI prints ``error: <message>`` as one
+    line, and e.g. pydantic-style validation errors from transformers span several."""
+    return " ".join(str(text).split())

@@ -1,4 +1,4 @@
-"""Sanity of the size fields of a (flattened text) config: every stage sizes tensors, the KV cache and
+"""Sanity of the size fields (and the rope base ``rope_theta``) of a (flattened text) config: every stage sizes tensors, the KV cache and
 the schedule from them, so a nonsense value (``num_hidden_layers: "four"``, ``hidden_size: 0``, ``-3``) is
 an error finding naming the field instead of a report with zero or negative sizes.
 
@@ -24,7 +24,8 @@ NONNEGATIVE_FIELDS = ("intermediate_size", "moe_intermediate_size", "kv_lora_ran
 
 
 def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
-    """``config-invalid`` error findings, one per size field of ``flat`` that is not a suitable integer.
+    """``config-invalid`` error findings, one per size field of ``flat`` that is not a suitable integer,
+    and one per ``rope_theta`` (top level or in ``rope_parameters``) that is not a positive number.
 
     flat: the flattened text config (:func:`atomtool.inspect.dsa.flatten_dsa_config`, or the text config
     when flattening failed). Booleans and floats are refused (``True`` is not a layer count). Returns [] for
@@ -40,4 +41,26 @@ def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 out.append(Finding("config-invalid", "error", None,
                                    f"config.json: {key} must be {what}, got {v!r}"))
+    for key, v in _rope_thetas(flat):
+        # the rope base: inv_freq = theta ** (-2i / d) is NaN or inverted for theta <= 0
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            out.append(Finding("config-invalid", "error", None,
+                               f"config.json: {key} must be a positive number, got {v!r}"))
     return out
+
+
+def _rope_thetas(flat: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every ``rope_theta`` of a config with its dotted field name: top level (older configs), inside
+    ``rope_parameters`` / ``rope_scaling`` (transformers 5), or in their per-layer-type dicts."""
+    found = []
+    if flat.get("rope_theta") is not None:
+        found.append(("rope_theta", flat["rope_theta"]))
+    for field in ("rope_parameters", "rope_scaling"):
+        rp = flat.get(field)
+        if not isinstance(rp, dict):
+            continue
+        nested = [("", rp)] + [(f"{k}.", v) for k, v in rp.items() if isinstance(v, dict)]
+        for prefix, d in nested:
+            if d.get("rope_theta") is not None:
+                found.append((f"{field}.{prefix}rope_theta", d["rope_theta"]))
+    return found

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from atomtool.errors import ConfigError, EngineError, SourceError
+from atomtool.errors import ConfigError, EngineError, SourceError, one_line
 from atomtool.serve.models.base import CausalLM
 from atomtool.serve.models.registry import get_model_class, resolve_architecture
 
@@ -82,7 +82,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        raise ConfigError(f"{path}: not valid JSON: {one_line(exc)}") from exc
 
 
 def _layout_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -114,7 +114,8 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     the model is built.
 
     Raises:
-        SourceError / ConfigError: unreadable directory or config, a repo id neither cached nor downloadable.
+        SourceError / ConfigError: unreadable directory or config, a config with a nonsense size field or
+            rope_theta (named), a repo id neither cached nor downloadable.
         LayoutError: an unreadable, malformed or unsupported-version ``atomtool.json``.
         UnsupportedArchitectureError: the architecture is not served (lists the supported ones).
         EngineError: no weights, a scheme outside ``SERVABLE_SCHEMES``, missing / unexpected / mis-shaped
@@ -123,6 +124,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     model_dir = resolve_model_dir(model_path)
     raw_config = read_config(model_dir)
     arch = resolve_architecture(raw_config)
+    _check_config_values(raw_config)  # raw checkpoints and layouts alike, before anything is sized from it
     dev = resolve_device(device)
     from atomtool.convert.layout import MANIFEST_NAME
     from atomtool.inspect.dsa import flatten_dsa_config
@@ -156,6 +158,27 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
     model.eval()
     return LoadedModel(model, config, arch, model_dir, torch_dtype, dev)
+
+
+def _check_config_values(raw_config: dict[str, Any]) -> None:
+    """Refuse a config whose size fields or rope base are nonsense (``num_attention_heads: -4``,
+    ``max_position_embeddings: 0``, ``rope_theta: -1``) with inspect's own check
+    (:func:`atomtool.inspect.config_check.invalid_size_fields`, the ``config-invalid`` findings), so the
+    engine never sizes a model, KV cache or rope table from them.
+
+    Raises:
+        ConfigError: one line naming every bad field and its value.
+    """
+    from atomtool.inspect.config_check import invalid_size_fields
+    from atomtool.inspect.dsa import flatten_dsa_config, text_config
+
+    try:
+        flat = flatten_dsa_config(raw_config)
+    except ConfigError:  # a bad DSA schedule is refused where the loader flattens the config
+        flat = text_config(raw_config)
+    bad = invalid_size_fields(flat)
+    if bad:
+        raise ConfigError("; ".join(one_line(f.message) for f in bad))
 
 
 def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:

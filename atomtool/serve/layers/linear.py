@@ -63,14 +63,17 @@ def make_linear(prefix: str, in_features: int, out_features: int, *, bias: bool,
                 config_flat: dict[str, Any]) -> Linear:
     """Build the :class:`Linear` for layout module ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``).
 
-    With specs: FP8 block iff the layout has ``<prefix>.weight_scale_inv``; out/in features and bias come from
-    the specs (they may include FP8 alignment padding rows). Without specs: the given sizes, float weights.
+    ``in_features`` / ``out_features`` are the sizes the config implies; they size the weight. With specs:
+    FP8 block iff the layout has ``<prefix>.weight_scale_inv``, bias iff it has ``<prefix>.bias``, and the
+    converter's FP8 alignment padding rows (``parts[i].pad_rows``) are added to ``out_features``. The spec's
+    own shape is never used to size the weight: a spec built from a wrong-shaped source tensor must meet a
+    config-sized parameter so ``load_weights`` names the mismatch. Without specs: the given sizes, float.
     """
     fp8 = None
     if specs is not None:
         w = specs.get(f"{prefix}.weight")
         if w is not None and len(w.shape) == 2:
-            out_features, in_features = w.shape
+            out_features += sum(p.pad_rows for p in w.parts)
         if f"{prefix}.weight_scale_inv" in specs:
             fp8 = fp8_block_size(config_flat)
         bias = f"{prefix}.bias" in specs

@@ -109,7 +109,9 @@ class MLAAttention(nn.Module):
         for p, (s, e) in self.splits.items():
             if e - s != sizes[p]:
                 raise EngineError(f"{fused}: part {p} has {e - s} rows, the config says {sizes[p]}")
-        total = spec.shape[0] if spec is not None else sum(sizes[p] for p in parts)
+        # sized from the config: make_linear adds the converter's FP8 padding rows; a spec whose own shape
+        # disagrees meets a config-sized parameter and load_weights names the mismatch
+        total = sum(sizes[p] for p in parts)
 
         def lin(name: str, n_in: int, n_out: int):
             return make_linear(f"{prefix}.{name}", n_in, n_out, bias=False, dtype=dtype, device=device,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atomtool.errors import ConfigError
+from atomtool.errors import ConfigError, one_line
 from atomtool.serve.ops import get_op
 
 #: rope types whose frequencies depend on the current sequence length (not a static table)
@@ -31,7 +31,7 @@ def hf_config_from_flat(config_flat: dict[str, Any]):
     try:
         return (cls or PretrainedConfig)(**kwargs)
     except Exception as exc:  # a config transformers cannot parse
-        raise ConfigError(f"config.json: transformers cannot build its config: {exc}") from exc
+        raise ConfigError(f"config.json: transformers cannot build its config: {one_line(exc)}") from exc
 
 
 def rope_inv_freq(config_flat: dict[str, Any], head_dim: int | None = None) -> tuple[torch.Tensor, float]:

@@ -96,7 +96,8 @@ class CausalLM(nn.Module):
         (:mod:`atomtool.serve.layout_load`); they count as seen, and arriving again is an error.
 
         Raises:
-            EngineError: unexpected names, shape mismatches, or names that never arrived (all listed).
+            EngineError: unexpected names, shape mismatches, or names that never arrived (all listed; a
+                tensor that arrived with the wrong shape is listed only as a shape mismatch).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         params.update(dict(self.named_buffers(remove_duplicate=False)))
@@ -104,6 +105,7 @@ class CausalLM(nn.Module):
         seen: set[str] = set(preloaded)
         unexpected: list[str] = []
         bad_shape: list[str] = []
+        misshaped: set[str] = set()  # present but wrong-shaped: a shape mismatch, never also "missing"
         with torch.no_grad():
             for name, tensor in weights:
                 target = params.get(name)
@@ -112,10 +114,11 @@ class CausalLM(nn.Module):
                     continue
                 if tuple(target.shape) != tuple(tensor.shape):
                     bad_shape.append(f"{name} {tuple(tensor.shape)} (model expects {tuple(target.shape)})")
+                    misshaped.add(name)
                     continue
                 target.copy_(tensor.to(target.device))
                 seen.add(name)
-        missing = sorted(expected - seen)
+        missing = sorted(expected - seen - misshaped)
         problems = []
         if missing:
             problems.append(f"missing tensors ({len(missing)}): {_short_list(missing)}")
