@@ -188,18 +188,23 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     source_meta.update({"architecture": report.architecture, "family": report.family,
                         "fingerprint": source_fingerprint(report, root),
                         "files": sorted({t.file for t in report.tensors.values()})})
+
+    def summary(result) -> None:  # runs with SIGINT/SIGTERM deferred, right after OUT is in place
+        rate = result.bytes / result.seconds if result.seconds > 0 else 0.0  # bytes/s
+        if json_out:
+            print(json.dumps({"out": str(result.out), "tensors": result.tensors, "shards": result.shards,
+                              "bytes": result.bytes, "seconds": round(result.seconds, 3),
+                              "gb_per_s": round(rate / 1e9, 3), "bytes_per_s": round(rate),
+                              "warnings": plan.warnings, "notes": plan.notes}, indent=1), flush=True)
+        else:
+            print(f"wrote {result.out}: {result.tensors} tensors in {result.shards} shard(s), "
+                  f"{human_bytes(result.bytes)} in {result.seconds:.2f}s ({human_bytes(rate)}/s)", flush=True)
+
     with _sigterm_as_interrupt():
         result = write_layout(plan, root, out, shard_size=size, overwrite=overwrite, source=source_meta,
-                              progress=not json_out and sys.stderr.isatty())
-    rate = result.bytes / result.seconds if result.seconds > 0 else 0.0  # bytes/s
-    summary = {"out": str(result.out), "tensors": result.tensors, "shards": result.shards, "bytes": result.bytes,
-               "seconds": round(result.seconds, 3), "gb_per_s": round(rate / 1e9, 3),
-               "bytes_per_s": round(rate), "warnings": plan.warnings, "notes": plan.notes}
-    if json_out:
-        print(json.dumps(summary, indent=1))
-    else:
-        print(f"wrote {result.out}: {result.tensors} tensors in {result.shards} shard(s), "
-              f"{human_bytes(result.bytes)} in {result.seconds:.2f}s ({human_bytes(rate)}/s)")
+                              progress=not json_out and sys.stderr.isatty(), on_commit=summary)
+    if result.interrupted:
+        print("note: interrupted after the conversion had completed; the layout is complete", file=sys.stderr)
     return 0
 
 

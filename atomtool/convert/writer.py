@@ -13,14 +13,20 @@
 - Atomic: everything goes to a hidden sibling ``.OUT.tmp-XXXX`` and is renamed to ``OUT`` only when the
   manifest, the last file, is written and every file is fsynced; an exception or Ctrl-C removes the
   temporary directory, and a hard kill leaves at most that hidden directory (never an ``OUT`` that looks
-  valid). ``--overwrite`` swaps the old layout out only after the new one is complete.
+  valid). ``--overwrite`` swaps the old layout out only after the new one is complete (an atomic
+  ``renameat2(RENAME_EXCHANGE)`` where available). The final rename never replaces an OUT that another
+  process completed meanwhile unless ``--overwrite`` was given (:func:`_commit`), and SIGINT/SIGTERM are
+  deferred from the rename on: a complete conversion is not failed by a late Ctrl-C.
 - Refusals (checked before any byte is written): OUT equal to or inside SRC, SRC inside an OUT that would
   be overwritten, a non-empty OUT without ``--overwrite``, ``--overwrite`` of a directory that is not an
-  atomtool layout, not enough free disk space. SRC is only ever opened for reading.
+  atomtool layout, an OUT whose parent cannot be written, not enough free disk space. SRC is only ever
+  opened for reading.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime as _dt
 import errno
 import hashlib
@@ -31,9 +37,11 @@ import queue
 import re
 import secrets
 import shutil
+import signal
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +234,8 @@ class WriteResult:
     bytes: int
     seconds: float
     manifest: dict[str, Any]
+    #: a SIGINT/SIGTERM arrived after OUT was complete (deferred: the conversion succeeded anyway)
+    interrupted: bool = False
 
 
 def _fsync_file(path: Path) -> None:
@@ -540,8 +550,8 @@ def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], sou
 
 
 def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shard_size: int = 5 * 10**9,
-                 overwrite: bool = False, source: dict[str, Any] | None = None, progress: bool = True
-                 ) -> WriteResult:
+                 overwrite: bool = False, source: dict[str, Any] | None = None, progress: bool = True,
+                 on_commit: Callable[[WriteResult], None] | None = None) -> WriteResult:
     """Write the layout of ``plan`` (sources under ``src``) to ``out``, atomically.
 
     Args:
@@ -551,22 +561,29 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         shard_size: maximum data bytes per shard file.
         source: the manifest's ``source`` object (path, fingerprint, ...).
         progress: show a tqdm bar in bytes (stderr).
+        on_commit: called with the result right after OUT is in place, with SIGINT/SIGTERM deferred (the
+            CLI prints its summary there: a late Ctrl-C cannot fail a conversion that is complete).
     Returns:
         a :class:`WriteResult` with the manifest written.
     Raises:
-        ConversionError: a refusal (see :func:`check_destination`, :func:`check_disk_space`), an overflowing
-            cast; SourceError: an unreadable source tensor. In every failure ``out`` is left as it was.
+        ConversionError: a refusal (see :func:`check_destination`, :func:`check_disk_space`), an OUT that
+            cannot be written to, an OUT created by someone else meanwhile (see :func:`_commit`), an
+            overflowing cast; SourceError: an unreadable source tensor. In every failure ``out`` is left as it was.
     """
     src, out = Path(src), Path(out)
     check_destination(src, out, overwrite=overwrite)
     shards = plan_shards(plan, shard_size)
-    check_disk_space(out, estimate_bytes(plan, shards, src))
     out_abs = out.resolve()
-    out_abs.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(4)
     tmp = out_abs.parent / f".{out_abs.name}.tmp-{token}"
-    tmp.mkdir()
+    created = _make_tmp_dir(tmp)  # first: an unwritable OUT says so, not "0 B free"
+    try:
+        check_disk_space(out, estimate_bytes(plan, shards, src))
+    except BaseException:
+        _remove_created(tmp, created)
+        raise
     start = time.perf_counter()
+    committed = False
     try:
         written = _write_shards(plan, src, tmp, shards, progress)
         weight_map = {n: written[n]["file"] for n in plan.tensors}
@@ -584,23 +601,159 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if out_abs.exists():
-            old = out_abs.parent / f".{out_abs.name}.old-{token}"
-            os.rename(out_abs, old)
-            try:
-                os.rename(tmp, out_abs)
-            except BaseException:
-                os.rename(old, out_abs)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_abs)
-        _fsync_dir(out_abs.parent)
+        # From here on SIGINT/SIGTERM are deferred: once the rename is done the conversion has succeeded, and
+        # an interrupt landing between the rename and the summary must not turn it into a failure (exit 130).
+        with deferred_interrupts() as received:
+            _commit(tmp, out_abs, out, overwrite=overwrite, token=token)
+            committed = True
+            result = WriteResult(out_abs, len(shards), len(plan.tensors), total, time.perf_counter() - start,
+                                 manifest)
+            if on_commit is not None:
+                on_commit(result)
+        result.interrupted = bool(received)
     except OSError as exc:  # disk full, permissions, I/O error: a user-facing error, not a traceback
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # after an exchange: the replaced old layout
+        if committed:  # on_commit failed (e.g. a closed stdout): OUT is complete, say nothing else
+            raise
         raise ConversionError(f"writing {out} failed: {exc.strerror or exc}"
                               + (f" ({exc.filename})" if exc.filename else "") + "; nothing was written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return WriteResult(out_abs, len(shards), len(plan.tensors), total, time.perf_counter() - start, manifest)
+    return result
+
+
+def _make_tmp_dir(tmp: Path) -> list[Path]:
+    """Create the temporary sibling ``tmp`` (and OUT's missing parents); returns the directories created,
+    outermost first.
+
+    Raises:
+        ConversionError: ``cannot write to DIR: reason`` naming the nearest existing ancestor.
+    """
+    missing = []
+    d = tmp.parent
+    while not d.exists() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    created: list[Path] = []
+    try:
+        for m in reversed(missing):
+            m.mkdir()
+            created.append(m)
+        tmp.mkdir()
+        created.append(tmp)
+    except OSError as exc:
+        _remove_created(tmp, created)
+        raise ConversionError(f"cannot write to {d}: {exc.strerror or exc}") from None
+    return created
+
+
+def _remove_created(tmp: Path, created: list[Path]) -> None:
+    """Undo :func:`_make_tmp_dir` (a refusal after it must leave the filesystem as it was)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in reversed(created):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Record SIGINT/SIGTERM instead of raising them while inside; yields the list of received signal
+    numbers. Used around the final rename and the summary: past the rename the conversion is complete.
+    Outside the main thread (signals cannot be handled there) nothing is deferred."""
+    received: list[int] = []
+
+    def handler(signum, frame):  # noqa: ARG001
+        received.append(signum)
+
+    previous = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+#: renameat2(2) flags (linux/fs.h)
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)`` through libc; False when the kernel, libc or filesystem lacks it
+    (the caller falls back), True when done.
+
+    Raises:
+        OSError: any other failure (ENOENT, EEXIST, ...), with ``dst`` as the filename.
+    """
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not glibc >= 2.28 / not Linux
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str) -> None:
+    """Move the complete layout ``tmp`` to ``out_abs`` without ever replacing an OUT we may not replace.
+
+    Without ``overwrite``: plain ``rename(2)``. POSIX renames a directory onto an existing directory only
+    when that one is empty (ENOTEMPTY/EEXIST otherwise), and onto a file never (ENOTDIR), so an OUT that
+    another conversion completed after our up-front check cannot be replaced, and replacing an empty
+    directory loses nothing. This is the simplest robust no-replace primitive: no lock file to go stale
+    after a kill, no platform-specific call.
+
+    With ``overwrite``: the existing layout is swapped with ``renameat2(RENAME_EXCHANGE)`` (one atomic step:
+    at every instant OUT is either the old or the new layout), then the old one is deleted. Where that
+    call is unavailable, the fallback renames the old layout aside, the new one in, and restores the old
+    one if the second rename fails; only a hard kill between those two renames leaves OUT missing, with the
+    old layout kept whole as ``.OUT.old-*`` next to it.
+
+    Raises:
+        ConversionError: OUT appeared meanwhile (no ``overwrite``), or became a non-layout (``overwrite``).
+        OSError: other rename failures.
+    """
+    if not overwrite:
+        try:
+            os.rename(tmp, out_abs)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise ConversionError(f"OUT {out} was created by another process while converting (another "
+                                      "convert into the same OUT?); it was left as is and nothing was written; "
+                                      "pass --overwrite to replace it") from None
+            raise
+        _fsync_dir(out_abs.parent)
+        return
+    if out_abs.is_dir() and any(out_abs.iterdir()) and not is_layout(out_abs):
+        raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
+                              f"(no {MANIFEST_NAME}); remove it yourself if it should go")
+    if not out_abs.exists():
+        os.rename(tmp, out_abs)
+    elif _renameat2(tmp, out_abs, RENAME_EXCHANGE):  # tmp now holds the old layout
+        _fsync_dir(out_abs.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        old = out_abs.parent / f".{out_abs.name}.old-{token}"
+        os.rename(out_abs, old)
+        try:
+            os.rename(tmp, out_abs)
+        except BaseException as exc:
+            try:
+                os.rename(old, out_abs)
+            except OSError:
+                raise ConversionError(f"replacing {out} failed ({exc}); the previous layout is kept "
+                                      f"whole at {old}") from None
+            raise
+        _fsync_dir(out_abs.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(out_abs.parent)
