@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.convert.writer import check_destination, human_bytes, parse_size, write_layout
 from atomtool.errors import ConversionError, SourceError
 from atomtool.inspect.families import family_for
+from atomtool.inspect.source import looks_like_path
 from atomtool.inspect.types import InspectReport
 
 #: files a conversion needs from a Hub repo (weights, configs, tokenizer and templates, and Python files for
@@ -31,10 +31,6 @@ from atomtool.inspect.types import InspectReport
 HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py", "LICENSE*"]
 #: never downloaded: remote model code (we do not run it)
 HUB_IGNORE = ["modeling_*.py"]
-
-
-def _looks_like_path(s: str) -> bool:
-    return s.startswith((".", "/", "~")) or s.count("/") > 1 or (os.sep != "/" and os.sep in s)
 
 
 def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[str, Any]]:
@@ -50,7 +46,7 @@ def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[st
         return path, {"path": str(path.resolve())}
     if path.exists():
         raise SourceError(f"{src}: is a file; pass the checkpoint directory (holding config.json)")
-    if _looks_like_path(src):
+    if looks_like_path(src):
         raise SourceError(f"{src}: no such directory")
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HFValidationError
@@ -164,7 +160,7 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     local_src = Path(src).expanduser()
     if not dry_run and local_src.is_dir():
         check_destination(local_src, out, overwrite=overwrite)  # refuse before any work
-    if dry_run and not local_src.is_dir() and not local_src.exists() and not _looks_like_path(src):
+    if dry_run and not local_src.is_dir() and not local_src.exists() and not looks_like_path(src):
         # a Hub repo id: the plan needs headers only, which inspect reads remotely (no weight download)
         report = inspect_checkpoint(src, revision)
         root = Path(report.root) if report.root else Path(src)

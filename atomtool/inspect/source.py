@@ -96,7 +96,7 @@ class CheckpointSource:
             return _open_dir(source, path, is_remote=False)
         if path.exists():
             raise SourceError(f"{source}: is a file; pass the checkpoint directory (holding config.json)")
-        if _looks_like_path(source):
+        if looks_like_path(source):
             raise SourceError(f"{source}: no such directory")
         from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -238,9 +238,10 @@ def _merge(headers: dict[str, SafetensorsHeader], weight_map: dict[str, str] | N
     return tensors, warnings
 
 
-def _looks_like_path(source: str) -> bool:
-    return (source.startswith(("/", "./", "../", "~", ".\\")) or "\\" in source or source in (".", "..")
-            or source.count("/") > 1)
+def looks_like_path(source: str) -> bool:
+    """True when SOURCE is meant as a filesystem path rather than a Hub repo id (``org/name``): it starts with
+    ``/``, ``.`` or ``~``, holds a backslash, or has more than one ``/``. The one rule every stage uses."""
+    return source.startswith(("/", ".", "~")) or "\\" in source or source.count("/") > 1
 
 
 def _check_member(name: object, where: str) -> str:

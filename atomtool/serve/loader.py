@@ -64,10 +64,11 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     path) through convert's :func:`~atomtool.convert.commands.resolve_source` (the HF cache, else a download
     of weights, configs and tokenizer). Raises SourceError when a repo id can be neither found nor downloaded.
     """
-    from atomtool.convert.commands import _looks_like_path, resolve_source
+    from atomtool.convert.commands import resolve_source
+    from atomtool.inspect.source import looks_like_path
 
     path = Path(model).expanduser()
-    if isinstance(model, str) and not path.exists() and not _looks_like_path(model):
+    if isinstance(model, str) and not path.exists() and not looks_like_path(model):
         return resolve_source(model)[0]
     return path
 
