@@ -55,6 +55,7 @@ from atomtool.convert.layout import FORMAT, INDEX_NAME, MANIFEST_NAME, VERSION, 
 from atomtool.convert.materialize import SourceReader, _bytes, byte_segments, materialize
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError
+from atomtool.inspect.report import human_bytes
 from atomtool.inspect.safetensors_header import DTYPE_BITS
 
 #: side files copied unchanged (tokenizer, generation config, chat templates); matched on the file name.
@@ -113,14 +114,6 @@ def check_destination(src: str | Path, out: str | Path, *, overwrite: bool) -> N
         if not is_layout(out_r):
             raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
                                   f"(no {MANIFEST_NAME}); remove it yourself if it should go")
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes in binary units, the way ``atomtool inspect`` prints sizes (``512 B``, ``117.74 KiB``,
-    ``1.40 GiB``): small models no longer show as ``0.00 GB``."""
-    from atomtool.inspect.report import _bytes  # the inspect report's formatter (one format for the tool)
-
-    return _bytes(n)
 
 
 def check_disk_space(out: str | Path, needed: int) -> None:

@@ -121,7 +121,9 @@ def group_by_pattern(items: list[tuple[str, tuple]]) -> list[tuple[str, int, tup
 # ----------------------------------------------------------------------------- rich
 
 
-def _bytes(n: int | None) -> str:
+def human_bytes(n: float | None) -> str:
+    """``n`` bytes in binary units (``512 B``, ``117.74 KiB``, ``1.40 GiB``; ``?`` for None): the one size format
+    every atomtool command prints."""
     if n is None:
         return "?"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -255,11 +257,11 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
     for col in ("", "parameters", "bytes"):
         t.add_column(col, justify="right" if col else "left")
     pad = f" (+{tot['padding_rows']:,} padding rows)" if tot.get("padding_rows") else ""  # atomtool layout
-    t.add_row("all", _count(tot.get("parameters")) + pad, _bytes(tot.get("bytes")))
+    t.add_row("all", _count(tot.get("parameters")) + pad, human_bytes(tot.get("bytes")))
     for dt, v in (tot.get("by_dtype") or {}).items():
-        t.add_row(f"dtype {dt}", _count(v["elements"]) + " el", _bytes(v["bytes"]))
+        t.add_row(f"dtype {dt}", _count(v["elements"]) + " el", human_bytes(v["bytes"]))
     for sc, v in (tot.get("by_scheme") or {}).items():
-        t.add_row(f"scheme {sc}", _count(v["parameters"]), _bytes(v["bytes"]))
+        t.add_row(f"scheme {sc}", _count(v["parameters"]), human_bytes(v["bytes"]))
     console.print(t)
 
     m = r.memory
@@ -267,7 +269,7 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         t = Table(title="Memory", show_header=False, title_justify="left")
         t.add_column(style="bold")
         t.add_column()
-        t.add_row("weights", _bytes(m.get("weights_bytes")))
+        t.add_row("weights", human_bytes(m.get("weights_bytes")))
         detail = f"{m['kv_layers']} layers x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
         if m.get("index_layers"):
             detail += f" + {m['index_layers']} indexer planes x {m['index_bytes_per_token_per_layer']} B (fp8)"
