@@ -124,7 +124,7 @@ def verify_cmd(
 @app.command("generate", short_help="Generate completions offline with the engine.")
 @_user_errors
 def generate_cmd(
-    model: Annotated[str, typer.Argument(help="atomtool layout or raw HF checkpoint directory.")],
+    model: Annotated[str, typer.Argument(help="atomtool layout, raw HF checkpoint directory, or Hub repo id.")],
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch.")],
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,

@@ -123,6 +123,7 @@ def test_prompt_longer_than_max_model_len(ckpt):
     (dict(logprobs=99), "logprobs must be"),
     (dict(min_tokens=50, max_tokens=4), "min_tokens must be"),
     (dict(seed=2**64), "seed must be an integer in the int64 range"),
+    (dict(stop_token_ids=[5, -1]), "stop_token_ids must be non-negative token ids"),
 ])
 def test_invalid_sampling_params(ckpt, kwargs, msg):
     eng = make_engine(ckpt)

@@ -47,6 +47,8 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in the int64 range, got {self.seed!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         return self
