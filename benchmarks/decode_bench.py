@@ -230,7 +230,10 @@ def profile_step(name: str, runner, cfg: dict, bs: int) -> None:
                     fn()
                 torch.cuda.synchronize()
         print(f"\n== profile {name} decode batch 1 ctx 4096 ({mode}, 3 steps)")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+        full = table.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=90)
+        (C.out_dir() / f"profile_{name}_{mode}.txt").write_text(full)
 
 
 def main(argv: list[str] | None = None) -> int:

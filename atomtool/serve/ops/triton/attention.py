@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, pow2
-from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid_block, split_kv_merge_kernel
+from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_merge_kernel
 
 
 @triton.jit
@@ -209,10 +209,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         SPAN_MIN=SPLIT_SPAN_MIN, G_PAD=max(g_pad, 16), BLOCK_N=block_n, D_PAD=pow2(D, 16), DV_PAD=pow2(Dv, 16),
         DOT_DTYPE=dot, num_warps=4,
     )
-    merge_h = merge_grid_block(H)
-    split_kv_merge_kernel[(B, triton.cdiv(H, merge_h))](
+    grid, merge_h, merge_d = merge_grid(B, H, Dv)
+    split_kv_merge_kernel[grid](
         ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, Dv, 0, SPLIT_CHUNKS, out.stride(0), out.stride(1),
-        SPARSE=False, SPAN_MIN=SPLIT_SPAN_MIN, BLOCK_H=merge_h, D_PAD=pow2(Dv, 16), EMPTY_IS_ZERO=True,
+        SPARSE=False, SPAN_MIN=SPLIT_SPAN_MIN, BLOCK_H=merge_h, BLOCK_D=merge_d, EMPTY_IS_ZERO=True,
         num_warps=4,
     )
     return out

@@ -20,6 +20,8 @@ cost to prefill efficiency).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -53,7 +55,8 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk
         a = tl.load(a_ptr + m[:, None].to(tl.int64) * s_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         sc = tl.load(s_row + k0 // bk, mask=n_ok, other=0.0)
-        part = dot_acc(a, tl.trans(w.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
+        # FP8 e4m3 -> DOT_DTYPE directly: every e4m3 value is exact in bf16/fp16/fp32, so no rounding
+        part = dot_acc(a, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
         acc += part * sc[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -76,21 +79,40 @@ def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.
 
 #: rows per split-K launch (bounds the fp32 partials workspace; does not change any row's result)
 SPLIT_ROWS = 512
-#: programs the split-K plan aims for (about 4 per SM of an H100/H200); a constant, so the split of a given
-#: weight is the same on every call and every device
-_SPLIT_TARGET_PROGRAMS = 512
 
 
-def split_k_plan(N: int, K: int, block_n: int, block_k: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """Launch configuration of the FP8 block linear, the same for every M (batch invariance).
+
+    block_n: output features per program; block_k: K per step (a divisor of the 128-wide scale block);
+    split_target: programs the split-K plan aims for (a constant, so a given weight's split is the same on
+    every call and device); num_warps / num_stages: Triton launch options. Tuned on an H200 at M = 1 with
+    ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
+    """
+
+    block_n: int = 64
+    block_k: int = 128
+    split_target: int = 512
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+#: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
+FP8_LINEAR_CONFIG = Fp8LinearConfig()
+
+
+def split_k_plan(N: int, K: int, block_n: int, block_k: int, target: int | None = None) -> tuple[int, int]:
     """(number of K splits, K elements per split) of the split-K plan for an [N, K] weight.
 
     Chosen from the weight's shape only, never from M: enough splits that ``N / block_n`` tiles times the
-    splits reach ~``_SPLIT_TARGET_PROGRAMS`` programs, each split a whole number of ``block_k`` steps
+    splits reach ~``target`` programs (default: the configured ``split_target``), each split a whole number of ``block_k`` steps
     (so it never cuts a K step, and every scale block is applied exactly as without splitting).
     """
     n_tiles = triton.cdiv(N, block_n)
     k_steps = triton.cdiv(K, block_k)
-    want = max(1, min(k_steps, triton.cdiv(_SPLIT_TARGET_PROGRAMS, n_tiles)))
+    target = FP8_LINEAR_CONFIG.split_target if target is None else target
+    want = max(1, min(k_steps, triton.cdiv(target, n_tiles)))
     k_chunk = triton.cdiv(k_steps, want) * block_k
     return triton.cdiv(K, k_chunk), k_chunk
 
@@ -114,7 +136,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.view(*lead, N)
-    block_k = 128 if bk % 128 == 0 else (64 if bk % 64 == 0 else (32 if bk % 32 == 0 else 16))
+    cfg = FP8_LINEAR_CONFIG
+    block_k = next((b for b in (cfg.block_k, 128, 64, 32, 16) if bk % b == 0 and b <= cfg.block_k), 16)
     if bk % block_k:
         raise ValueError(f"fp8 linear: block size {bk} along K must be a multiple of 16")
     has_bias = bias is not None
@@ -124,7 +147,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     # split order by a second kernel (no atomics). A row's bits therefore depend on neither the other rows
     # nor M: strictly batch-invariant, at some cost to large-M (prefill) efficiency. A GEMV is bound by
     # streaming the weight, so the split gives decode the programs in flight it needs.
-    block_m, block_n = 16, 64
+    block_m, block_n = 16, cfg.block_n
     n_splits, k_chunk = split_k_plan(N, K, block_n, block_k)
     dot = dot_dtype(x.dtype)
     if n_splits == 1:
@@ -132,7 +155,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, M, N, K, bn, bk, k_chunk,
                                      a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0,
                                      HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot, num_warps=4, num_stages=4)
+                                     DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out.view(*lead, N)
     # rows in chunks bound the fp32 workspace ([splits, rows, N]); chunking never changes a row's bits
     for r0 in range(0, M, SPLIT_ROWS):
@@ -143,7 +166,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, ws, rows, N, K, bn, bk, k_chunk,
                                      a_r.stride(0), w.stride(0), s.stride(0), ws.stride(1), ws.stride(0),
                                      HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot, num_warps=4, num_stages=4)
+                                     DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
                                                             HAS_BIAS=has_bias, BLOCK=block, num_warps=4)

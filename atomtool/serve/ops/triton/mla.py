@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
-from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid_block, split_kv_merge_kernel
+from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_merge_kernel
 
 
 @triton.jit
@@ -226,9 +226,9 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=block_h, BLOCK_N=32 if r_pad >= 256 else 64, R_PAD=r_pad,
         P_PAD=p_pad, DOT_DTYPE=dot, num_warps=4, num_stages=2,
     )
-    merge_h = merge_grid_block(H)
-    split_kv_merge_kernel[(B, triton.cdiv(H, merge_h))](
+    grid, merge_h, merge_d = merge_grid(B, H, R)
+    split_kv_merge_kernel[grid](
         ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, R, K, n_chunks, out.stride(0), out.stride(1),
-        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=merge_h, D_PAD=r_pad, EMPTY_IS_ZERO=False, num_warps=4,
+        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=merge_h, BLOCK_D=merge_d, EMPTY_IS_ZERO=False, num_warps=4,
     )
     return out

@@ -12,6 +12,8 @@ in slot order, so a token's result does not depend on the batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -53,7 +55,8 @@ def _moe_gemm_kernel(
         if FP8:
             sc = tl.load(s_ptr + e.to(tl.int64) * s_se + (n // bn).to(tl.int64) * s_sn + k0 // bk, mask=n_ok,
                          other=0.0)
-            part = dot_acc(a, tl.trans(b.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
+            # e4m3 -> DOT_DTYPE directly: every e4m3 value is exact in bf16/fp16/fp32
+            part = dot_acc(a, tl.trans(b), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
             acc += part * sc[None, :]
         else:
             acc = dot_acc(a, tl.trans(b), acc, DOT_DTYPE)
@@ -92,6 +95,23 @@ def sort_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs[:length], block_expert
 
 
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    """Launch configuration of the grouped expert GEMM (16-row tiles), the same for every batch size.
+
+    block_n: output features per program; num_warps / num_stages: Triton launch options. Tuned on an H200
+    at decode sizes with ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+#: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
+MOE_GEMM_CONFIG = MoeGemmConfig()
+
+
 def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k, a_per_token, weights,
                   block_m, block_size):
     E, N, K = w.shape
@@ -100,7 +120,8 @@ def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k
     block_k = 128 if not fp8 else (128 if bk % 128 == 0 else (64 if bk % 64 == 0 else (32 if bk % 32 == 0 else 16)))
     if fp8 and bk % block_k:
         raise ValueError(f"fused_moe: FP8 block size {bk} along K must be a multiple of 16")
-    block_n = 64 if block_m <= 16 else 128
+    cfg = MOE_GEMM_CONFIG
+    block_n = cfg.block_n if block_m <= 16 else 128
     s = scale if fp8 else w
     grid = (block_expert.shape[0], triton.cdiv(N, block_n))
     _moe_gemm_kernel[grid](
@@ -109,7 +130,7 @@ def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k
         a.stride(0), w.stride(0), w.stride(1), s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, out.stride(0),
         A_PER_TOKEN=a_per_token, MUL_WEIGHT=weights is not None, FP8=fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k if fp8 else 64, DOT_DTYPE=dot_dtype(a.dtype),
-        num_warps=4 if block_m <= 16 else 8,
+        num_warps=cfg.num_warps if block_m <= 16 else 8, num_stages=cfg.num_stages,
     )
 
 

@@ -30,14 +30,17 @@ def chunk_span(n_keys, n_chunks, SPAN_MIN: tl.constexpr):
 @triton.jit
 def split_kv_merge_kernel(
     ws_acc_ptr, ws_ml_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, H, D, K, n_chunks, s_ot, s_oh,
-    SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr,
+    SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     EMPTY_IS_ZERO: tl.constexpr,
 ):
-    """Program (sequence b, head block): if b has exactly one new token, merge its chunks in chunk order
-    (global max first, then ``sum_c 2^(m_c - M) (l_c, acc_c)``) and write ``out[t, h, :D]``. Key count: K
-    (sparse: the top-k width) or ``seq_lens[b]``. A row without keys gets 0 (EMPTY_IS_ZERO) or NaN."""
+    """Program (sequence b, head block, feature block): if b has exactly one new token, merge its chunks in
+    chunk order (global max first, then ``sum_c 2^(m_c - M) (l_c, acc_c)``) and write
+    ``out[t, h, d0:d0 + BLOCK_D]``. Every output element is computed alone in the same order whatever the
+    grid, so the head/feature blocking never changes a bit. Key count: K (sparse: the top-k width) or
+    ``seq_lens[b]``. A row without keys gets 0 (EMPTY_IS_ZERO) or NaN."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
+    db = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     if tl.load(cu_q_ptr + b + 1) - q_start != 1:
         return
@@ -49,7 +52,7 @@ def split_kv_merge_kernel(
     n_row = (n_keys + span - 1) // span
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
-    d = tl.arange(0, D_PAD)
+    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     row0 = b.to(tl.int64) * n_chunks * H + h.to(tl.int64)
     m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -57,7 +60,7 @@ def split_kv_merge_kernel(
         m_all = tl.maximum(m_all, tl.load(ws_ml_ptr + (row0 + c * H) * 2, mask=h_ok, other=float("-inf")))
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for c in range(0, n_row):
         rc = row0 + c * H
         wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=h_ok, other=float("-inf")) - m_safe)
@@ -71,6 +74,12 @@ def split_kv_merge_kernel(
              out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
-def merge_grid_block(H: int) -> int:
-    """Heads per merge program."""
-    return min(triton.next_power_of_2(max(H, 1)), 16)
+def merge_grid(B: int, H: int, D: int) -> tuple[tuple[int, int, int], int, int]:
+    """(grid, BLOCK_H, BLOCK_D) of :func:`split_kv_merge_kernel` for B rows, H heads, D features.
+
+    Small blocks (8 heads x 128 features) so a batch-1 decode step still gets tens of programs (MLA: 128
+    heads x 512 latent features = 64 programs) and the fp32 accumulator stays in registers.
+    """
+    block_h = min(triton.next_power_of_2(max(H, 1)), 8)
+    block_d = min(triton.next_power_of_2(max(D, 16)), 128)
+    return (B, triton.cdiv(H, block_h), triton.cdiv(D, block_d)), block_h, block_d

@@ -1,0 +1,201 @@
+"""Sweep the launch configurations of the FP8 block linear and the fused-MoE grouped GEMM at decode sizes.
+
+Issue 7: at batch 1 the DeepSeek-V3.2-shaped decode step spends ~40% of its time in these two kernels, at
+2.2-2.7 TB/s. Both use one launch configuration for every batch size (batch invariance), so the choice is a
+constant; this benchmark measures candidates on the weights of the real model dimensions and prints each
+one's achieved bandwidth against the device copy bandwidth measured in the same run.
+
+- FP8 linear: every FP8 weight of one DeepSeek-V3.2 decode step at M = 1 (fused q_a/kv_a/indexer rows,
+  q_b, indexer q_b, o_proj, dense gate_up/down, shared expert), weighted by how often a step runs it
+  (3 dense + 8 MoE layers, as ``decode_bench``), each call replayed from a CUDA graph; several weight copies
+  are rotated so no call is served from L2. Metric: step-weighted time, bytes / time.
+- Fused MoE at T = 1 and 8 (routing random, distinct experts per call), the routed experts of one layer
+  (E = 256, hidden 7168, intermediate 2048, FP8 128x128 blocks).
+
+    python -m benchmarks.kernel_sweep [--quick] [--smoke]
+
+Prints one table per kernel and records rows in ``$BENCH_OUT/results.jsonl`` (bench ``kernel_sweep``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import time
+
+import torch
+
+from benchmarks import common as C
+
+# (name, N, K, calls per step) for the DeepSeek-V3.2 dims: 11 attention layers, 3 dense MLPs, 8 shared experts
+DSV32_LINEARS = [
+    ("fused_qkv_a (q_a+kv_a+index k+weights)", 1536 + 576 + 128 + 64, 7168, 11),
+    ("q_b_proj", 128 * 192, 1536, 11),
+    ("indexer wq_b", 64 * 128, 1536, 11),
+    ("o_proj", 7168, 128 * 128, 11),
+    ("dense gate_up", 2 * 18432, 7168, 3),
+    ("dense down", 7168, 18432, 3),
+    ("shared gate_up", 2 * 2048, 7168, 8),
+    ("shared down", 7168, 2048, 8),
+]
+
+
+def _fp8_weight(N: int, K: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    w = (torch.randn(N, K, device=device, generator=gen) * 0.05).to(torch.float8_e4m3fn)
+    s = torch.rand((N + 127) // 128, (K + 127) // 128, device=device, generator=gen) * 0.01 + 0.001
+    return w, s
+
+
+def _graph_time(fn, device, reps: int = 20) -> float:
+    """Seconds per ``fn()`` replayed from a CUDA graph of ``reps`` calls (host clock on CPU)."""
+    if device.type != "cuda":
+        return C.time_fn(fn, device, warmup=1, iters=3)["median_s"]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return C.time_gpu(g.replay, device, warmup=2, iters=10) / reps
+
+
+def sweep_linear(device, configs, shapes, copy_bw: float) -> list[dict]:
+    L = importlib.import_module("atomtool.serve.ops.triton.linear")  # the package re-exports `linear` the op
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = {}
+    for name, N, K, _ in shapes:
+        n_copies = max(1, min(8, (256 << 20) // (N * K) + 1))  # > L2 (50 MB on an H200) per rotation
+        weights[name] = [_fp8_weight(N, K, device, gen) for _ in range(n_copies)]
+    x = {K: torch.randn(1, K, device=device, dtype=torch.bfloat16, generator=gen) for _, _, K, _ in shapes}
+    step_bytes = sum(N * K * c for _, N, K, c in shapes)
+    rows = []
+    default = L.FP8_LINEAR_CONFIG
+    try:
+        for cfg in configs:
+            L.FP8_LINEAR_CONFIG = cfg
+            total = 0.0
+            per = {}
+            for name, _n, K, count in shapes:
+                ws = weights[name]
+                i = [0]
+
+                def call(ws=ws, K=K, i=i):
+                    w, s = ws[i[0] % len(ws)]
+                    i[0] += 1
+                    L.fp8_block_linear(x[K], w, s)
+
+                t = _graph_time(call, device)
+                per[name] = t
+                total += t * count
+            row = C.record("kernel_sweep", kernel="fp8_linear", M=1, **vars(cfg), step_ms=total * 1e3,
+                           step_GBps=step_bytes / total / 1e9, of_copy=step_bytes / total / copy_bw,
+                           per_us={k: round(v * 1e6, 2) for k, v in per.items()})
+            rows.append(row)
+            print(f"  {cfg}: {total * 1e3:.3f} ms/step, {step_bytes / total / 1e9:,.0f} GB/s "
+                  f"({step_bytes / total / copy_bw:.0%} of copy)", flush=True)
+    finally:
+        L.FP8_LINEAR_CONFIG = default
+    return rows
+
+
+def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool) -> list[dict]:
+    Mo = importlib.import_module("atomtool.serve.ops.triton.moe")
+
+    E, H, inter, k = (256, 7168, 2048, 8) if not smoke else (16, 256, 128, 4)
+    gen = torch.Generator(device=device).manual_seed(1)
+    w13 = (torch.randn(E, 2 * inter, H, device=device, generator=gen) * 0.05).to(torch.float8_e4m3fn)
+    w2 = (torch.randn(E, H, inter, device=device, generator=gen) * 0.05).to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, 2 * inter // 128, H // 128, device=device, generator=gen) * 0.01
+    s2 = torch.rand(E, H // 128, inter // 128, device=device, generator=gen) * 0.01
+    rows = []
+    default = Mo.MOE_GEMM_CONFIG
+    try:
+        for T in T_list:
+            x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=gen)
+            routes = [torch.stack([torch.randperm(E, device=device, generator=gen)[:k] for _ in range(T)])
+                      for _ in range(16)]
+            weights = torch.rand(T, k, device=device, generator=gen)
+            distinct = sum(len(torch.unique(r)) for r in routes) / len(routes)
+            nbytes = distinct * (w13[0].numel() + w2[0].numel())
+            for cfg in configs:
+                Mo.MOE_GEMM_CONFIG = cfg
+                i = [0]
+
+                def call(x=x, routes=routes, weights=weights, i=i):
+                    ids = routes[i[0] % len(routes)]
+                    i[0] += 1
+                    Mo.fused_moe(x, w13, w2, weights, ids, s13, s2)
+
+                t = _graph_time(call, device, reps=16)
+                row = C.record("kernel_sweep", kernel="fused_moe_fp8", T=T, **vars(cfg), us=t * 1e6,
+                               GBps=nbytes / t / 1e9, of_copy=nbytes / t / copy_bw, distinct_experts=distinct)
+                rows.append(row)
+                print(f"  T={T} {cfg}: {t * 1e6:.1f} us, {nbytes / t / 1e9:,.0f} GB/s "
+                      f"({nbytes / t / copy_bw:.0%} of copy)", flush=True)
+    finally:
+        Mo.MOE_GEMM_CONFIG = default
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU toy sizes under the Triton interpreter")
+    ap.add_argument("--quick", action="store_true", help="a few candidates only")
+    ap.add_argument("--only", choices=["linear", "moe"], default=None)
+    args = ap.parse_args(argv)
+    device = C.pick_device(args.smoke)
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("kernel_sweep needs a CUDA device (or --smoke)")
+    if args.smoke:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from atomtool.serve.ops.triton.linear import Fp8LinearConfig
+    from atomtool.serve.ops.triton.moe import MoeGemmConfig
+
+    print("env", C.env_info(device))
+    copy_bw = C.load_or_measure_ceilings(device)["copy_bw_Bps"]
+    print(f"copy bandwidth {copy_bw / 1e9:,.0f} GB/s")
+    t0 = time.time()
+    if args.smoke:
+        lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=32, split_target=256)]
+        moe = [MoeGemmConfig(), MoeGemmConfig(block_n=32)]
+        shapes = [("small", 256, 512, 2), ("tall", 512, 256, 1)]
+        T_list = [1]
+    else:
+        shapes = DSV32_LINEARS
+        T_list = [1, 8]
+        if args.quick:
+            lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=128, split_target=1024, num_stages=5)]
+            moe = [MoeGemmConfig(), MoeGemmConfig(block_n=32, num_stages=4)]
+        else:
+            lin = [Fp8LinearConfig(block_n=bn, split_target=tg, num_warps=nw, num_stages=ns)
+                   for bn, tg, nw, ns in itertools.product((32, 64, 128), (264, 528, 1056, 2112), (4, 8),
+                                                           (3, 5))]
+            moe = [MoeGemmConfig(block_n=bn, num_warps=nw, num_stages=ns)
+                   for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4, 5))]
+    results = []
+    if args.only in (None, "linear"):
+        print(f"\n== FP8 linear at M=1, {len(lin)} configs")
+        results += sweep_linear(device, lin, shapes, copy_bw)
+        best = min((r for r in results if r["kernel"] == "fp8_linear"), key=lambda r: r["step_ms"])
+        print(f"best linear: {best}")
+    if args.only in (None, "moe"):
+        print(f"\n== fused MoE FP8, {len(moe)} configs")
+        mo = sweep_moe(device, moe, T_list, copy_bw, args.smoke)
+        for T in T_list:
+            best = min((r for r in mo if r["T"] == T), key=lambda r: r["us"])
+            print(f"best moe T={T}: {best}")
+        results += mo
+    print(f"sweep done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
