@@ -22,7 +22,7 @@ from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.convert.writer import check_destination, human_bytes, parse_size, write_layout
 from atomtool.errors import ConversionError, SourceError
 from atomtool.inspect.families import family_for
-from atomtool.inspect.source import looks_like_path
+from atomtool.inspect.source import hub_download_error, looks_like_path, quiet_hub_logs
 from atomtool.inspect.types import InspectReport
 
 #: files a conversion needs from a Hub repo (weights, configs, tokenizer and templates, and Python files for
@@ -52,20 +52,13 @@ def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[st
     from huggingface_hub.utils import HFValidationError
 
     try:
-        local = snapshot_download(repo_id=src, revision=revision, allow_patterns=HUB_PATTERNS,
-                                  ignore_patterns=HUB_IGNORE)
+        with quiet_hub_logs():
+            local = snapshot_download(repo_id=src, revision=revision, allow_patterns=HUB_PATTERNS,
+                                      ignore_patterns=HUB_IGNORE)
     except HFValidationError:
         raise SourceError(f"{src}: neither a local directory nor a valid Hub repo id") from None
-    except Exception as exc:  # huggingface_hub raises many typed errors; all mean "cannot download"
-        from huggingface_hub import constants
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
-        if isinstance(exc, LocalEntryNotFoundError) and constants.is_offline_mode():
-            raise SourceError(f"{src}: HF_HUB_OFFLINE is set, and the repo is not in the local HF cache "
-                              f"({constants.HF_HUB_CACHE})") from None
-        detail = " ".join(str(exc).split())  # huggingface_hub's messages span lines; ours is one
-        raise SourceError(f"{src}: not a local directory, and cannot download it from the Hugging Face Hub "
-                          f"({type(exc).__name__}: {detail})") from None
+    except Exception as exc:  # huggingface_hub raises many typed errors: one-line message, as inspect's
+        raise hub_download_error(src, exc, revision) from None
     return Path(local), {"path": str(local), "repo_id": src, "revision": revision,
                          "commit": Path(local).name}
 

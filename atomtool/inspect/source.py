@@ -15,7 +15,9 @@ file; a directory with config.json and no weights gives no tensors (inspect repo
 
 Errors: :class:`SourceError` (missing directory/shard, bad index, index path escaping the checkpoint, Hub
 failures), :class:`ConfigError` (config.json not JSON / not an object), :class:`HeaderError` (a corrupt
-header, or one tensor in two shards). Each message is one line naming the file.
+header, or one tensor in two shards). Each message is one line naming the file. Hub failures have one
+translation (:func:`_hub_error`); :func:`hub_download_error` applies it to the whole-repo downloads of
+convert, serve and generate, so every stage words an unknown repo, a missing revision or a down Hub alike.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from atomtool.errors import ConfigError, HeaderError, SourceError
+from atomtool.errors import ConfigError, HeaderError, SourceError, one_line
 from atomtool.inspect.safetensors_header import (
     MAX_HEADER_BYTES,
     SafetensorsHeader,
@@ -310,7 +312,7 @@ def _endpoint() -> str:
 
 
 @contextlib.contextmanager
-def _quiet_hub_logs() -> Iterator[None]:
+def quiet_hub_logs() -> Iterator[None]:
     """Silence huggingface_hub's retry/backoff warnings ("... thrown while requesting HEAD ...", "Retrying
     in 8s") while our calls run: every failure ends in one line of ours instead."""
     loggers = [logging.getLogger(n) for n in ("huggingface_hub.utils._http", "huggingface_hub.file_download")]
@@ -360,32 +362,95 @@ def _open_hub(repo: str, revision: str | None) -> CheckpointSource:
     if constants.is_offline_mode():
         return _open_cached(repo, revision, "HF_HUB_OFFLINE is set")
     try:
-        with _quiet_hub_logs():
+        with quiet_hub_logs():
             return _open_online(repo, revision)
     except _NetworkDown as e:
         return _open_cached(repo, revision, f"cannot reach {_endpoint()} ({e})")
 
 
-def _hub_error(repo: str, what: str, e: Exception) -> Exception:
-    """Translate a huggingface_hub / httpx error into a one-line SourceError or _NetworkDown."""
+def _hub_error(repo: str, what: str | None, e: Exception, revision: str | None = None) -> Exception | None:
+    """Translate a huggingface_hub / httpx error into a one-line SourceError or _NetworkDown.
+
+    The one translation of Hub failures: inspect's header reads call it directly (a _NetworkDown makes them
+    fall back to the HF cache), downloads through :func:`hub_download_error`. what: the file being read
+    (named in the message), None for a whole-repo download. revision: named when a revision is not found.
+    An exception that is not a Hub / transport error gives ``None`` when ``what`` is None (the caller words it).
+    """
     import httpx
     from huggingface_hub import errors as hfe
 
+    about = f" ({what})" if what else ""
     if isinstance(e, (hfe.OfflineModeIsEnabled, httpx.TransportError)):
         return _NetworkDown(" ".join(str(e).split())[:200] or type(e).__name__)
     if isinstance(e, hfe.GatedRepoError):
-        return SourceError(f"{repo}: gated repo; accept its terms on the Hub and set HF_TOKEN ({what})")
+        return SourceError(f"{repo}: gated repo; accept its terms on the Hub and set HF_TOKEN{about}")
     if isinstance(e, hfe.RepositoryNotFoundError):
         return SourceError(f"{repo}: not a local directory, and no Hub repo of that name at {_endpoint()} "
                            "(private or gated? set HF_TOKEN)")
     if isinstance(e, hfe.RevisionNotFoundError):
-        return SourceError(f"{repo}: revision not found ({what})")
+        rev = f" {revision!r}" if revision else ""
+        return SourceError(f"{repo}: revision{rev} not found{about}")
     if isinstance(e, hfe.LocalEntryNotFoundError):
         cause = e.__cause__ or e
-        return _NetworkDown(f"{what}: {type(cause).__name__}: {' '.join(str(cause).split())[:160]}")
+        where = f"{what}: " if what else ""
+        return _NetworkDown(f"{where}{type(cause).__name__}: {' '.join(str(cause).split())[:160]}")
+    if isinstance(e, hfe.RemoteEntryNotFoundError):
+        missing = what or _resolved_file(e) or "a file"
+        return SourceError(f"{repo}: {missing} not found in the Hub repo (it may have changed meanwhile)")
     if isinstance(e, hfe.HfHubHTTPError) and e.response is not None:
-        return SourceError(f"{repo}: HTTP {e.response.status_code} reading {what} from {_endpoint()}")
+        reading = f" reading {what}" if what else ""
+        return SourceError(f"{repo}: HTTP {e.response.status_code}{reading} from {_endpoint()}")
+    if what is None:
+        return None
     return SourceError(f"{repo}: cannot read {what} ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+
+
+def _resolved_file(e: Any) -> str | None:
+    """The file name of a failed ``.../resolve/<revision>/<file>`` request, None if unknown."""
+    from urllib.parse import unquote
+
+    try:
+        path = unquote(str(e.response.request.url.path))
+    except Exception:  # no response / request attached
+        return None
+    _, sep, rest = path.partition("/resolve/")
+    return (rest.partition("/")[2] or None) if sep else None
+
+
+def hub_download_error(repo: str, e: Exception, revision: str | None = None) -> SourceError:
+    """A one-line SourceError for a failed download of Hub repo ``repo`` (``snapshot_download`` /
+    ``hf_hub_download``; convert, and serve/generate through convert's ``resolve_source``), worded like
+    inspect's (:func:`_hub_error`): unknown or private repo, gated repo, missing revision or file, HTTP
+    status, Hub unreachable or ``HF_HUB_OFFLINE`` with the repo not (fully) in the HF cache. Other
+    exceptions keep their type and text, squeezed onto one line.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError
+
+    if isinstance(e, LocalEntryNotFoundError):
+        if isinstance(e.__cause__, HfHubHTTPError):  # the Hub answered with an error and nothing is cached
+            e = e.__cause__
+        else:
+            offline = constants.is_offline_mode() or e.__cause__ is None
+            reason = "HF_HUB_OFFLINE is set" if offline else f"cannot reach {_endpoint()}"
+            if isinstance(e, IncompleteSnapshotError):
+                return SourceError(f"{repo}: {reason}, and the local HF cache holds only part of the repo "
+                                   f"({e.snapshot_path})")
+            if offline:
+                return SourceError(_not_cached(repo, reason))
+    err = _hub_error(repo, None, e, revision)
+    if isinstance(err, _NetworkDown):
+        return SourceError(_not_cached(repo, f"cannot reach {_endpoint()} ({err})"))
+    if isinstance(err, SourceError):
+        return err
+    return SourceError(f"{repo}: not a local directory, and cannot download it from the Hugging Face Hub "
+                       f"({type(e).__name__}: {one_line(e)})")
+
+
+def _not_cached(repo: str, reason: str) -> str:
+    from huggingface_hub import constants
+
+    return f"{repo}: {reason}, and the repo is not in the local HF cache ({constants.HF_HUB_CACHE})"
 
 
 def _hub_download_json(repo: str, name: str, revision: str | None) -> Path | None:
@@ -395,7 +460,7 @@ def _hub_download_json(repo: str, name: str, revision: str | None) -> Path | Non
 
     try:
         _probe_endpoint()
-        with _quiet_hub_logs():
+        with quiet_hub_logs():
             return Path(hf_hub_download(repo, name, revision=revision, endpoint=_endpoint(),
                                         etag_timeout=HTTP_TIMEOUT_S))
     except _NetworkDown:
@@ -547,14 +612,13 @@ def _total_size(r: Any) -> int | None:
 
 def _open_cached(repo: str, revision: str | None, reason: str) -> CheckpointSource:
     """Offline / network down: read the checkpoint from the HF cache snapshot (HF_HUB_CACHE)."""
-    from huggingface_hub import _CACHED_NO_EXIST, constants, try_to_load_from_cache
+    from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
 
     found = {f: try_to_load_from_cache(repo, f, revision=revision) for f in (CONFIG_FILE, INDEX_FILE,
                                                                               SINGLE_FILE)}
     paths = [Path(p) for p in found.values() if isinstance(p, str)]
     if not paths:
-        raise SourceError(f"{repo}: {reason}, and the repo is not in the local HF cache "
-                          f"({constants.HF_HUB_CACHE})")
+        raise SourceError(_not_cached(repo, reason))
     snapshot = paths[0].parent
     no_weights = found[INDEX_FILE] is _CACHED_NO_EXIST and found[SINGLE_FILE] is _CACHED_NO_EXIST
     commit = snapshot.name if _COMMIT_RE.fullmatch(snapshot.name) else None
