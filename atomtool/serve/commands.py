@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from atomtool.serve.sampling_params import SamplingParams
 
@@ -14,6 +15,9 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temper
     """Generate for every prompt (one continuous batch) and print the completions; returns the exit code.
 
     ``--json`` prints a list of ``{"prompt", "text", "token_ids", "finish_reason"}``, one per prompt in order.
+    A completion cut by the context limit rather than ``max_tokens`` (both are finish_reason ``"length"``,
+    as in OpenAI's API) gets a one-line note on stderr: ``note: stopped at the context limit (max_model_len
+    N): prompt P + output K tokens`` (``[i]`` after ``note:`` when there are several prompts).
 
     Raises:
         AtomtoolError subclasses (the CLI prints them, exit 1): bad model directory, unsupported architecture,
@@ -33,4 +37,9 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temper
             if len(prompts) > 1:
                 print(f"--- [{i}] {p!r} ({o.finish_reason})")
             print(p + o.text)
+    for i, o in enumerate(outputs):
+        if o.context_limit is not None:
+            which = f"[{i}] " if len(prompts) > 1 else ""
+            print(f"note: {which}stopped at the context limit (max_model_len {o.context_limit}): prompt "
+                  f"{len(o.prompt_token_ids)} + output {len(o.token_ids)} tokens", file=sys.stderr)
     return 0

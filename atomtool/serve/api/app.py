@@ -258,7 +258,18 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     tokenizer = engine.tokenizer
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.snapshot, served_model_name)
-    async_engine.on_output = metrics.observe
+
+    def on_output(out: Any) -> None:
+        """Metrics, and a log line when the context limit (not max_tokens) ended a request: OpenAI's API (and
+        vLLM) report "length" for both; a client can tell them apart from usage vs /v1/models' max_model_len."""
+        metrics.observe(out)
+        limit = getattr(out, "context_limit", None)
+        if out.finished and limit is not None:
+            logger.warning("request %s stopped at the context limit (max_model_len %d): prompt %d + output %d "
+                           "tokens; finish_reason 'length'", out.request_id, limit, len(out.prompt_token_ids),
+                           len(out.token_ids))
+
+    async_engine.on_output = on_output
     token_text = _TokenText(tokenizer)
     max_model_len = int(engine.max_model_len)
 

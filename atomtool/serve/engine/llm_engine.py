@@ -226,7 +226,9 @@ class LLMEngine:
         elif hit is not None:
             reason, stop_reason = "stop", hit
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+            reason = "length"  # OpenAI's (and vLLM's) reason for both; context_limit tells them apart
+            if seq.num_tokens >= self.max_model_len:
+                seq.context_limit = self.max_model_len
         if reason is None:
             return
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -241,7 +243,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), new_token_ids=list(seq.new_token_ids), text=text,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, context_limit=seq.context_limit,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None, finished=finished,
             num_cached_tokens=seq.num_cached_tokens)
 

@@ -15,6 +15,10 @@ class RequestOutput:
     incomplete UTF-8 character, is held back until it is resolved); stop strings are not included.
     finish_reason: None while running, ``"stop"`` (EOS, stop token or stop string), ``"length"``
     (max_tokens or max_model_len) or ``"abort"``. stop_reason: the stop string or token id that ended it.
+    context_limit: the engine's max_model_len when the request ended because prompt + output filled the
+    context (finish_reason ``"length"``; also when max_tokens ran out at the same token), else None.
+    OpenAI's API has one ``"length"`` for both causes (vLLM keeps it), so this is the only way to tell
+    them apart.
     logprobs: None unless requested; else one dict per generated token:
     ``{"token_id": int, "logprob": float, "top": {token_id: logprob, ...}}`` (raw model log-probabilities,
     ``top`` holds the requested number of most likely tokens, ties broken by lower id).
@@ -30,6 +34,7 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
+    context_limit: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

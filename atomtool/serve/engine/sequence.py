@@ -24,7 +24,8 @@ class Sequence:
     token_ids: prompt + generated ids. num_computed_tokens: how many leading tokens have their KV in the
     cache (prefix-cache hits included); the scheduler feeds ``token_ids[num_computed_tokens:]`` in chunks.
     block_table: physical KV block ids, one per ``block_size`` tokens. generator: per-request RNG
-    (``params.seed``), so sampling does not depend on the other requests in the batch.
+    (``params.seed``), so sampling does not depend on the other requests in the batch. context_limit:
+    the engine's max_model_len when prompt + output filled it (finish_reason ``"length"``), else None.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -44,6 +45,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.context_limit: int | None = None  # max_model_len, when reaching it ended the request ("length")
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
