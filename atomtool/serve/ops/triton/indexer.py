@@ -1,12 +1,13 @@
 """DSA lightning-indexer scoring and deterministic top-k in Triton (DeepSeek-V3.2; research/dsa.md §5.2-5.3).
 
 ``I[t,s] = Σ_h weights[t,h] · ReLU(q[t,h] · k[s])`` over the paged index-key cache, for causal ``s``.
-The scoring kernel writes, per (token, position), one int64 *sort key* ``(orderable(I) << 32) | (2^31-1-s)``
-(invalid positions: INT64_MIN). Keys are unique per row, so ``torch.topk`` on them is deterministic
-and breaks score ties toward the lowest position, exactly the reference's stable sort (dsa.md §5.6,
-pitfall 12: ReLU plateaus of exact zeros). The selected positions are then listed in ascending order, -1
-padded. All shapes come from tensor shapes (the key width is ``max_blocks * block_size``), so there is no
-host sync and decode can be captured in a CUDA graph.
+The scoring kernel writes, per (token, causally valid position), one int32 *orderable key* of the score
+(:func:`atomtool.serve.ops.triton.topk.orderable_key`: unsigned order = float order, -0.0 == +0.0, so
+equal scores have equal keys). The radix-select kernel of :mod:`~atomtool.serve.ops.triton.topk` then
+picks, per row, the top-K keys among positions ``0..pos(t)``, ties toward the lowest position, exactly
+the reference's stable sort (dsa.md §5.6, pitfall 12: ReLU plateaus of exact zeros), and writes them in
+ascending position order, -1 padded. Two launches per row chunk, no host sync: all shapes come from
+tensor shapes (the key width is ``max_blocks * block_size``), so decode can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,13 +17,10 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
+from atomtool.serve.ops.triton.topk import orderable_key, select_rows
 
-_INT64_MIN = -(2**63)
-_POS_MAX = 2**31 - 1
-#: bytes of sort keys one launch may hold; longer batches are scored in row chunks
+#: bytes of keys + selection scratch one launch may hold (12 per position); longer batches go in row chunks
 _KEY_BUDGET = 1 << 30
-#: the key of an invalid (non-causal / padding) position, below every real key
-INVALID_KEY: tl.constexpr = tl.constexpr(_INT64_MIN)
 
 
 @triton.jit
@@ -36,14 +34,12 @@ def _indexer_keys_kernel(
     t = row0 + tl.program_id(0)
     nb = tl.program_id(1)
     b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
-
+    if nb * BLOCK_N > qpos:  # the whole block lies after the query: the selection never reads it
+        return
     s = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    s_ok = s <= qpos
+    s_ok = (s <= qpos) & (s < S)
     t64 = t.to(tl.int64)
     key_row = key_ptr + tl.program_id(0).to(tl.int64) * s_key
-    if nb * BLOCK_N > qpos:  # the whole block lies after the query: only invalid keys
-        tl.store(key_row + s, tl.full([BLOCK_N], INVALID_KEY, tl.int64), mask=s < S)
-        return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     h_ok = h < Hi
@@ -54,12 +50,7 @@ def _indexer_keys_kernel(
     k = tl.load(k_ptr + row[:, None] + d[None, :], mask=s_ok[:, None] & (d[None, :] < Di), other=0.0)
     logits = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
     score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: ties must compare equal as integers
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    key = (ordered << 32) | (2147483647 - s).to(tl.int64)
-    key = tl.where(s_ok, key, tl.full([BLOCK_N], INVALID_KEY, tl.int64))
-    tl.store(key_row + s, key, mask=s < S)
+    tl.store(key_row + s, orderable_key(score), mask=s_ok)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
@@ -70,22 +61,22 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     q: [T, Hi, Di]; weights: [T, Hi] float32 (all scales folded in); index_k_cache: [N, bs, Di];
     cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; topk: K.
     Returns [T, K] int32 request-local positions in ascending order, -1 padded.
+    Raises ValueError when q or index_k_cache has a strided last dim.
     """
     T, Hi, Di = q.shape
     B = seq_lens.shape[0]
-    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     if T == 0 or B == 0:
-        return out
+        return torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     if q.stride(-1) != 1 or index_k_cache.stride(-1) != 1:
         raise ValueError("indexer_topk: q and index_k_cache need a contiguous last dim")
+    out = torch.empty((T, topk), dtype=torch.int32, device=q.device)  # the selection writes every slot
     block_size = index_k_cache.shape[1]
     S = block_tables.shape[1] * block_size  # widest possible context of this batch
     block_n = 64
-    rows_per_chunk = max(1, _KEY_BUDGET // (8 * S))
-    k_sel = min(topk, S)
+    rows_per_chunk = max(1, _KEY_BUDGET // (12 * S))
     for row0 in range(0, T, rows_per_chunk):
         rows = min(rows_per_chunk, T - row0)
-        keys = torch.empty((rows, S), dtype=torch.int64, device=q.device)
+        keys = torch.empty((rows, S), dtype=torch.int32, device=q.device)
         _indexer_keys_kernel[(rows, triton.cdiv(S, block_n))](
             q, weights, index_k_cache, keys, cu_seqlens_q, seq_lens, block_tables,
             B, row0, Hi, Di, block_size, S,
@@ -94,10 +85,5 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
             BLOCK_H=pow2(Hi, 16), BLOCK_D=pow2(Di, 16), BLOCK_N=block_n, BLOCK_B=pow2(B),
             DOT_DTYPE=dot_dtype(q.dtype), num_warps=4,
         )
-        top = keys if k_sel == S else torch.topk(keys, k_sel, dim=1, sorted=False).values
-        pos = _POS_MAX - (top & 0xFFFFFFFF)
-        pos = torch.where(top == _INT64_MIN, _POS_MAX, pos)
-        pos = torch.sort(pos, dim=1).values
-        width = min(k_sel, topk)
-        out[row0:row0 + rows, :width] = torch.where(pos == _POS_MAX, -1, pos)[:, :width].to(torch.int32)
+        select_rows(keys, out, row0, topk, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
     return out

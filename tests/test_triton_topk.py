@@ -1,0 +1,195 @@
+"""The Triton radix top-k selection (atomtool.serve.ops.triton.topk) and the DSA indexer built on it, on CPU
+under Triton's interpreter (TRITON_INTERPRET=1), against a stable torch sort / ``torch_ref_mla.indexer_topk``.
+
+Every check is exact equality: the selection is integer work on keys, so ties (quantized scores, ReLU
+plateaus of zeros, -0.0 vs +0.0) must break toward the lowest position exactly as the reference's stable
+sort does. Small block sizes make short rows span several chunks; key ranges that differ only in the low
+mantissa bits force several rounds of the radix loop. The GPU twin is tests/gpu/test_topk_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# same scheme as tests/test_triton_ops.py: triton must be imported after TRITON_INTERPRET is set; when
+# another module of the session imported it compiled first, this file reruns in a fresh interpreter
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'atomtool[serve]')")
+
+from atomtool.serve.ops import torch_ref_mla  # noqa: E402
+from tests.kernel_inputs import cu_seqlens as _cu  # noqa: E402
+from tests.kernel_inputs import random_block_tables as _paged  # noqa: E402
+
+if not _TRITON_PREIMPORTED:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+
+    from atomtool.serve.ops.triton import indexer_topk  # noqa: E402
+    from atomtool.serve.ops.triton import topk as T  # noqa: E402
+
+    @triton.jit
+    def _keys_kernel(x_ptr, k_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(k_ptr + offs, T.orderable_key(x), mask=offs < n)
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only_with_an_interpreted_triton(request):
+    if _TRITON_PREIMPORTED and request.node.name != "test_suite_in_a_fresh_process":
+        pytest.skip("triton was imported compiled earlier in this session: covered by test_suite_in_a_fresh_process")
+
+
+@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="triton is interpreted in this process: tests run here")
+def test_suite_in_a_fresh_process():
+    if os.environ.get("ATOMTOOL_TRITON_TEST_CHILD"):
+        pytest.fail("triton is imported before this module even in a fresh process (by a conftest?)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["ATOMTOOL_TRITON_TEST_CHILD"] = "1"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- helpers
+
+def _stable_topk(scores: torch.Tensor, lengths: torch.Tensor, K: int) -> torch.Tensor:
+    """The contract, written plainly: stable descending sort of each row's first n scores, first K taken,
+    listed ascending, -1 padded."""
+    out = torch.full((scores.shape[0], K), -1, dtype=torch.int32)
+    for t in range(scores.shape[0]):
+        n = int(lengths[t])
+        pick = torch.sort(scores[t, :n], descending=True, stable=True).indices[:K]
+        out[t, :pick.numel()] = torch.sort(pick).values.int()
+    return out
+
+
+def _check(scores: torch.Tensor, lengths, K: int, **tuning) -> None:
+    lengths = torch.as_tensor(lengths, dtype=torch.int32)
+    out = T.topk_positions(T.orderable_keys(scores), lengths, K, **tuning)
+    assert out.dtype == torch.int32 and out.shape == (scores.shape[0], K)
+    assert torch.equal(out, _stable_topk(scores, lengths, K))
+
+
+# ---------------------------------------------------------------- keys
+
+def test_orderable_keys_order_like_floats_and_tie_plus_and_minus_zero():
+    x = torch.tensor([float("-inf"), -3e38, -2.5, -1.0, -1e-30, -1e-45, -0.0, 0.0, 1e-45, 1e-30, 0.5, 1.0,
+                      1.0000001, 7.0, 3e38, float("inf")])
+    keys = T.orderable_keys(x).long() & 0xFFFFFFFF  # as uint32
+    assert (keys[1:] >= keys[:-1]).all()
+    assert keys[6] == keys[7]  # -0.0 == +0.0
+    distinct = torch.cat([keys[:6], keys[7:]])
+    assert (distinct[1:] > distinct[:-1]).all()
+    # the Triton twin writes the same bits
+    got = torch.empty(x.shape[0], dtype=torch.int32)
+    _keys_kernel[(1,)](x, got, x.shape[0], BLOCK=16)
+    assert torch.equal(got, T.orderable_keys(x))
+
+
+# ---------------------------------------------------------------- selection on given scores
+
+@pytest.mark.parametrize("seed,kind", enumerate(["normal", "quantized", "zeros_and_few_positives", "all_equal",
+                                                 "negative", "low_bits"]))
+def test_selection_matches_a_stable_sort(seed, kind):
+    g = torch.Generator().manual_seed(seed)
+    R, S, K = 6, 300, 40
+    x = torch.randn(R, S, generator=g)
+    if kind == "quantized":  # a few distinct values: large tie groups straddle the K-th
+        x = (x * 2).round() / 2
+    elif kind == "zeros_and_few_positives":  # a ReLU plateau: < K positive, the rest exact zeros (+/-0.0)
+        x = torch.where(torch.rand(R, S, generator=g) < 0.05, x.abs() + 0.1, torch.zeros(()))
+        x[:, ::3] = -0.0
+    elif kind == "all_equal":
+        x = torch.full((R, S), 2.5)
+    elif kind == "negative":  # negative indexer weights: mostly negative scores, one -inf
+        x = -x.abs() * 100
+        x[0, 5] = float("-inf")
+    elif kind == "low_bits":  # keys differing only in the last mantissa bits: many radix rounds
+        x = 1.0 + torch.randint(0, 64, (R, S), generator=g) * 2.0 ** -23
+    lengths = [S, S - 1, 41, 40, 7, 0]  # full, above K, K + 1, == K, < K, empty
+    _check(x, lengths, K, block=64)
+    _check(x, lengths, K, block=32, bins=256)
+
+
+def test_topk_wider_than_the_rows_and_one_chunk_per_row():
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 50, generator=g) * 3).round()
+    _check(x, [50, 49, 3], 64)  # K > S: every valid position, then -1
+    _check(x, [50, 49, 3], 1)
+    _check(x, [50, 49, 3], 49)
+
+
+def test_keys_past_a_rows_length_are_never_read():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 200, generator=g)
+    keys = T.orderable_keys(x)
+    lengths = torch.tensor([120, 90], dtype=torch.int32)
+    want = T.topk_positions(keys, lengths, 30, block=32)
+    keys[0, 120:] = 0x7FFFFFFF  # near the largest key: would win if read
+    keys[1, 90:] = -1  # the largest key (uint32 0xFFFFFFFF)
+    assert torch.equal(T.topk_positions(keys, lengths, 30, block=32), want)
+    assert torch.equal(want, _stable_topk(x, lengths, 30))
+
+
+def test_random_rows_against_a_stable_sort():
+    g = torch.Generator().manual_seed(4)
+    for _ in range(8):
+        R, S = 4, int(torch.randint(20, 260, (1,), generator=g))
+        K = int(torch.randint(1, S + 20, (1,), generator=g))
+        levels = int(torch.randint(1, 50, (1,), generator=g))
+        x = torch.randint(-levels, levels + 1, (R, S), generator=g).float() * 0.37
+        lengths = torch.randint(0, S + 1, (R,), generator=g)
+        _check(x, lengths, K, block=32)
+
+
+def test_bad_keys_or_tuning_are_refused():
+    keys = torch.zeros(2, 8, dtype=torch.int32)
+    lengths = torch.tensor([8, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="keys must be int32"):
+        T.topk_positions(keys.long(), lengths, 4)
+    with pytest.raises(ValueError, match="must be powers of two"):
+        T.topk_positions(keys, lengths, 4, block=48)
+    with pytest.raises(ValueError, match="must be powers of two"):
+        T.topk_positions(keys, lengths, 4, bins=16)
+
+
+# ---------------------------------------------------------------- through the DSA indexer
+
+def _indexer_inputs(q_lens, seq_lens, Hi=3, Di=16, bs=8, seed=5, dtype=torch.float32, plateau=False):
+    """Small-integer inputs: every score is exact (bf16 included), so ties are real ties. Weights of both
+    signs give negative scores; ``plateau`` makes most keys negative so ReLU zeros dominate."""
+    g = torch.Generator().manual_seed(seed)
+    nb, bt = _paged(seq_lens, bs, gen=g)
+    T_ = sum(q_lens)
+    q = torch.randint(-2, 3, (T_, Hi, Di), generator=g).float()
+    kc = torch.randint(-2, 3, (nb, bs, Di), generator=g).float()
+    if plateau:
+        q = q.abs()
+        kc = torch.where(torch.rand(nb, bs, 1, generator=g) < 0.85, -kc.abs(), kc)
+    w = torch.randint(-2, 3, (T_, Hi), generator=g).float()
+    return (q.to(dtype), w, kc.to(dtype), _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("plateau", [False, True])
+def test_indexer_mixed_batch_matches_the_reference(dtype, plateau):
+    # prefill from scratch crossing K, chunked prefill, decodes below / at / above K
+    q_lens, seq_lens, K = [30, 6, 1, 1, 1], [30, 90, 20, 21, 150], 21
+    args = _indexer_inputs(q_lens, seq_lens, dtype=dtype, plateau=plateau)
+    out, ref = indexer_topk(*args, K), torch_ref_mla.indexer_topk(*args, K)
+    assert out.dtype == torch.int32 and out.shape == ref.shape
+    assert torch.equal(out, ref)
+
+
+def test_indexer_topk_larger_than_the_block_table():
+    args = _indexer_inputs([3, 1], [7, 12], bs=4)  # tables 4 wide: 16 positions < K = 24
+    assert torch.equal(indexer_topk(*args, 24), torch_ref_mla.indexer_topk(*args, 24))
