@@ -133,6 +133,14 @@ def test_unknown_repo(hub, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_serve_unknown_repo(hub):
+    """serve loads through the same resolve_source: the same line after its 'loading' line, exit 1."""
+    code, err = cli("serve", "org/nope", "--port", "0", "--device", "cpu")
+    assert code == 1
+    assert err == ("atomtool serve: loading org/nope ...\nerror: org/nope: not a local directory, and no Hub "
+                   f"repo of that name at {hub.endpoint} (private or gated? set HF_TOKEN)\n")
+
+
 def test_gated_repo(hub, tmp_path):
     expected = "org/gated: gated repo; accept its terms on the Hub and set HF_TOKEN"
     for code, err in (convert(tmp_path, "org/gated"), generate("org/gated")):
