@@ -193,3 +193,15 @@ def test_indexer_mixed_batch_matches_the_reference(dtype, plateau):
 def test_indexer_topk_larger_than_the_block_table():
     args = _indexer_inputs([3, 1], [7, 12], bs=4)  # tables 4 wide: 16 positions < K = 24
     assert torch.equal(indexer_topk(*args, 24), torch_ref_mla.indexer_topk(*args, 24))
+
+
+# ---------------------------------------------------------------- the benchmark script
+
+def test_topk_bench_smoke_runs_and_both_paths_agree():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.topk_bench", "--smoke", "--dist", "ties"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert "ours us" in lines[1] and "ratio" in lines[1]
+    assert len(lines) == 4 and all(line.endswith("True") for line in lines[2:])
