@@ -23,13 +23,26 @@ source with a cold-ish cache (``posix_fadvise(DONTNEED)`` on every file of the c
 and a warm one, plus ``layout-generic``: the layout through the generic path (``safe_open`` ->
 ``load_weights``) that the fast path (:mod:`atomtool.serve.layout_load`) replaced, for before/after.
 
-Run: ``python -m benchmarks.load_bench [--smoke | --cpu]``.
+``--model``: ``qwen3`` (default) the dense bf16 Qwen3-0.6B-shaped checkpoint above; ``dsv32-fp8`` a
+DeepSeek-V3.2-family FP8 block-quantized MoE checkpoint (:data:`DSV32_FP8_MOE_CONFIG`: hidden 2048, 6 layers
+of which 5 MoE with 64 routed experts of 1024 + 1 shared, 8 active, the DSA indexer, 128x128 FP8 blocks;
+~2.4 GB) in the on-disk format DeepSeek publishes: per-expert ``mlp.experts.{j}.gate_proj.weight`` /
+``up_proj`` / ``down_proj`` float8_e4m3fn + float32 ``weight_scale_inv``, separate ``q_a_proj`` /
+``kv_a_proj_with_mqa`` and indexer tensors, router and ``indexer.weights_proj`` bf16, the router's
+``e_score_correction_bias`` float32, sharded with a ``model.safetensors.index.json``
+(:func:`write_fp8_moe_checkpoint`). The raw path stacks every layer's experts into ``w13`` / ``w2`` and fuses
+``q_a ‖ kv_a`` while loading; the layout stores them stacked and fused.
+
+Run: ``python -m benchmarks.load_bench [--model qwen3|dsv32-fp8] [--smoke | --cpu]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
+import json
+import math
 import mmap
 import os
 import statistics
@@ -42,6 +55,153 @@ import torch
 
 from benchmarks import common as C
 from benchmarks.throughput_bench import write_checkpoint
+
+#: a DeepSeek-V3.2-family FP8 MoE checkpoint sized for one benchmark run (~2.4 GB): the published structure
+#: (MLA + DSA indexer + noaux_tc MoE with a shared expert, first layer dense, FP8 128x128 blocks with ue8m0
+#: scales) at hidden 2048 with 64 routed experts of 1024 per MoE layer (each expert tensor 2 MiB; DeepSeek's
+#: are 14 MiB) and a 32k vocabulary, so routed experts are ~84% of the bytes (DeepSeek-V3.2: ~97%)
+DSV32_FP8_MOE_CONFIG: dict = {
+    **C.DSV32_CONFIG,
+    "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1024, "n_routed_experts": 64,
+    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "num_hidden_layers": 6, "first_k_dense_replace": 1,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 768, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_n_heads": 32,
+    "index_head_dim": 128, "index_topk": 2048, "vocab_size": 32768, "max_position_embeddings": 8192,
+}
+
+#: the benchmark models (``--model``): the dense bf16 Qwen3-0.6B shape and :data:`DSV32_FP8_MOE_CONFIG`
+MODELS = ("qwen3", "dsv32-fp8")
+#: the GPU mode's load rows (``--sources``): load_model on each, the layout fast path with O_DIRECT, and the
+#: layout through the generic path the fast path replaced
+SOURCES = ("raw", "layout", "layout-o_direct", "layout-generic")
+
+
+def dsv32_fp8_moe_config(smoke: bool = False) -> dict:
+    """:data:`DSV32_FP8_MOE_CONFIG` (``smoke``: 3 layers, hidden 256, 16 experts of 128, vocab 512)."""
+    cfg = copy.deepcopy(DSV32_FP8_MOE_CONFIG)
+    if smoke:
+        cfg.update(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16,
+                   num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
+                   qk_rope_head_dim=32, v_head_dim=32, index_n_heads=4, index_head_dim=64, index_topk=64,
+                   vocab_size=512)
+    return cfg
+
+
+def _hf_config(raw_config: dict):
+    """transformers' config object for ``raw_config`` (without its quantization_config)."""
+    from transformers import AutoConfig
+
+    skip = ("architectures", "model_type", "torch_dtype", "quantization_config")
+    hf_cfg = AutoConfig.for_model(raw_config["model_type"], **{k: v for k, v in raw_config.items() if k not in skip})
+    hf_cfg.architectures = raw_config["architectures"]
+    return hf_cfg
+
+
+def hf_checkpoint_tensors(raw_config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor transformers' ``save_pretrained`` writes for ``raw_config`` (bf16): name -> (shape, dtype),
+    in its natural order, without allocating a weight.
+
+    The model is built on the ``meta`` device and its state dict passed through the conversion transformers
+    applies when saving (``revert_weight_conversion``: fused in-memory experts -> per-expert
+    ``mlp.experts.{j}.*_proj.weight``), so the names are those of a real checkpoint. The router's
+    ``e_score_correction_bias`` is float32 (``_keep_in_fp32_modules_strict``; DeepSeek ships it F32).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(raw_config), dtype=torch.bfloat16)
+    sd = revert_weight_conversion(model, model.state_dict())
+    tied = bool(raw_config.get("tie_word_embeddings"))
+    return {k: (tuple(v.shape), torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
+            for k, v in sd.items() if not (tied and k == "lm_head.weight")}
+
+
+def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
+    """True for the 2-D linear weights DeepSeek's FP8 releases quantize: every projection except the router
+    ``mlp.gate``, ``indexer.weights_proj``, ``lm_head``, embeddings and norms (research/quant.md §2)."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False
+    module = name[: -len(".weight")]
+    return "norm" not in module.rsplit(".", 1)[-1] and not module.endswith(
+        ("mlp.gate", "indexer.weights_proj", "lm_head", "embed_tokens"))
+
+
+def write_fp8_moe_checkpoint(raw_config: dict, path: Path, device: torch.device, *, shard_bytes: int = 1 << 30,
+                             seed: int = 0) -> int:
+    """Write a random FP8 block checkpoint of ``raw_config`` (a DeepSeek-V3-family config with a
+    ``quantization_config``) in the format DeepSeek publishes, with safetensors; returns its tensor bytes.
+
+    Tensors: :func:`hf_checkpoint_tensors`; each :func:`is_fp8_linear` weight [N, K] is float8_e4m3fn
+    (N(0, 1) values clamped to +-4) with ``weight_scale_inv`` float32 [ceil(N/b0), ceil(K/b1)] (powers of two,
+    as ``scale_fmt: ue8m0`` publishes them); other tensors bf16 N(0, 0.02) (norm weights 1, the router bias
+    float32 0). Values are drawn on ``device`` (fast on a GPU) and written in shards of about
+    ``shard_bytes`` (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``), one shard in
+    host memory at a time. config.json is transformers' own plus the ``quantization_config``.
+    """
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    b0, b1 = raw_config["quantization_config"]["weight_block_size"]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shards: list[list[str]] = [[]]
+    acc = 0
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for name, (shape, dtype) in hf_checkpoint_tensors(raw_config).items():
+        if is_fp8_linear(name, shape):
+            entries.append((name, shape, torch.float8_e4m3fn))
+            entries.append((name + "_scale_inv", (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1)),
+                            torch.float32))
+        else:
+            entries.append((name, shape, dtype))
+    specs = {n: (s, d) for n, s, d in entries}
+    for name, shape, dtype in entries:  # shard by running byte count, a layer's tensors stay together mostly
+        nbytes = math.prod(shape) * dtype.itemsize
+        if acc and acc + nbytes > shard_bytes and not name.endswith("_scale_inv"):
+            shards.append([])
+            acc = 0
+        shards[-1].append(name)
+        acc += nbytes
+    total = 0
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            shape, dtype = specs[name]
+            if dtype == torch.float8_e4m3fn:
+                t = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen).clamp_(-4, 4).to(dtype)
+            elif name.endswith("_scale_inv"):
+                t = torch.exp2(torch.randint(-12, -6, shape, device=device, generator=gen).float())
+            elif name.endswith("e_score_correction_bias"):
+                t = torch.zeros(shape, device=device, dtype=dtype)
+            elif "norm" in name and name.endswith(".weight"):
+                t = torch.ones(shape, device=device, dtype=dtype)
+            else:
+                t = torch.randn(shape, device=device, dtype=torch.float32, generator=gen).mul_(0.02).to(dtype)
+            tensors[name] = t.cpu()
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        del tensors
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    cfg = _hf_config(raw_config).to_dict()
+    cfg["quantization_config"] = copy.deepcopy(raw_config["quantization_config"])
+    cfg["architectures"] = raw_config["architectures"]
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return total
+
+
+def write_model(model: str, path: Path, device: torch.device, smoke: bool) -> int:
+    """Write the raw checkpoint of benchmark model ``model`` (one of :data:`MODELS`); returns its bytes."""
+    if model == "qwen3":
+        return write_checkpoint(C.qwen3_config(smoke=smoke), path, device)
+    if model == "dsv32-fp8":
+        return write_fp8_moe_checkpoint(dsv32_fp8_moe_config(smoke), path, device,
+                                        shard_bytes=(1 << 20) if smoke else (1 << 30))
+    raise ValueError(f"unknown model {model!r}; choose one of {MODELS}")
 
 
 def drop_page_cache() -> bool:
@@ -137,7 +297,7 @@ def load_layout_o_direct(path: Path, device: torch.device):
         del os.environ["ATOMTOOL_LOAD_DIRECT_IO"]
 
 
-def cpu_main(reps: int, tmp_dir: str | None) -> int:
+def cpu_main(reps: int, tmp_dir: str | None, model: str = "qwen3") -> int:
     """--cpu: load_model onto the CPU (bfloat16), cold-ish and warm cache, raw vs layout vs layout-generic."""
     from atomtool.convert.commands import run_convert
     from atomtool.serve.loader import load_model
@@ -146,7 +306,7 @@ def cpu_main(reps: int, tmp_dir: str | None) -> int:
     print("env", C.env_info(device), flush=True)
     with tempfile.TemporaryDirectory(prefix="atomtool-load-", dir=tmp_dir) as tmp:
         raw, layout = Path(tmp) / "raw", Path(tmp) / "layout"
-        nbytes = write_checkpoint(C.qwen3_config(), raw, device)
+        nbytes = write_model(model, raw, device, smoke=False)
         t0 = time.perf_counter()
         run_convert(str(raw), str(layout))
         convert_s = time.perf_counter() - t0
@@ -173,10 +333,10 @@ def cpu_main(reps: int, tmp_dir: str | None) -> int:
         med = {(r["source"], r["cache"]): r["load_s"] for r in rows}
         speed = {c: {"layout_vs_raw": med["raw", c] / med["layout", c],
                      "layout_vs_generic": med["layout-generic", c] / med["layout", c]} for c in ("cold", "warm")}
-        C.record("load_cpu", checkpoint_GB=nbytes / 1e9, disk_GBps=disk_Bps / 1e9, disk_method=method,
+        C.record("load_cpu", model=model, checkpoint_GB=nbytes / 1e9, disk_GBps=disk_Bps / 1e9, disk_method=method,
                  convert_s=convert_s, rows=rows, speedups=speed, threads=torch.get_num_threads(),
                  cpus=os.cpu_count())
-        C.print_table(f"load on CPU ({nbytes / 1e9:.2f} GB bf16; disk {disk_Bps / 1e9:.2f} GB/s {method})", rows,
+        C.print_table(f"load on CPU ({model}, {nbytes / 1e9:.2f} GB; disk {disk_Bps / 1e9:.2f} GB/s {method})", rows,
                       ["source", "cache", "load_s", "GBps", "all_load_s"])
         for c, v in speed.items():
             print(f"{c}: layout vs raw {v['layout_vs_raw']:.2f}x, layout fast vs generic {v['layout_vs_generic']:.2f}x")
@@ -205,20 +365,29 @@ def load_once(path: Path, device: torch.device, graphs: bool, loader=None) -> tu
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, default="qwen3",
+                    help="qwen3: dense bf16 Qwen3-0.6B shape; dsv32-fp8: DeepSeek-V3.2-family FP8 MoE (~2.4 GB)")
     ap.add_argument("--smoke", action="store_true", help="CPU toy sizes")
     ap.add_argument("--cpu", action="store_true", help="full-size model loaded onto the CPU (load_model only)")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--sources", default=",".join(SOURCES),
+                    help=f"comma-separated subset of {','.join(SOURCES)} (GPU mode; raw and layout always run)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     args = ap.parse_args(argv)
+    unknown = set(args.sources.split(",")) - set(SOURCES)
+    if unknown:
+        ap.error(f"--sources: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SOURCES)}")
     if args.cpu:
-        return cpu_main(args.reps, args.dir)
+        return cpu_main(args.reps, args.dir, args.model)
     device = C.pick_device(args.smoke)
     print("env", C.env_info(device), flush=True)
     from atomtool.convert.commands import run_convert
 
     with tempfile.TemporaryDirectory(prefix="atomtool-load-", dir=args.dir) as tmp:
         raw, layout = Path(tmp) / "raw", Path(tmp) / "layout"
-        nbytes = write_checkpoint(C.qwen3_config(smoke=args.smoke), raw, device)
+        t0 = time.perf_counter()
+        nbytes = write_model(args.model, raw, device, args.smoke)
+        write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         run_convert(str(raw), str(layout))
         convert_s = time.perf_counter() - t0
@@ -230,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         # layout-o_direct: the fast path reading with O_DIRECT; layout-generic: the path it replaced (before/after)
         sources = {"raw": (raw, None), "layout": (layout, None), "layout-o_direct": (layout, load_layout_o_direct),
                    "layout-generic": (layout, load_layout_generic)}
+        wanted = {"raw", "layout", *args.sources.split(",")}
+        sources = {k: v for k, v in sources.items() if k in wanted}
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in sources}
         cold = True
         for _ in range(args.reps):
@@ -243,16 +414,21 @@ def main(argv: list[str] | None = None) -> int:
             ready_s = statistics.median(t for _, t in times[kind])
             rows.append({"source": kind, "load_s": load_s, "ready_s": ready_s, "GBps": nbytes / load_s / 1e9,
                          "disk_frac": nbytes / load_s / disk_Bps, "all_load_s": [round(t, 3) for t, _ in times[kind]]})
-        speedup = rows[0]["load_s"] / rows[1]["load_s"]
-        C.record("load", checkpoint_GB=nbytes / 1e9, disk_GBps=disk_Bps / 1e9, disk_method=method, cold_cache=cold,
-                 convert_s=convert_s, raw=rows[0], layout=rows[1], layout_o_direct=rows[2], layout_generic=rows[3],
-                 speedup_load=speedup, speedup_o_direct=rows[0]["load_s"] / rows[2]["load_s"],
-                 speedup_ready=rows[0]["ready_s"] / rows[1]["ready_s"], goal_2x_met=speedup >= 2)
-        C.print_table(f"load ({nbytes / 1e9:.2f} GB checkpoint; disk {disk_Bps / 1e9:.2f} GB/s {method}; "
+        by = {r["source"]: r for r in rows}
+        speedup = by["raw"]["load_s"] / by["layout"]["load_s"]
+        extra = {k.replace("-", "_"): by[k] for k in ("layout-o_direct", "layout-generic") if k in by}
+        extra.update({f"speedup_{k.split('-')[1]}": by["raw"]["load_s"] / by[k]["load_s"] for k in
+                      ("layout-o_direct", "layout-generic") if k in by})
+        C.record("load", model=args.model, checkpoint_GB=nbytes / 1e9, write_s=write_s, disk_GBps=disk_Bps / 1e9,
+                 disk_method=method, cold_cache=cold, convert_s=convert_s, raw=by["raw"], layout=by["layout"],
+                 speedup_load=speedup, speedup_ready=by["raw"]["ready_s"] / by["layout"]["ready_s"],
+                 goal_2x_met=speedup >= 2, **extra)
+        C.print_table(f"load ({args.model}, {nbytes / 1e9:.2f} GB checkpoint; disk {disk_Bps / 1e9:.2f} GB/s {method}; "
                       f"cold cache: {cold})", rows, ["source", "load_s", "ready_s", "GBps", "disk_frac", "all_load_s"])
-        print(f"layout vs raw: {speedup:.2f}x (load; O_DIRECT {rows[0]['load_s'] / rows[2]['load_s']:.2f}x; "
-              f"the generic path it replaced {rows[0]['load_s'] / rows[3]['load_s']:.2f}x), "
-              f"convert took {convert_s:.1f} s")
+        notes = "".join(f"; {k} {by['raw']['load_s'] / by[k]['load_s']:.2f}x" for k in
+                        ("layout-o_direct", "layout-generic") if k in by)
+        print(f"layout vs raw: {speedup:.2f}x (load{notes}; load + ready "
+              f"{by['raw']['ready_s'] / by['layout']['ready_s']:.2f}x), convert took {convert_s:.1f} s")
     return 0
 
 

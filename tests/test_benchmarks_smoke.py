@@ -66,3 +66,54 @@ def test_workload_is_nano_vllm_shaped():
     assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in work)
     assert all(0 <= t < 10000 for p, _ in work for t in p)
     assert make_workload(64, 100, 1024, vocab=151936, seed=0) == work
+
+
+def test_fp8_moe_load_checkpoint_is_what_transformers_and_deepseek_write(tmp_path):
+    """load_bench's DeepSeek-V3.2 FP8 MoE checkpoint (written with safetensors, not through a model) has
+    exactly the tensors -- names, dtypes, shapes -- of transformers' ``save_pretrained`` of the same config
+    re-encoded by the FP8 block fixture writer (DeepSeek's format: per-expert F8_E4M3 + ``weight_scale_inv``),
+    sharded with an index, and raw and converted layout load to the same parameters."""
+    import json
+
+    from atomtool.convert.commands import run_convert
+    from atomtool.serve.loader import load_model
+    from benchmarks.load_bench import dsv32_fp8_moe_config, write_fp8_moe_checkpoint
+    from tests.checkpoints import write_fp8_block_checkpoint, write_hf_checkpoint
+    from tests.test_layout_load import _bytes_equal
+
+    cfg = dsv32_fp8_moe_config(smoke=True)
+    raw = tmp_path / "raw"
+    nbytes = write_fp8_moe_checkpoint(cfg, raw, CPU, shard_bytes=1 << 20)
+    skip = ("architectures", "model_type", "torch_dtype", "quantization_config")
+    src = write_hf_checkpoint(tmp_path / "hf", "deepseek_v32", dtype=torch.bfloat16, tokenizer=False,
+                              **{k: v for k, v in cfg.items() if k not in skip})
+    want = write_fp8_block_checkpoint(src, tmp_path / "want", block=tuple(cfg["quantization_config"]
+                                                                          ["weight_block_size"]))
+
+    def header(d):
+        from safetensors import safe_open
+
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as fh:
+                for k in fh.keys():
+                    sl = fh.get_slice(k)
+                    out[k] = (sl.get_dtype(), tuple(sl.get_shape()))
+        return out
+
+    got = header(raw)
+    assert got == header(want)
+    assert any(".mlp.experts.15.gate_proj.weight_scale_inv" in k for k in got)
+    index = json.loads((raw / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(got) and len(set(index["weight_map"].values())) > 1
+    assert nbytes == sum(f.stat().st_size for f in raw.glob("*.safetensors")) - sum(
+        8 + int.from_bytes(f.read_bytes()[:8], "little") for f in raw.glob("*.safetensors"))
+    qc = json.loads((raw / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+
+    layout = tmp_path / "layout"
+    run_convert(str(raw), str(layout))
+    a = load_model(raw, dtype="bfloat16", device="cpu").model
+    b = load_model(layout, dtype="bfloat16", device="cpu").model
+    _bytes_equal(a, b)
+    assert b.model.layers[1].mlp.experts.w13.weight.dtype == torch.float8_e4m3fn

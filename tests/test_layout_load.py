@@ -181,3 +181,54 @@ def test_model_without_preloaded_takes_the_generic_path(dense):
     stats = load_layout_weights(model, dense)
     assert stats["direct"] == 0 and stats["fallback"] == len(model.expected_weight_names())
     _bytes_equal(model, _old(dense, torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def dsv32_fp8(tmp_path_factory):
+    """A DeepSeek-V3.2 (MLA + DSA indexer + MoE) FP8 block checkpoint in DeepSeek's on-disk format: per-expert
+    ``mlp.experts.{j}.*_proj.weight`` F8_E4M3 + ``weight_scale_inv``, two shards; and its layout."""
+    root = tmp_path_factory.mktemp("dsv32")
+    src = write_hf_checkpoint(root / "src", "deepseek_v32", seed=7, tokenizer=False)
+    raw = write_fp8_block_checkpoint(src, root / "fp8", block=16, float_dtype=torch.bfloat16, shards=2)
+    return raw, convert_checkpoint(raw, root / "layout")
+
+
+def test_fp8_moe_layout_loads_stacked_experts_directly_and_equals_the_raw_load(dsv32_fp8, monkeypatch):
+    """The layout's stacked FP8 experts and fused ``q_a ‖ kv_a`` go straight into the parameters (no tensor
+    takes the generic path), and raw and layout loads give the same parameters, byte for byte. Oracle for
+    the values: the source checkpoint's own per-expert tensors read with safetensors."""
+    from atomtool.serve import layout_load
+    from atomtool.serve.loader import load_model
+    from tests.checkpoints import load_state_dict
+
+    raw, layout = dsv32_fp8
+    calls = []
+    real = layout_load.load_layout_weights
+    monkeypatch.setattr(layout_load, "load_layout_weights", lambda *a, **k: calls.append(real(*a, **k)))
+    fast = load_model(layout, dtype="bfloat16", device="cpu").model
+    assert calls and calls[0]["fallback"] == 0 and calls[0]["direct"] == len(fast.expected_weight_names())
+    from_raw = load_model(raw, dtype="bfloat16", device="cpu").model
+    _bytes_equal(fast, from_raw)
+
+    src = load_state_dict(raw)
+    params = dict(fast.named_parameters())
+    moe = [i for i in range(len(fast.model.layers)) if f"model.layers.{i}.mlp.experts.w13.weight" in params]
+    assert moe and params[f"model.layers.{moe[0]}.mlp.experts.w13.weight"].dtype == torch.float8_e4m3fn
+
+    def same(a, b):
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+    for i in moe:
+        e = f"model.layers.{i}.mlp.experts"
+        for suffix in ("weight", "weight_scale_inv"):
+            w13, w2 = params[f"{e}.w13.{suffix}"], params[f"{e}.w2.{suffix}"]
+            half = w13.shape[1] // 2
+            for j in range(w13.shape[0]):
+                assert same(w13[j, :half], src[f"model.layers.{i}.mlp.experts.{j}.gate_proj.{suffix}"])
+                assert same(w13[j, half:], src[f"model.layers.{i}.mlp.experts.{j}.up_proj.{suffix}"])
+                assert same(w2[j], src[f"model.layers.{i}.mlp.experts.{j}.down_proj.{suffix}"])
+    a = "model.layers.0.self_attn"
+    fused = params[f"{a}.fused_qkv_a_proj.weight"]
+    q_a, kv_a = src[f"{a}.q_a_proj.weight"], src[f"{a}.kv_a_proj_with_mqa.weight"]
+    assert same(fused[:q_a.shape[0]], q_a) and same(fused[q_a.shape[0]:q_a.shape[0] + kv_a.shape[0]], kv_a)
+    assert same(params[f"{a}.indexer.wk.weight"], src[f"{a}.indexer.wk.weight"])
