@@ -56,7 +56,8 @@ def test_suite_in_a_fresh_process():
 
 def test_every_triton_op_has_the_reference_signature_and_is_registered():
     refs = {**{n: getattr(torch_ref, n) for n in dir(torch_ref)}, "mla_attention": torch_ref_mla.mla_attention,
-            "indexer_topk": torch_ref_mla.indexer_topk, "fused_moe": torch_ref_mla.fused_moe}
+            "indexer_topk": torch_ref_mla.indexer_topk, "fused_moe": torch_ref_mla.fused_moe,
+            "grouped_topk": torch_ref_mla.grouped_topk}
     for name, fn in tri.OPS.items():
         ref_params = list(inspect.signature(refs[name]).parameters)
         ours = list(inspect.signature(fn).parameters)

@@ -1,13 +1,14 @@
 """Triton backend of the op dispatch (CUDA and ROCm): kernels with the torch reference's signatures.
 
 Importing this package registers every kernel with :func:`atomtool.serve.ops.register_op` under the
-backend name ``triton`` (:func:`register`); ops it does not provide (``gather_cache``, ``grouped_topk``,
-sampling) fall back to the torch reference. Each kernel is tested against the reference on CPU under
+backend name ``triton`` (:func:`register`); ops it does not provide (``gather_cache``, sampling) fall
+back to the torch reference. Each kernel is tested against the reference on CPU under
 ``TRITON_INTERPRET=1`` (tests/test_triton_ops.py) and on a GPU in bf16 (tests/gpu/).
 
 Modules, one kernel family each: norm (RMSNorm + residual), rotary, activation (SiLU-and-mul),
 attention (paged GQA attention, KV store), mla (absorbed MLA, dense and DSA-sparse), indexer (DSA scores
-+ deterministic top-k), linear (FP8 block GEMM), moe (fused MoE grouped GEMM, BF16 and FP8 block).
++ deterministic top-k), linear (FP8 block GEMM), moe (fused MoE grouped GEMM, BF16 and FP8 block),
+moe_align (its expert-sorted row layout), router (DeepSeek-V3 ``noaux_tc`` grouped top-k routing).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from atomtool.serve.ops.triton.mla import mla_attention
 from atomtool.serve.ops.triton.moe import fused_moe
 from atomtool.serve.ops.triton.norm import rms_norm
 from atomtool.serve.ops.triton.rotary import rotary_embedding
+from atomtool.serve.ops.triton.router import grouped_topk
 
 #: op name -> Triton implementation (signatures identical to the torch reference)
 OPS = {
@@ -35,6 +37,7 @@ OPS = {
     "mla_attention": mla_attention,
     "indexer_topk": indexer_topk,
     "fused_moe": fused_moe,
+    "grouped_topk": grouped_topk,
 }
 
 

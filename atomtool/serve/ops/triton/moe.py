@@ -20,6 +20,7 @@ import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype
 from atomtool.serve.ops.triton.activation import silu_and_mul
+from atomtool.serve.ops.triton.moe_align import moe_align
 
 
 @triton.jit
@@ -164,7 +165,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x = x if x.stride(-1) == 1 else x.contiguous()
     n_pairs = T * k
     block_m = MOE_BLOCK_M
-    sorted_pairs, block_expert = sort_tokens_by_expert(topk_ids, E, block_m)
+    sorted_pairs, block_expert = moe_align(topk_ids, E, block_m)
     h13 = torch.empty((n_pairs, two_i), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, w13_scale_inv, h13, sorted_pairs, block_expert, n_pairs, k, True, None, block_m,
                   block_size)
