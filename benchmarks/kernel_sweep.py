@@ -164,22 +164,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {copy_bw / 1e9:,.0f} GB/s")
     t0 = time.time()
     if args.smoke:
-        lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=32, split_target=256)]
-        moe = [MoeGemmConfig(), MoeGemmConfig(block_n=32)]
+        lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=64, split_target=256, swap_ab=True)]
+        moe = [MoeGemmConfig(), MoeGemmConfig(block_n=64, swap_ab=True)]
         shapes = [("small", 256, 512, 2), ("tall", 512, 256, 1)]
         T_list = [1]
     else:
         shapes = DSV32_LINEARS
         T_list = [1, 8]
         if args.quick:
-            lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=128, split_target=1024, num_stages=5)]
-            moe = [MoeGemmConfig(), MoeGemmConfig(block_n=32, num_stages=4)]
+            lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=64, split_target=1056, swap_ab=True)]
+            moe = [MoeGemmConfig(), MoeGemmConfig(block_n=64, swap_ab=True)]
         else:
-            lin = [Fp8LinearConfig(block_n=bn, split_target=tg, num_warps=nw, num_stages=ns)
-                   for bn, tg, nw, ns in itertools.product((32, 64, 128), (264, 528, 1056, 2112), (4, 8),
-                                                           (3, 5))]
-            moe = [MoeGemmConfig(block_n=bn, num_warps=nw, num_stages=ns)
-                   for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4, 5))]
+            lin = [Fp8LinearConfig(block_n=bn, split_target=tg, num_warps=4, num_stages=ns, swap_ab=sw)
+                   for sw, bn, tg, ns in itertools.product((False, True), (32, 64, 128), (528, 1056), (3, 4))
+                   if not (sw and bn == 32)]
+            moe = [MoeGemmConfig(block_n=bn, num_warps=4, num_stages=ns, swap_ab=sw)
+                   for sw, bn, ns in itertools.product((False, True), (32, 64, 128), (3, 4))
+                   if not (sw and bn == 32)]
     results = []
     if args.only in (None, "linear"):
         print(f"\n== FP8 linear at M=1, {len(lin)} configs")

@@ -493,3 +493,42 @@ def test_moe_sorting_layout():
     assert pairs[:4].tolist() == [1, n, n, n]  # expert 0: pair (0,1), padded
     assert pairs[4:8].tolist() == [0, 2, 5, n]  # expert 2: pairs in token order
     assert (pairs[8:] == n).all()
+
+
+# ---------------------------------------------------------------- launch-config variants (kernel_sweep)
+
+@pytest.mark.parametrize("swap_ab,block_n", [(True, 64), (True, 32), (False, 32)])
+def test_fp8_linear_and_moe_launch_variants(swap_ab, block_n, monkeypatch):
+    """The swapped-operand tile (W_tile @ a_tile^T) and other block widths the sweep benchmark tries give the
+    reference's results, with and without split-K and bias, and rows stay batch-invariant."""
+    import dataclasses
+    import sys
+
+    lin = sys.modules["atomtool.serve.ops.triton.linear"]
+    moe = sys.modules["atomtool.serve.ops.triton.moe"]
+    monkeypatch.setattr(lin, "FP8_LINEAR_CONFIG", dataclasses.replace(
+        lin.FP8_LINEAR_CONFIG, swap_ab=swap_ab, block_n=block_n, split_target=64))
+    monkeypatch.setattr(moe, "MOE_GEMM_CONFIG", dataclasses.replace(
+        moe.MOE_GEMM_CONFIG, swap_ab=swap_ab, block_n=block_n))
+    g = torch.Generator().manual_seed(21)
+    N, K, block = 70, 256, (32, 32)
+    x = torch.randn(19, K, generator=g)
+    w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-N // 32), K // 32, generator=g) + 0.5
+    b = torch.randn(N, generator=g)
+    assert lin.split_k_plan(N, K, block_n, 32)[0] > 1
+    full = tri.linear(x, w, b, s, block)
+    _close(full, torch_ref.linear(x, w, b, s, block), 1e-4, 1e-5)
+    assert torch.equal(tri.linear(x[18:], w, b, s, block)[0], full[18])
+
+    T, H, inter, E, k = 7, 48, 40, 4, 2
+    xm, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k)
+    w13q, w2q = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, -(-2 * inter // 16), -(-H // 16), generator=g) + 0.5
+    s2 = torch.rand(E, -(-H // 16), -(-inter // 16), generator=g) + 0.5
+    d13 = torch.stack([torch_ref.dequant_fp8_block(w13q[e], s13[e], (16, 16), torch.float32) for e in range(E)])
+    d2 = torch.stack([torch_ref.dequant_fp8_block(w2q[e], s2[e], (16, 16), torch.float32) for e in range(E)])
+    out = tri.fused_moe(xm, w13q, w2q, tw, ids, s13, s2, (16, 16))
+    _close(out, torch_ref_mla.fused_moe(xm, d13, d2, tw, ids), 2e-5, 1e-5)
+    assert torch.equal(tri.fused_moe(xm[3:4], w13q, w2q, tw[3:4], ids[3:4], s13, s2, (16, 16))[0], out[3])
+    _close(tri.fused_moe(xm, w13, w2, tw, ids), torch_ref_mla.fused_moe(xm, w13, w2, tw, ids), 1e-4, 1e-5)

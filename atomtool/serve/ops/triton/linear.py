@@ -34,9 +34,12 @@ from atomtool.serve.ops.triton._common import dot_acc, dot_dtype
 def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk, k_chunk,
                            s_am, s_wn, s_sn, s_cm, s_cs,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                           BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr):
     # program (pid_m, pid_n, pid_s) owns a BLOCK_M x BLOCK_N tile and the K range [pid_s * k_chunk, + k_chunk);
-    # with one split (k_chunk >= K) c_ptr is the output, else it is split pid_s's fp32 partial plane
+    # with one split (k_chunk >= K) c_ptr is the output, else it is split pid_s's fp32 partial plane.
+    # SWAP_AB computes the transposed tile W_tile @ a_tile^T ([BLOCK_N, BLOCK_M]): the widened weight tile is
+    # then the dot's first operand, which Hopper's wgmma reads straight from registers (the "swap AB" of
+    # small-M FP8 GEMMs); the tile and the K order are the same for every M either way.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -45,7 +48,10 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk
     kk = tl.arange(0, BLOCK_K)
     m_ok = m < M
     n_ok = n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     s_row = s_ptr + (n // bn).to(tl.int64) * s_sn
     k_start = pid_s * k_chunk
     k_end = tl.minimum(K, k_start + k_chunk)
@@ -57,12 +63,23 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk
         sc = tl.load(s_row + k0 // bk, mask=n_ok, other=0.0)
         # e4m3 -> fp32 -> DOT_DTYPE (exact): on sm90 Triton's direct e4m3 -> bf16 conversion is slower (measured:
         # FP8 linear 19.6 -> 25.7 us per call at M = 1)
-        part = dot_acc(a, tl.trans(w.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
-        acc += part * sc[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + pid_s.to(tl.int64) * s_cs + m[:, None].to(tl.int64) * s_cm + n[None, :],
-             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if SWAP_AB:
+            part = dot_acc(w.to(tl.float32), tl.trans(a), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_DTYPE)
+            acc += part * sc[:, None]
+        else:
+            part = dot_acc(a, tl.trans(w.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
+            acc += part * sc[None, :]
+    c_base = c_ptr + pid_s.to(tl.int64) * s_cs
+    if SWAP_AB:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(c_base + m[None, :].to(tl.int64) * s_cm + n[:, None], acc.to(c_ptr.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_base + m[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -88,7 +105,8 @@ class Fp8LinearConfig:
 
     block_n: output features per program; block_k: K per step (a divisor of the 128-wide scale block);
     split_target: programs the split-K plan aims for (a constant, so a given weight's split is the same on
-    every call and device); num_warps / num_stages: Triton launch options. Tuned on an H200 at M = 1 with
+    every call and device); num_warps / num_stages: Triton launch options; swap_ab: compute the transposed
+    tile (see the kernel). Tuned on an H200 at M = 1 with
     ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
     """
 
@@ -97,6 +115,7 @@ class Fp8LinearConfig:
     split_target: int = 512
     num_warps: int = 4
     num_stages: int = 4
+    swap_ab: bool = False
 
 
 #: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
@@ -156,7 +175,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, M, N, K, bn, bk, k_chunk,
                                      a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0,
                                      HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                     DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)
         return out.view(*lead, N)
     # rows in chunks bound the fp32 workspace ([splits, rows, N]); chunking never changes a row's bits
     for r0 in range(0, M, SPLIT_ROWS):
@@ -167,7 +187,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, ws, rows, N, K, bn, bk, k_chunk,
                                      a_r.stride(0), w.stride(0), s.stride(0), ws.stride(1), ws.stride(0),
                                      HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                     DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
                                                             HAS_BIAS=has_bias, BLOCK=block, num_warps=4)

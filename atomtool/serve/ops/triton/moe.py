@@ -30,7 +30,10 @@ def _moe_gemm_kernel(
     s_am, s_be, s_bn, s_se, s_sn, s_cm,
     A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
+    # SWAP_AB: compute the transposed tile B_tile @ A_tile^T ([BLOCK_N, BLOCK_M]) so the (widened) expert
+    # weight tile is the dot's first operand (Hopper's wgmma reads it from registers); same tile, same K order.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -46,7 +49,10 @@ def _moe_gemm_kernel(
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * s_be + n[:, None].to(tl.int64) * s_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         k_ok = k < K
@@ -56,15 +62,28 @@ def _moe_gemm_kernel(
         if FP8:
             sc = tl.load(s_ptr + e.to(tl.int64) * s_se + (n // bn).to(tl.int64) * s_sn + k0 // bk, mask=n_ok,
                          other=0.0)
-            # e4m3 -> DOT_DTYPE directly: every e4m3 value is exact in bf16/fp16/fp32
-            part = dot_acc(a, tl.trans(b), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
-            acc += part * sc[None, :]
+            # e4m3 -> fp32 -> DOT_DTYPE (exact; faster on sm90 than Triton's direct e4m3 -> bf16)
+            if SWAP_AB:
+                part = dot_acc(b.to(tl.float32), tl.trans(a), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_DTYPE)
+                acc += part * sc[:, None]
+            else:
+                part = dot_acc(a, tl.trans(b.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
+                acc += part * sc[None, :]
         else:
-            acc = dot_acc(a, tl.trans(b), acc, DOT_DTYPE)
-    if MUL_WEIGHT:
-        acc *= tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(c_ptr + rows[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & n_ok[None, :])
+            if SWAP_AB:
+                acc = dot_acc(b, tl.trans(a), acc, DOT_DTYPE)
+            else:
+                acc = dot_acc(a, tl.trans(b), acc, DOT_DTYPE)
+    if SWAP_AB:
+        if MUL_WEIGHT:
+            acc *= tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rows[None, :].to(tl.int64) * s_cm + n[:, None], acc.to(c_ptr.dtype.element_ty),
+                 mask=r_ok[None, :] & n_ok[:, None])
+    else:
+        if MUL_WEIGHT:
+            acc *= tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(c_ptr + rows[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & n_ok[None, :])
 
 
 def sort_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -100,13 +119,15 @@ def sort_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
 class MoeGemmConfig:
     """Launch configuration of the grouped expert GEMM (16-row tiles), the same for every batch size.
 
-    block_n: output features per program; num_warps / num_stages: Triton launch options. Tuned on an H200
+    block_n: output features per program; num_warps / num_stages: Triton launch options; swap_ab: compute
+    the transposed tile (see the kernel). Tuned on an H200
     at decode sizes with ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
     """
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 #: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
@@ -124,13 +145,18 @@ def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k
     cfg = MOE_GEMM_CONFIG
     block_n = cfg.block_n if block_m <= 16 else 128
     s = scale if fp8 else w
-    grid = (block_expert.shape[0], triton.cdiv(N, block_n))
+    # Row blocks in use come first (experts in order, each run padded to block_m) and number at most
+    # cdiv(pairs, block_m) + min(E, pairs) (one partial block per non-empty expert): launching only those
+    # spares a batch-1 step ~230 empty programs per n-tile (the layout's length bound assumes E partial blocks)
+    used_bound = triton.cdiv(num_pairs, block_m) + min(E, num_pairs)
+    grid = (min(block_expert.shape[0], used_bound), triton.cdiv(N, block_n))
     _moe_gemm_kernel[grid](
         a, w, s, out, weights if weights is not None else a, sorted_pairs, block_expert,
         N, K, num_pairs, top_k, E, bn, bk,
         a.stride(0), w.stride(0), w.stride(1), s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, out.stride(0),
         A_PER_TOKEN=a_per_token, MUL_WEIGHT=weights is not None, FP8=fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k if fp8 else 64, DOT_DTYPE=dot_dtype(a.dtype),
+        SWAP_AB=cfg.swap_ab and block_m <= 16,
         num_warps=cfg.num_warps if block_m <= 16 else 8, num_stages=cfg.num_stages,
     )
 
