@@ -13,6 +13,8 @@ dropped before each load when the machine allows it (root on the GPU machine; re
 Two more rows load the layout through ``layout-o_direct`` (the fast path with ``ATOMTOOL_LOAD_DIRECT_IO=1``:
 O_DIRECT reads into the pinned staging buffers) and ``layout-generic`` (``safe_open`` -> ``load_weights``, the
 path :mod:`atomtool.serve.layout_load` replaced), so before/after and both read modes come from one run.
+``--sources`` picks the rows (raw and layout always); ``layout-8workers`` (not run unless asked for) is the
+fast path with 8 reader threads instead of 4 (``ATOMTOOL_LOAD_WORKERS=8``).
 
 The disk's sequential read rate is measured in the same run with O_DIRECT reads (16 MiB requests) of the
 checkpoint's shard, so it is a cold read whatever the page cache holds. Reported: GB/s = checkpoint bytes /
@@ -33,7 +35,7 @@ of which 5 MoE with 64 routed experts of 1024 + 1 shared, 8 active, the DSA inde
 (:func:`write_fp8_moe_checkpoint`). The raw path stacks every layer's experts into ``w13`` / ``w2`` and fuses
 ``q_a ‖ kv_a`` while loading; the layout stores them stacked and fused.
 
-Run: ``python -m benchmarks.load_bench [--model qwen3|dsv32-fp8] [--smoke | --cpu]``.
+Run: ``python -m benchmarks.load_bench [--model qwen3|dsv32-fp8] [--sources raw,layout,...] [--smoke | --cpu]``.
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ DSV32_FP8_MOE_CONFIG: dict = {
 
 #: the benchmark models (``--model``): the dense bf16 Qwen3-0.6B shape and :data:`DSV32_FP8_MOE_CONFIG`
 MODELS = ("qwen3", "dsv32-fp8")
-#: the GPU mode's load rows (``--sources``): load_model on each, the layout fast path with O_DIRECT, and the
-#: layout through the generic path the fast path replaced
-SOURCES = ("raw", "layout", "layout-o_direct", "layout-generic")
+#: the GPU mode's load rows (``--sources``): load_model on each, the layout fast path with O_DIRECT, the
+#: layout through the generic path the fast path replaced, and (only when asked for) the fast path with 8
+#: reader threads instead of 4 (``ATOMTOOL_LOAD_WORKERS=8``: does the disk serve more reads in flight faster?)
+SOURCES = ("raw", "layout", "layout-o_direct", "layout-generic", "layout-8workers")
+DEFAULT_SOURCES = SOURCES[:4]
 
 
 def dsv32_fp8_moe_config(smoke: bool = False) -> dict:
@@ -297,6 +301,17 @@ def load_layout_o_direct(path: Path, device: torch.device):
         del os.environ["ATOMTOOL_LOAD_DIRECT_IO"]
 
 
+def load_layout_8workers(path: Path, device: torch.device):
+    """``load_model`` with the layout fast path reading with 8 threads (``ATOMTOOL_LOAD_WORKERS=8``)."""
+    from atomtool.serve.loader import load_model
+
+    os.environ["ATOMTOOL_LOAD_WORKERS"] = "8"
+    try:
+        return load_model(path, dtype="bfloat16", device=device)
+    finally:
+        del os.environ["ATOMTOOL_LOAD_WORKERS"]
+
+
 def cpu_main(reps: int, tmp_dir: str | None, model: str = "qwen3") -> int:
     """--cpu: load_model onto the CPU (bfloat16), cold-ish and warm cache, raw vs layout vs layout-generic."""
     from atomtool.convert.commands import run_convert
@@ -370,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU toy sizes")
     ap.add_argument("--cpu", action="store_true", help="full-size model loaded onto the CPU (load_model only)")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--sources", default=",".join(SOURCES),
+    ap.add_argument("--sources", default=",".join(DEFAULT_SOURCES),
                     help=f"comma-separated subset of {','.join(SOURCES)} (GPU mode; raw and layout always run)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -398,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         load_once(layout, device, graphs=not args.smoke)
         # layout-o_direct: the fast path reading with O_DIRECT; layout-generic: the path it replaced (before/after)
         sources = {"raw": (raw, None), "layout": (layout, None), "layout-o_direct": (layout, load_layout_o_direct),
-                   "layout-generic": (layout, load_layout_generic)}
+                   "layout-generic": (layout, load_layout_generic), "layout-8workers": (layout, load_layout_8workers)}
         wanted = {"raw", "layout", *args.sources.split(",")}
         sources = {k: v for k, v in sources.items() if k in wanted}
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in sources}
@@ -416,17 +431,16 @@ def main(argv: list[str] | None = None) -> int:
                          "disk_frac": nbytes / load_s / disk_Bps, "all_load_s": [round(t, 3) for t, _ in times[kind]]})
         by = {r["source"]: r for r in rows}
         speedup = by["raw"]["load_s"] / by["layout"]["load_s"]
-        extra = {k.replace("-", "_"): by[k] for k in ("layout-o_direct", "layout-generic") if k in by}
-        extra.update({f"speedup_{k.split('-')[1]}": by["raw"]["load_s"] / by[k]["load_s"] for k in
-                      ("layout-o_direct", "layout-generic") if k in by})
+        others = [k for k in sources if k not in ("raw", "layout")]
+        extra = {k.replace("-", "_"): by[k] for k in others}
+        extra.update({f"speedup_{k.split('-')[1]}": by["raw"]["load_s"] / by[k]["load_s"] for k in others})
         C.record("load", model=args.model, checkpoint_GB=nbytes / 1e9, write_s=write_s, disk_GBps=disk_Bps / 1e9,
                  disk_method=method, cold_cache=cold, convert_s=convert_s, raw=by["raw"], layout=by["layout"],
                  speedup_load=speedup, speedup_ready=by["raw"]["ready_s"] / by["layout"]["ready_s"],
                  goal_2x_met=speedup >= 2, **extra)
         C.print_table(f"load ({args.model}, {nbytes / 1e9:.2f} GB checkpoint; disk {disk_Bps / 1e9:.2f} GB/s {method}; "
                       f"cold cache: {cold})", rows, ["source", "load_s", "ready_s", "GBps", "disk_frac", "all_load_s"])
-        notes = "".join(f"; {k} {by['raw']['load_s'] / by[k]['load_s']:.2f}x" for k in
-                        ("layout-o_direct", "layout-generic") if k in by)
+        notes = "".join(f"; {k} {by['raw']['load_s'] / by[k]['load_s']:.2f}x" for k in others)
         print(f"layout vs raw: {speedup:.2f}x (load{notes}; load + ready "
               f"{by['raw']['ready_s'] / by['layout']['ready_s']:.2f}x), convert took {convert_s:.1f} s")
     return 0

@@ -117,3 +117,17 @@ def test_fp8_moe_load_checkpoint_is_what_transformers_and_deepseek_write(tmp_pat
     b = load_model(layout, dtype="bfloat16", device="cpu").model
     _bytes_equal(a, b)
     assert b.model.layers[1].mlp.experts.w13.weight.dtype == torch.float8_e4m3fn
+
+
+def test_load_bench_smoke_runs_the_fp8_moe_model(tmp_path, monkeypatch):
+    """``load_bench --smoke --model dsv32-fp8`` end to end on CPU: one result row with both loads timed."""
+    import json
+
+    from benchmarks import load_bench
+
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path / "out"))
+    assert load_bench.main(["--smoke", "--model", "dsv32-fp8", "--reps", "1", "--sources", "raw,layout",
+                            "--dir", str(tmp_path)]) == 0
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert row["bench"] == "load" and row["model"] == "dsv32-fp8" and row["speedup_load"] > 0
+    assert row["raw"]["load_s"] > 0 and row["layout"]["ready_s"] >= row["layout"]["load_s"]

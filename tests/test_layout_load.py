@@ -232,3 +232,26 @@ def test_fp8_moe_layout_loads_stacked_experts_directly_and_equals_the_raw_load(d
     q_a, kv_a = src[f"{a}.q_a_proj.weight"], src[f"{a}.kv_a_proj_with_mqa.weight"]
     assert same(fused[:q_a.shape[0]], q_a) and same(fused[q_a.shape[0]:q_a.shape[0] + kv_a.shape[0]], kv_a)
     assert same(params[f"{a}.indexer.wk.weight"], src[f"{a}.indexer.wk.weight"])
+
+
+def test_load_workers_from_the_environment(dense, monkeypatch):
+    """``ATOMTOOL_LOAD_WORKERS`` sets the reader threads (same bytes); a bad value is a named EngineError."""
+    from atomtool.serve import layout_load
+
+    pools = []
+    real = layout_load.ThreadPoolExecutor
+
+    def spy(n, **kw):
+        pools.append(n)
+        return real(n, **kw)
+
+    monkeypatch.setattr(layout_load, "ThreadPoolExecutor", spy)
+    monkeypatch.setenv("ATOMTOOL_LOAD_WORKERS", "3")
+    model = _build(dense, torch.bfloat16)
+    load_layout_weights(model, dense, chunk_bytes=4096)
+    assert pools == [3]
+    _bytes_equal(model, _old(dense, torch.bfloat16))
+    for bad in ("0", "x", "65", "-2"):
+        monkeypatch.setenv("ATOMTOOL_LOAD_WORKERS", bad)
+        with pytest.raises(EngineError, match=rf"ATOMTOOL_LOAD_WORKERS must be an integer from 1 to 64, got '{bad}'"):
+            load_layout_weights(_build(dense, torch.bfloat16), dense)

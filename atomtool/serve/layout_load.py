@@ -12,7 +12,9 @@ calls, in order, straight into the already-allocated parameters.
   reused once its copies' event completed (double buffering: the next read overlaps the transfer).
 
 A small thread pool reads chunks in parallel (``preadv`` and the copies release the GIL); chunks are dealt
-round-robin so concurrent reads stay close together in the file. With staging, ``direct_io`` (or
+round-robin so concurrent reads stay close together in the file. Its size is ``min(4, cpu_count)``, or
+``ATOMTOOL_LOAD_WORKERS`` when set (:func:`default_workers`; more reads in flight can help a disk that serves
+several requests faster than one). With staging, ``direct_io`` (or
 ``ATOMTOOL_LOAD_DIRECT_IO=1``) reads with O_DIRECT into the page-aligned buffers, bypassing the page cache.
 
 Only tensors the model takes as stored go this way (:meth:`CausalLM.direct_load_ok`, same shape and dtype,
@@ -179,6 +181,25 @@ def _read_staged(chunks: list[_Chunk], chunk_bytes: int, device: torch.device,
             stream.synchronize()
 
 
+def default_workers() -> int:
+    """Reader threads of :func:`load_layout_weights`: ``ATOMTOOL_LOAD_WORKERS`` when set, else
+    ``min(4, cpu_count)``.
+
+    Raises:
+        EngineError: ``ATOMTOOL_LOAD_WORKERS`` is not an integer from 1 to 64 (named with its value).
+    """
+    env = os.environ.get("ATOMTOOL_LOAD_WORKERS", "").strip()
+    if not env:
+        return max(1, min(4, os.cpu_count() or 1))
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise EngineError(f"ATOMTOOL_LOAD_WORKERS must be an integer from 1 to 64, got {env!r}")
+    return n
+
+
 def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
                         chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
                         staged: bool | None = None, direct_io: bool | None = None) -> dict[str, int]:
@@ -187,7 +208,7 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
     Args:
         model: built from the layout's specs, parameters allocated on their device.
         chunk_bytes: bytes per read (and per staging buffer).
-        workers: reader threads (default ``min(4, cpu_count)``).
+        workers: reader threads (default :func:`default_workers`).
         staged: read through staging buffers (default: only when parameters are not on the CPU; True on CPU
             exercises the CUDA path's chunking in tests).
         direct_io: with staging, read shards with O_DIRECT (no page cache: a cold load skips the kernel's
@@ -198,9 +219,9 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
         path, and how many shards were read with O_DIRECT.
     Raises:
         LayoutError: missing or malformed index. HeaderError: a shard's header is corrupt or its data
-        section is shorter than the header declares (truncated file). EngineError: a missing shard, a
-        tensor the index lists but the shard lacks, an unsupported dtype, or (from ``load_weights``)
-        missing / unexpected / mis-shaped tensors, all named.
+        section is shorter than the header declares (truncated file). EngineError: a bad
+        ``ATOMTOOL_LOAD_WORKERS``, a missing shard, a tensor the index lists but the shard lacks, an
+        unsupported dtype, or (from ``load_weights``) missing / unexpected / mis-shaped tensors, all named.
     """
     from atomtool.convert.layout import tensor_files
     from atomtool.inspect.safetensors_header import read_header_file
@@ -212,7 +233,7 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(dict(model.named_buffers(remove_duplicate=False)))
     expected = model.expected_weight_names()
-    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    workers = workers or default_workers()
     # a model whose load_weights override predates ``preloaded`` gets every tensor through load_weights
     fast_ok = "preloaded" in inspect.signature(model.load_weights).parameters
     if direct_io is None:
