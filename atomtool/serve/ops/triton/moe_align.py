@@ -106,10 +106,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     n_blocks = length // block_m
     sorted_pairs = torch.empty(length, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=topk_ids.device)
-    chunk = 64 if n_pairs <= 1024 else 128
+    # every histogram input and the bins span at least the program's 128 threads (a smaller input would
+    # be held twice by the layout; Triton's histogram lowering assumes no such replication across warps)
     _moe_align_kernel[(1,)](
         flat, sorted_pairs, block_expert, n_pairs, num_experts, block_m, length, n_blocks,
-        BLOCK_E=pow2(num_experts, 32), CHUNK=chunk, FILL=1024, num_warps=4,
+        BLOCK_E=pow2(num_experts, 128), CHUNK=128, FILL=1024, num_warps=4,
     )
     return sorted_pairs, block_expert
 
