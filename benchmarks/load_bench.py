@@ -61,7 +61,7 @@ from benchmarks.throughput_bench import write_checkpoint
 #: a DeepSeek-V3.2-family FP8 MoE checkpoint sized for one benchmark run (~2.4 GB): the published structure
 #: (MLA + DSA indexer + noaux_tc MoE with a shared expert, first layer dense, FP8 128x128 blocks with ue8m0
 #: scales) at hidden 2048 with 64 routed experts of 1024 per MoE layer (each expert tensor 2 MiB; DeepSeek's
-#: are 14 MiB) and a 32k vocabulary, so routed experts are ~84% of the bytes (DeepSeek-V3.2: ~97%)
+#: are 14 MiB) and a 32k vocabulary, so routed experts are 83% of the bytes (DeepSeek-V3.2: ~95%)
 DSV32_FP8_MOE_CONFIG: dict = {
     **C.DSV32_CONFIG,
     "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1024, "n_routed_experts": 64,
