@@ -7,7 +7,7 @@
 #   BUDGET_S=400 ONLY="ceilings decode_dsv32" benchmarks/run_all.sh "$OUT"
 #
 # Order = priority (what the goals need first): ceilings, DSA decode (goal 1), Qwen3 throughput
-# (goal 2), load (goal 3), Qwen3 decode, prefill, DSA-model throughput, TTFT/TPOT through the HTTP server
+# (goal 2), load (goal 3: dense bf16, then an FP8 MoE checkpoint), Qwen3 decode, prefill, DSA-model throughput, TTFT/TPOT through the HTTP server
 # (carry .device-wheels for it). A benchmark that would start with
 # less than 30 s of budget left is skipped and says so.
 set -u
@@ -44,6 +44,7 @@ bench ceilings 25 benchmarks.ceilings
 bench decode_dsv32 125 benchmarks.decode_bench --model dsv32 --profile
 bench throughput_qwen3 100 benchmarks.throughput_bench --model qwen3 --hf-max-time 30
 bench load 45 benchmarks.load_bench
+bench load_moe 150 benchmarks.load_bench --model dsv32-fp8 --sources raw,layout,layout-generic,layout-8workers
 bench decode_qwen3 45 benchmarks.decode_bench --model qwen3
 bench prefill 60 benchmarks.prefill_bench
 bench throughput_dsa 90 benchmarks.throughput_bench --model dsa --hf-max-time 30
