@@ -97,8 +97,8 @@ def test_orderable_keys_order_like_floats_and_tie_plus_and_minus_zero():
 
 # ---------------------------------------------------------------- selection on given scores
 
-@pytest.mark.parametrize("seed,kind", enumerate(["normal", "quantized", "zeros_and_few_positives", "all_equal",
-                                                 "negative", "low_bits"]))
+@pytest.mark.parametrize("seed,kind", list(enumerate(["normal", "quantized", "zeros_and_few_positives", "all_equal",
+                                                 "negative", "low_bits"])))
 def test_selection_matches_a_stable_sort(seed, kind):
     g = torch.Generator().manual_seed(seed)
     R, S, K = 6, 300, 40
@@ -116,16 +116,19 @@ def test_selection_matches_a_stable_sort(seed, kind):
     elif kind == "low_bits":  # keys differing only in the last mantissa bits: many radix rounds
         x = 1.0 + torch.randint(0, 64, (R, S), generator=g) * 2.0 ** -23
     lengths = [S, S - 1, 41, 40, 7, 0]  # full, above K, K + 1, == K, < K, empty
-    _check(x, lengths, K, block=64)
-    _check(x, lengths, K, block=32, bins=256)
+    _check(x, lengths, K, block=64, split=False)
+    _check(x, lengths, K, block=32, bins=256, split=False)
+    _check(x, lengths, K, block=32, split=True)  # 10 programs per row
 
 
 def test_topk_wider_than_the_rows_and_one_chunk_per_row():
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 50, generator=g) * 3).round()
-    _check(x, [50, 49, 3], 64)  # K > S: every valid position, then -1
-    _check(x, [50, 49, 3], 1)
-    _check(x, [50, 49, 3], 49)
+    for split in (False, True):
+        _check(x, [50, 49, 3], 64, split=split)  # K > S: every valid position, then -1
+        _check(x, [50, 49, 3], 1, split=split)
+        _check(x, [50, 49, 3], 49, split=split)
+        _check(x, [50, 49, 3], 49, split=split, block=16)
 
 
 def test_keys_past_a_rows_length_are_never_read():
@@ -133,11 +136,11 @@ def test_keys_past_a_rows_length_are_never_read():
     x = torch.randn(2, 200, generator=g)
     keys = T.orderable_keys(x)
     lengths = torch.tensor([120, 90], dtype=torch.int32)
-    want = T.topk_positions(keys, lengths, 30, block=32)
+    want = _stable_topk(x, lengths, 30)
     keys[0, 120:] = 0x7FFFFFFF  # near the largest key: would win if read
     keys[1, 90:] = -1  # the largest key (uint32 0xFFFFFFFF)
-    assert torch.equal(T.topk_positions(keys, lengths, 30, block=32), want)
-    assert torch.equal(want, _stable_topk(x, lengths, 30))
+    for split in (False, True):
+        assert torch.equal(T.topk_positions(keys, lengths, 30, block=32, split=split), want)
 
 
 def test_random_rows_against_a_stable_sort():
@@ -148,7 +151,8 @@ def test_random_rows_against_a_stable_sort():
         levels = int(torch.randint(1, 50, (1,), generator=g))
         x = torch.randint(-levels, levels + 1, (R, S), generator=g).float() * 0.37
         lengths = torch.randint(0, S + 1, (R,), generator=g)
-        _check(x, lengths, K, block=32)
+        _check(x, lengths, K, block=32, split=False)
+        _check(x, lengths, K, block=16, split=True)
 
 
 def test_bad_keys_or_tuning_are_refused():
@@ -160,6 +164,8 @@ def test_bad_keys_or_tuning_are_refused():
         T.topk_positions(keys, lengths, 4, block=48)
     with pytest.raises(ValueError, match="must be powers of two"):
         T.topk_positions(keys, lengths, 4, bins=16)
+    with pytest.raises(ValueError, match="keys must be int32 with a contiguous last dim"):
+        T.topk_positions(torch.zeros(8, 2, dtype=torch.int32).T, lengths, 4)
 
 
 # ---------------------------------------------------------------- through the DSA indexer
@@ -179,9 +185,19 @@ def _indexer_inputs(q_lens, seq_lens, Hi=3, Di=16, bs=8, seed=5, dtype=torch.flo
     return (q.to(dtype), w, kc.to(dtype), _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt)
 
 
+@pytest.fixture(params=["one_program_per_row", "split_rows"])
+def selection_mode(request, monkeypatch):
+    """The indexer with its default selection (small S: one program per row) and with every row split
+    into programs of 32 positions (as for few long rows on a GPU)."""
+    if request.param == "split_rows":
+        monkeypatch.setattr(T, "SPLIT_MIN_WIDTH", 0)
+        monkeypatch.setattr(T, "BLOCK", 32)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plateau", [False, True])
-def test_indexer_mixed_batch_matches_the_reference(dtype, plateau):
+def test_indexer_mixed_batch_matches_the_reference(dtype, plateau, selection_mode):
     # prefill from scratch crossing K, chunked prefill, decodes below / at / above K
     q_lens, seq_lens, K = [30, 6, 1, 1, 1], [30, 90, 20, 21, 150], 21
     args = _indexer_inputs(q_lens, seq_lens, dtype=dtype, plateau=plateau)
@@ -190,7 +206,7 @@ def test_indexer_mixed_batch_matches_the_reference(dtype, plateau):
     assert torch.equal(out, ref)
 
 
-def test_indexer_topk_larger_than_the_block_table():
+def test_indexer_topk_larger_than_the_block_table(selection_mode):
     args = _indexer_inputs([3, 1], [7, 12], bs=4)  # tables 4 wide: 16 positions < K = 24
     assert torch.equal(indexer_topk(*args, 24), torch_ref_mla.indexer_topk(*args, 24))
 

@@ -40,6 +40,9 @@ from atomtool.serve.ops.triton._common import pow2, token_sequence
 BLOCK = 2048
 BINS = 64
 NUM_WARPS = 8
+#: rows below this count and at least this wide are selected by several programs per row (select_rows)
+SPLIT_MAX_ROWS = 128
+SPLIT_MIN_WIDTH = 4 * BLOCK
 
 
 def orderable_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -62,6 +65,17 @@ def orderable_key(score):
 
 
 @triton.jit
+def _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Valid positions of query row ``t``: ``lengths[t]``, or its position in its sequence + 1; in [0, S]."""
+    if ROW_LENS:
+        n = tl.load(lens_ptr + t)
+    else:
+        b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
+        n = qpos + 1  # positions 0..qpos are causally valid
+    return tl.minimum(tl.maximum(n, 0), S)
+
+
+@triton.jit
 def _radix_topk_kernel(
     key_ptr, scratch_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
     num_seqs, row0, S, K, s_key, s_scr, s_out,
@@ -69,12 +83,7 @@ def _radix_topk_kernel(
 ):
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
     t = row0 + r
-    if ROW_LENS:
-        n = tl.load(lens_ptr + t)
-    else:
-        b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
-        n = qpos + 1  # positions 0..qpos are causally valid
-    n = tl.minimum(tl.maximum(n, 0), S)
+    n = _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
     key_row = key_ptr + r.to(tl.int64) * s_key
     out_row = out_ptr + t.to(tl.int64) * s_out
     offs = tl.arange(0, BLOCK)
@@ -153,18 +162,223 @@ def _radix_topk_kernel(
         n_eq += tl.sum(eq.to(tl.int32), axis=0)
 
 
+# ------------------------------------------------------------------ split rows: several programs per row
+#
+# Few long rows (decode at batch 1..64) would leave most SMs idle with one program per row, so the same
+# selection runs over segments of BLOCK positions, one program each, in four launches that communicate
+# through a zero-initialised per-row stats row (atomics): A) key range, B) round-1 histogram, C) compaction
+# of the picked bucket's (key, position) pairs; the last program of the row to finish C (an acq_rel
+# counter) completes the radix loop on the candidates, stores Tk / need and every segment's offsets;
+# E) every segment writes its taken positions. Ties never depend on the order of the atomics: the
+# candidates are a set, positions keep the order.
+
+ST_INV_LO: tl.constexpr = tl.constexpr(0)  # max of ~u (uint32) = ~(min key)
+ST_HI: tl.constexpr = tl.constexpr(1)  # max key
+ST_CNT: tl.constexpr = tl.constexpr(2)  # candidates compacted so far
+ST_CINV_LO: tl.constexpr = tl.constexpr(3)  # ~(min candidate key)
+ST_CHI: tl.constexpr = tl.constexpr(4)  # max candidate key
+ST_DONE: tl.constexpr = tl.constexpr(5)  # programs of C done
+ST_TK: tl.constexpr = tl.constexpr(6)  # threshold key
+ST_NEED: tl.constexpr = tl.constexpr(7)  # keys equal to the threshold to take
+ST_HIST: tl.constexpr = tl.constexpr(8)  # round-1 histogram, BINS entries
+
+
+@triton.jit
+def _split_range_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K, s_key, s_st,
+                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    s0 = tl.program_id(1) * BLOCK
+    n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
+    if (n <= K) | (s0 >= n):
+        return
+    s = s0 + tl.arange(0, BLOCK)
+    ok = s < n
+    u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    st = (stats_ptr + r.to(tl.int64) * s_st).to(tl.pointer_type(tl.uint32))
+    tl.atomic_max(st + ST_INV_LO, tl.max(tl.where(ok, u ^ 0xFFFFFFFF, 0), axis=0))
+    tl.atomic_max(st + ST_HI, tl.max(u, axis=0))
+
+
+@triton.jit
+def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K, s_key, s_st,
+                       ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    r = tl.program_id(0)
+    s0 = tl.program_id(1) * BLOCK
+    n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
+    if (n <= K) | (s0 >= n):
+        return
+    st_row = stats_ptr + r.to(tl.int64) * s_st
+    st = st_row.to(tl.pointer_type(tl.uint32))
+    lo = tl.load(st + ST_INV_LO) ^ 0xFFFFFFFF
+    hi = tl.load(st + ST_HI)
+    if lo < hi:
+        shift = tl.sum(((hi - lo) >> tl.arange(0, 32).to(tl.uint32) >= BINS).to(tl.int32), axis=0).to(tl.uint32)
+        s = s0 + tl.arange(0, BLOCK)
+        ok = s < n
+        u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        hist = tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=ok)
+        tl.atomic_add(st_row + ST_HIST + tl.arange(0, BINS), hist, mask=hist > 0)
+
+
+@triton.jit
+def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
+                          num_seqs, row0, S, K, P, s_key, s_st, s_seg, s_cand,
+                          ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+                          BINS: tl.constexpr, BLOCK_P: tl.constexpr):
+    r = tl.program_id(0)
+    p = tl.program_id(1)
+    s0 = p * BLOCK
+    n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
+    if (n <= K) | (s0 >= n):
+        return
+    st_row = stats_ptr + r.to(tl.int64) * s_st
+    st = st_row.to(tl.pointer_type(tl.uint32))
+    lo = tl.load(st + ST_INV_LO) ^ 0xFFFFFFFF
+    hi = tl.load(st + ST_HI)
+    if lo < hi:
+        offs = tl.arange(0, BLOCK)
+        bins = tl.arange(0, BINS)
+        shifts = tl.arange(0, 32).to(tl.uint32)
+        shift = tl.sum(((hi - lo) >> shifts >= BINS).to(tl.int32), axis=0).to(tl.uint32)
+        hist = tl.load(st_row + ST_HIST + bins)
+        at_or_above = n - tl.cumsum(hist, axis=0) + hist
+        pick = tl.sum((at_or_above >= K).to(tl.int32), axis=0) - 1
+        s = s0 + offs
+        ok = s < n
+        u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        d = ((u - lo) >> shift).to(tl.int32)
+        sel = ok & (d == pick)
+        seg_row = seg_ptr + r.to(tl.int64) * s_seg
+        tl.store(seg_row + p, tl.sum((ok & (d > pick)).to(tl.int32), axis=0))  # round-1 keys above
+        cand_row = cand_ptr + r.to(tl.int64) * s_cand
+        base = tl.atomic_add(st_row + ST_CNT, tl.sum(sel.to(tl.int32), axis=0))
+        idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(cand_row + idx, u.to(tl.int32, bitcast=True), mask=sel)
+        tl.store(cand_row + S + idx, s, mask=sel)
+        tl.atomic_max(st + ST_CINV_LO, tl.max(tl.where(sel, u ^ 0xFFFFFFFF, 0), axis=0))
+        tl.atomic_max(st + ST_CHI, tl.max(tl.where(sel, u, 0), axis=0))
+        nseg = tl.cdiv(n, BLOCK)
+        tl.debug_barrier()  # every thread's candidate stores precede the release below
+        if tl.atomic_add(st_row + ST_DONE, 1) == nseg - 1:  # acq_rel: every other segment's stores are seen
+            # the last segment done finishes the radix select on the candidates (no compaction: a rescan)
+            m = tl.atomic_add(st_row + ST_CNT, 0)
+            clo = tl.atomic_max(st + ST_CINV_LO, 0) ^ 0xFFFFFFFF
+            chi = tl.atomic_max(st + ST_CHI, 0)
+            remaining = K - tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+            while clo < chi:
+                shift = tl.sum(((chi - clo) >> shifts >= BINS).to(tl.int32), axis=0).to(tl.uint32)
+                hist = tl.zeros([BINS], tl.int32)
+                for c in range(0, m, BLOCK):
+                    ok = c + offs < m
+                    u = tl.load(cand_row + c + offs, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                    inr = ok & (u >= clo) & (u <= chi)
+                    hist += tl.histogram(((u - clo) >> shift).to(tl.int32), BINS, mask=inr)
+                at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+                pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
+                remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+                nlo_v = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+                nhi_v = tl.zeros([BLOCK], tl.uint32)
+                for c in range(0, m, BLOCK):
+                    ok = c + offs < m
+                    u = tl.load(cand_row + c + offs, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                    sel = ok & (u >= clo) & (u <= chi) & (((u - clo) >> shift).to(tl.int32) == pick)
+                    nlo_v = tl.minimum(nlo_v, tl.where(sel, u, 0xFFFFFFFF))
+                    nhi_v = tl.maximum(nhi_v, tl.where(sel, u, 0))
+                clo = tl.min(nlo_v, axis=0)
+                chi = tl.max(nhi_v, axis=0)
+            # every segment's first output slot: keys above Tk and ties before it, in earlier segments
+            segs = tl.arange(0, BLOCK_P)
+            above = tl.zeros([BLOCK_P], tl.int32)
+            ties = tl.zeros([BLOCK_P], tl.int32)
+            for c in range(0, m, BLOCK):
+                ok = c + offs < m
+                u = tl.load(cand_row + c + offs, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                sg = tl.load(cand_row + S + c + offs, mask=ok, other=0, cache_modifier=".cg") // BLOCK
+                above += tl.histogram(sg, BLOCK_P, mask=ok & (u > clo))
+                ties += tl.histogram(sg, BLOCK_P, mask=ok & (u == clo))
+            above += tl.load(seg_row + segs, mask=segs < nseg, other=0, cache_modifier=".cg")
+            tl.store(seg_row + P + segs, tl.cumsum(above, axis=0) - above, mask=segs < P)
+            tl.store(seg_row + 2 * P + segs, tl.cumsum(ties, axis=0) - ties, mask=segs < P)
+            tl.store(st + ST_TK, clo)
+            tl.store(st_row + ST_NEED, remaining)
+
+
+@triton.jit
+def _split_write_kernel(key_ptr, stats_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
+                        num_seqs, row0, S, K, P, s_key, s_st, s_seg, s_out,
+                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    p = tl.program_id(1)
+    t = row0 + r
+    s0 = p * BLOCK
+    n = _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
+    out_row = out_ptr + t.to(tl.int64) * s_out
+    offs = tl.arange(0, BLOCK)
+    if n <= K:  # dense row: the programs of the row share the K slots
+        for c in range(s0, K, P * BLOCK):
+            slot = c + offs
+            tl.store(out_row + slot, tl.where(slot < n, slot, -1), mask=slot < K)
+        return
+    if s0 >= n:
+        return
+    st_row = stats_ptr + r.to(tl.int64) * s_st
+    st = st_row.to(tl.pointer_type(tl.uint32))
+    seg_row = seg_ptr + r.to(tl.int64) * s_seg
+    lo = tl.load(st + ST_INV_LO) ^ 0xFFFFFFFF
+    flat = lo == tl.load(st + ST_HI)  # all keys equal: C did nothing, every key is a tie
+    tk = tl.where(flat, lo, tl.load(st + ST_TK))
+    need = tl.where(flat, K, tl.load(st_row + ST_NEED))
+    n_gt = tl.where(flat, 0, tl.load(seg_row + P + p))
+    n_eq = tl.where(flat, s0, tl.load(seg_row + 2 * P + p))
+    s = s0 + offs
+    ok = s < n
+    u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    gt = ok & (u > tk)
+    eq = ok & (u == tk)
+    counts = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    c_gt = n_gt + (counts & 0xFFFF)
+    c_eq = n_eq + (counts >> 16)
+    take = gt | (eq & (c_eq <= need))
+    tl.store(out_row + c_gt + tl.minimum(c_eq, need) - 1, s, mask=take)
+
+
+def _select_split(keys, out, row0, topk, lens, cu_q, seq_lens, row_lens, block_b, block, bins, num_warps):
+    R, S = keys.shape
+    P = triton.cdiv(S, block)
+    dev = keys.device
+    stats = torch.zeros((R, 8 + bins), dtype=torch.int32, device=dev)
+    seg = torch.empty((R, 3 * P), dtype=torch.int32, device=dev)
+    cand = torch.empty((R, 2 * S), dtype=torch.int32, device=dev)
+    num_seqs = seq_lens.shape[0]
+    rows = (lens, cu_q, seq_lens, num_seqs, row0, S, topk)
+    meta = {"ROW_LENS": row_lens, "BLOCK_B": block_b, "BLOCK": block, "num_warps": num_warps}
+    _split_range_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), **meta)
+    _split_hist_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), BINS=bins, **meta)
+    _split_compact_kernel[(R, P)](keys, stats, seg, cand, *rows, P, keys.stride(0), stats.stride(0),
+                                  seg.stride(0), cand.stride(0), BINS=bins, BLOCK_P=pow2(P, 32), **meta)
+    _split_write_kernel[(R, P)](keys, stats, seg, out, *rows, P, keys.stride(0), stats.stride(0),
+                                seg.stride(0), out.stride(0), **meta)
+
+
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
                 lengths: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                seq_lens: torch.Tensor | None = None, block: int = BLOCK, bins: int = BINS,
-                num_warps: int = NUM_WARPS) -> None:
+                seq_lens: torch.Tensor | None = None, split: bool | None = None, block: int | None = None,
+                bins: int | None = None, num_warps: int | None = None) -> None:
     """Top-``topk`` positions of key rows ``keys[r]`` into ``out[row0 + r]`` (contract: module doc).
 
     keys: [R, S] int32 orderable keys (:func:`orderable_key`), last dim contiguous; out: [T, topk] int32,
     every slot of rows ``row0 .. row0+R-1`` is written. A row's valid length ``n`` is ``lengths[row0+r]``
     ([T] int32) when given, else the query position + 1 of step row ``row0 + r`` from ``cu_seqlens_q``
-    ([B+1] int32) and ``seq_lens`` ([B] int32); it is clamped to [0, S]. ``block`` (power of two, at most
-    16384), ``bins`` (power of two, 32..1024) and ``num_warps`` only tune speed.
+    ([B+1] int32) and ``seq_lens`` ([B] int32); it is clamped to [0, S]. ``split``: one program per
+    ``block`` positions of a row (4 launches + a memset) instead of one program per row (1 launch); by
+    default when there are fewer than :data:`SPLIT_MAX_ROWS` rows at least :data:`SPLIT_MIN_WIDTH` wide.
+    ``block`` (power of two, 16..16384), ``bins`` (power of two, 32..1024) and ``num_warps`` tune speed
+    (None: the module's :data:`BLOCK`, :data:`BINS`, :data:`NUM_WARPS`).
+    Raises ValueError on non-int32 / strided keys or out-of-range tuning.
     """
+    block = BLOCK if block is None else block
+    bins = BINS if bins is None else bins
+    num_warps = NUM_WARPS if num_warps is None else num_warps
     R, S = keys.shape
     if R == 0:
         return
@@ -172,16 +386,23 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
         raise ValueError("select_rows: keys must be int32 with a contiguous last dim")
     if not (block & (block - 1) == 0 and 16 <= block <= 16384 and bins & (bins - 1) == 0 and 32 <= bins <= 1024):
         raise ValueError(f"select_rows: block {block} and bins {bins} must be powers of two in range")
-    scratch = torch.empty((R, 2 * S), dtype=torch.int32, device=keys.device)
     row_lens = lengths is not None
     if row_lens:
-        cu_seqlens_q = seq_lens = lengths  # unused by the kernel
-    num_seqs = seq_lens.shape[0]
+        cu_seqlens_q = seq_lens = lengths  # unused by the kernels
+    else:
+        lengths = keys  # unused by the kernels
+    block_b = 1 if row_lens else pow2(seq_lens.shape[0])
+    if split is None:
+        split = R < SPLIT_MAX_ROWS and S >= SPLIT_MIN_WIDTH
+    if split:
+        _select_split(keys, out, row0, topk, lengths, cu_seqlens_q, seq_lens, row_lens, block_b, block, bins,
+                      num_warps)
+        return
+    scratch = torch.empty((R, 2 * S), dtype=torch.int32, device=keys.device)
     _radix_topk_kernel[(R,)](
-        keys, scratch, out, lengths if row_lens else keys, cu_seqlens_q, seq_lens,
-        num_seqs, row0, S, topk, keys.stride(0), scratch.stride(0), out.stride(0),
-        ROW_LENS=row_lens, BLOCK_B=1 if row_lens else pow2(num_seqs), BLOCK=block, BINS=bins,
-        num_warps=num_warps,
+        keys, scratch, out, lengths, cu_seqlens_q, seq_lens,
+        seq_lens.shape[0], row0, S, topk, keys.stride(0), scratch.stride(0), out.stride(0),
+        ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins, num_warps=num_warps,
     )
 
 
@@ -190,7 +411,7 @@ def topk_positions(keys: torch.Tensor, lengths: torch.Tensor, topk: int, **tunin
 
     keys: [T, S] int32 orderable keys (:func:`orderable_keys`); lengths: [T] int32 (clamped to [0, S]).
     Returns [T, topk] int32 positions, ascending, -1 padded; ties go to the lowest position. ``tuning``:
-    ``block``, ``bins``, ``num_warps`` of :func:`select_rows`. Raises ValueError on non-int32 keys.
+    ``split``, ``block``, ``bins``, ``num_warps`` of :func:`select_rows`. Raises ValueError on non-int32 keys.
     """
     out = torch.empty((keys.shape[0], topk), dtype=torch.int32, device=keys.device)
     select_rows(keys, out, 0, topk, lengths=lengths, **tuning)
