@@ -8,9 +8,12 @@ groups' experts at ``-inf`` (ties -> lowest expert id), and the weights are the 
 chosen experts, normalised (+1e-20) and scaled by ``routed_scaling_factor``.
 
 The torch path costs about ten launches per MoE layer (a float radix sort among them); here one program
-owns one token: its E logits sit in registers as an ``[n_group, E / n_group]`` tile, the group ranking and
-the expert choice are iterative arg-max passes (max, then the lowest index reaching it), so no sort and
-no host sync (CUDA-graph capturable).
+owns one token (one warp): its E logits sit in registers as an ``[n_group, E / n_group]`` tile, each lane
+packed into one int64 (an order-preserving integer key of its choice value, then the complement of its
+expert id), so each step of the group ranking and of the expert choice is a single max reduction that
+also breaks ties towards the lowest id. No sort, no host sync (CUDA-graph capturable). ``n_group`` and
+``E / n_group`` are compile-time constants (one compilation per model config): Triton then knows each group
+is contiguous, aligned memory, loads it in vectors and keeps most of a group's reduction inside a thread.
 
 Bits: the sigmoid is ``1 / (1 + exp(-x))`` with the IEEE division and the libdevice ``exp`` (what torch's
 CUDA kernel computes), so the scores, and hence the choice, equal the reference's. The normalising sum adds
@@ -63,67 +66,104 @@ def _row_sum(v, K: tl.constexpr, BLOCK_K: tl.constexpr):
         return _pairwise_tree(v, BLOCK_K)
 
 
+#: order keys (see _order_key) of "no lane" (below every float) and of -inf
+_KEY_NONE = tl.constexpr(-2147483647)
+_KEY_NINF = tl.constexpr(-2139095041)  # 0xFF800000 ^ 0x7FFFFFFF
+
+
 @triton.jit
-def _grouped_topk_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, n_group, per, s_lt, s_w, s_id, scale,
-    TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, EXACT_EXP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    p = tl.arange(0, BLOCK_P)
-    ok = (g[:, None] < n_group) & (p[None, :] < per)
-    e = g[:, None] * per + p[None, :]  # expert id of each lane (meaningful where ok)
-    x = tl.load(logits_ptr + t * s_lt + e, mask=ok, other=0.0).to(tl.float32)
+def _order_key(c):
+    """float32 -> int32 key with the float order (IEEE bits, magnitude bits flipped for negatives); ``+ 0.0``
+    first so -0 and +0, which compare equal, get one key."""
+    bits = (c + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 of an order key (inverse of _order_key)."""
+    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _packed(key, lane):
+    """int64 ``key << 32 | (2^31 - 1 - lane)``: one max finds the best key and, among equal keys, the lowest
+    lane (the reference's stable descending sort)."""
+    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - lane).to(tl.int64)
+
+
+@triton.jit
+def _sigmoid(x, EXACT_EXP: tl.constexpr):
+    """``1 / (1 + exp(-x))`` in float32 with an IEEE division, as torch's CUDA sigmoid kernel."""
     if EXACT_EXP:
         ex = libdevice.exp(-x)
     else:  # Triton's interpreter has no libdevice; NumPy's exp there
         ex = tl.exp(-x)
-    one = tl.full([BLOCK_G, BLOCK_P], 1.0, tl.float32)
-    s = tl.math.div_rn(one, one + ex)
-    c = s
+    one = tl.full(x.shape, 1.0, tl.float32)
+    return tl.math.div_rn(one, one + ex)
+
+
+@triton.jit
+def _grouped_topk_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, s_lt, s_w, s_id, scale,
+    N_GROUP: tl.constexpr, PER: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, EXACT_EXP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    # lanes as a [BLOCK_G, BLOCK_P] tile, a group per row; with N_GROUP and PER compile-time constants Triton
+    # sees each row as contiguous, aligned memory and gives a thread several neighbours of a row (vector
+    # loads), so the per-group reductions are mostly in-thread
+    gi = tl.arange(0, BLOCK_G)[:, None]
+    pi = tl.arange(0, BLOCK_P)[None, :]
+    ok = (gi < N_GROUP) & (pi < PER)
+    e = gi * PER + pi  # expert id of each lane (meaningful where ok)
+    x = tl.load(logits_ptr + t * s_lt + e, mask=ok, other=0.0).to(tl.float32)
+    c = _sigmoid(x, EXACT_EXP)
     if HAS_BIAS:
-        c = s + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
-    ninf = float("-inf")
-    big = 1 << 30
-    c = tl.where(ok, c, ninf)
+        c = c + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    # every lane as one int64 (choice order key, then lowest expert id); padding lanes below everything
+    key = tl.where(ok, _order_key(c), _KEY_NONE)
+    k64 = _packed(key, e)
+    none64 = _packed(tl.full([BLOCK_G, BLOCK_P], _KEY_NONE, tl.int32), tl.full([BLOCK_G, BLOCK_P], 0x7FFFFFFF,
+                                                                                tl.int32))
     if GROUPED:
-        # group score: sum of the two best choice values of the group (one occurrence removed, so a tie
-        # at the top counts twice, as in the reference's sorted values[:2])
-        m1 = tl.max(c, axis=1)
-        i1 = tl.min(tl.where(c == m1[:, None], p[None, :], big), axis=1)
-        m2 = tl.max(tl.where(p[None, :] == i1[:, None], ninf, c), axis=1)
-        gs = tl.where(per >= 2, m1 + m2, m1)
-        g_avail = g < n_group
+        # group score: the sum of the group's two best choices (the best lane removed once, so a tie at the
+        # top counts twice, as the reference's sorted values[:2])
+        top1 = tl.max(k64, axis=1)
+        top2 = tl.max(tl.where(k64 == top1[:, None], none64, k64), axis=1)
+        m1 = _key_value((top1 >> 32).to(tl.int32))
+        if PER >= 2:
+            gs = m1 + _key_value((top2 >> 32).to(tl.int32))
+        else:
+            gs = m1
+        g = tl.arange(0, BLOCK_G)
+        g_none = _packed(tl.full([BLOCK_G], _KEY_NONE, tl.int32), g)
+        gk = tl.where(g < N_GROUP, _packed(_order_key(gs), g), g_none)
         keep = g < 0
         for _ in tl.static_range(TOPK_GROUP):
-            mg = tl.max(tl.where(g_avail, gs, ninf), axis=0)
-            ig = tl.min(tl.where(g_avail & (gs == mg), g, big), axis=0)
-            keep = keep | (g == ig)
-            g_avail = g_avail & (g != ig)
-        c = tl.where(keep[:, None], c, ninf)
-    avail = ok
+            best = tl.max(gk, axis=0)
+            keep = keep | (gk == best)
+            gk = tl.where(gk == best, g_none, gk)
+        # experts of dropped groups: choice -inf (still selectable, by id, when top_k exceeds the kept ones)
+        k64 = tl.where(keep[:, None] | ~ok, k64, _packed(tl.full([BLOCK_G, BLOCK_P], _KEY_NINF, tl.int32), e))
     kk = tl.arange(0, BLOCK_K)
-    wv = tl.zeros([BLOCK_K], tl.float32)
-    iv = tl.zeros([BLOCK_K], tl.int64)
+    iv = tl.zeros([BLOCK_K], tl.int32)
     for j in tl.static_range(TOP_K):
-        cm = tl.where(avail, c, ninf)
-        m = tl.max(tl.max(cm, axis=1), axis=0)
-        hit = avail & (cm == m)
-        idx = tl.min(tl.min(tl.where(hit, e, big), axis=1), axis=0)
-        sel = ok & (e == idx)
-        w = tl.max(tl.max(tl.where(sel, s, ninf), axis=1), axis=0)
-        wv = tl.where(kk == j, w, wv)
-        iv = tl.where(kk == j, idx.to(tl.int64), iv)
-        avail = avail & (e != idx)
+        best = tl.max(tl.max(k64, axis=1), axis=0)
+        iv = tl.where(kk == j, 0x7FFFFFFF - (best & 0x7FFFFFFF).to(tl.int32), iv)
+        k64 = tl.where(k64 == best, none64, k64)
+    km = kk < TOP_K
+    # the chosen experts' unbiased scores, recomputed from their logits (the same bits as above)
+    wv = _sigmoid(tl.load(logits_ptr + t * s_lt + iv, mask=km, other=0.0).to(tl.float32), EXACT_EXP)
+    wv = tl.where(km, wv, 0.0)
     if NORM:
         den = _row_sum(wv, TOP_K, BLOCK_K) + 1e-20
         wv = tl.math.div_rn(wv, tl.full([BLOCK_K], 0.0, tl.float32) + den)
     wv = wv * scale
-    km = kk < TOP_K
     tl.store(w_ptr + t * s_w + kk, wv, mask=km)
-    tl.store(ids_ptr + t * s_id + kk, iv, mask=km)
+    tl.store(ids_ptr + t * s_id + kk, iv.to(tl.int64), mask=km)
 
 
 def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor | None, top_k: int,
@@ -163,11 +203,11 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
         bias = bias.contiguous()
     block_g, block_p = pow2(n_g), pow2(per)
     _grouped_topk_kernel[(T,)](
-        router_logits, bias if bias is not None else router_logits, weights, ids, n_g, per,
+        router_logits, bias if bias is not None else router_logits, weights, ids,
         router_logits.stride(0), weights.stride(0), ids.stride(0), float(routed_scaling_factor),
-        TOPK_GROUP=int(topk_group) if grouped else 0, TOP_K=k, GROUPED=grouped, HAS_BIAS=bias is not None,
+        N_GROUP=n_g, PER=per, TOPK_GROUP=int(topk_group) if grouped else 0, TOP_K=k, GROUPED=grouped, HAS_BIAS=bias is not None,
         NORM=bool(norm_topk_prob), EXACT_EXP=not interpreting(),
         BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_K=pow2(k),
-        num_warps=max(1, min(4, block_g * block_p // 256)),
+        num_warps=max(1, min(4, block_g * block_p // 2048)),  # one warp: reductions without shared memory
     )
     return weights, ids
