@@ -31,14 +31,14 @@ MAX_PAIRS = 8192
 @triton.jit
 def _moe_align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, n_pairs, E, block_m, length, n_blocks,
-    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST: tl.constexpr, FILL: tl.constexpr,
 ):
     ee = tl.arange(0, BLOCK_E)
     e_ok = ee < E
     # 1. pairs per expert
     counts = tl.zeros([BLOCK_E], tl.int32)
-    for c0 in range(0, n_pairs, FILL):
-        offs = c0 + tl.arange(0, FILL)
+    for c0 in range(0, n_pairs, HIST):
+        offs = c0 + tl.arange(0, HIST)
         x = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=-1)
         valid = (offs < n_pairs) & (x >= 0) & (x < E)
         counts += tl.histogram(tl.where(valid, x, 0).to(tl.int32), BLOCK_E, mask=valid)
@@ -110,7 +110,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     # be held twice by the layout; Triton's histogram lowering assumes no such replication across warps)
     _moe_align_kernel[(1,)](
         flat, sorted_pairs, block_expert, n_pairs, num_experts, block_m, length, n_blocks,
-        BLOCK_E=pow2(num_experts, 128), CHUNK=128, FILL=1024, num_warps=4,
+        BLOCK_E=pow2(num_experts, 128), CHUNK=128, HIST=min(pow2(n_pairs, 128), 1024), FILL=1024, num_warps=4,
     )
     return sorted_pairs, block_expert
 
