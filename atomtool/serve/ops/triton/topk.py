@@ -65,7 +65,8 @@ def orderable_key(score):
 
 
 @triton.jit
-def _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr):
+def _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S,
+                ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr):
     """Valid positions of query row ``t``: ``lengths[t]``, or its position in its sequence + 1; in [0, S]."""
     if ROW_LENS:
         n = tl.load(lens_ptr + t)
@@ -76,14 +77,46 @@ def _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS: tl.c
 
 
 @triton.jit
+def _load_bound(n, ALIGNED: tl.constexpr):
+    """``n`` rounded up to a multiple of 4 when the rows allow it (ALIGNED: row width and stride multiples of
+    4): load masks then hold over groups of 4, so loads vectorize; lanes in [n, bound) are masked by the
+    caller's own ``< n`` tests."""
+    if ALIGNED:
+        return (n + 3) // 4 * 4
+    else:
+        return n
+
+
+@triton.jit
+def _bucket_shift(lo, hi, BINS: tl.constexpr):
+    """The smallest shift with ``(hi - lo) >> shift < BINS`` (uint32 scalars), as uint32."""
+    wide = (hi - lo) >> tl.arange(0, 32).to(tl.uint32) >= BINS
+    return tl.sum(wide.to(tl.int32), axis=0).to(tl.uint32)
+
+
+@triton.jit
+def _load_fresh(ptrs, mask):
+    """int32 loads of data other programs of this launch wrote (L1 bypassed: .cg), 0 where masked."""
+    return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _load_keys(row_ptr, s, n, ALIGNED: tl.constexpr):
+    """Keys ``row[s]`` as uint32, 0 where ``s >= n`` (up to the vectorizing bound, see _load_bound)."""
+    return tl.load(row_ptr + s, mask=s < _load_bound(n, ALIGNED), other=0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _radix_topk_kernel(
     key_ptr, scratch_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
     num_seqs, row0, S, K, s_key, s_scr, s_out,
     ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
     t = row0 + r
     n = _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
+    n_ld = _load_bound(n, ALIGNED)
     key_row = key_ptr + r.to(tl.int64) * s_key
     out_row = out_ptr + t.to(tl.int64) * s_out
     offs = tl.arange(0, BLOCK)
@@ -99,7 +132,7 @@ def _radix_topk_kernel(
     hi_v = tl.zeros([BLOCK], tl.uint32)
     for c in range(0, n, BLOCK):
         ok = c + offs < n
-        u = tl.load(key_row + c + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        u = tl.load(key_row + c + offs, mask=c + offs < n_ld, other=0).to(tl.uint32, bitcast=True)
         lo_v = tl.minimum(lo_v, tl.where(ok, u, 0xFFFFFFFF))
         hi_v = tl.maximum(hi_v, u)
     lo = tl.min(lo_v, axis=0)
@@ -107,18 +140,18 @@ def _radix_topk_kernel(
 
     # 2. adaptive-range radix select of the K-th largest key
     bins = tl.arange(0, BINS)
-    shifts = tl.arange(0, 32).to(tl.uint32)
     scratch_row = scratch_ptr + r.to(tl.int64) * s_scr
     remaining = K + tl.zeros([], tl.int32)  # keys still to take at or below the current range
     m = n  # candidates: every key of the range (all of the row at first)
     src = key_row
     it = tl.zeros([], tl.int32)
     while lo < hi:
-        shift = tl.sum(((hi - lo) >> shifts >= BINS).to(tl.int32), axis=0).to(tl.uint32)
+        shift = _bucket_shift(lo, hi, BINS)
         hist = tl.zeros([BINS], tl.int32)
+        m_ld = _load_bound(m, ALIGNED)
         for c in range(0, m, BLOCK):
             ok = c + offs < m
-            u = tl.load(src + c + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+            u = tl.load(src + c + offs, mask=c + offs < m_ld, other=0).to(tl.uint32, bitcast=True)
             hist += tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=ok)
         at_or_above = m - tl.cumsum(hist, axis=0) + hist  # keys in buckets >= d
         pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1  # highest bucket crossing
@@ -129,7 +162,7 @@ def _radix_topk_kernel(
         nhi_v = tl.zeros([BLOCK], tl.uint32)
         for c in range(0, m, BLOCK):
             ok = c + offs < m
-            u = tl.load(src + c + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+            u = tl.load(src + c + offs, mask=c + offs < m_ld, other=0).to(tl.uint32, bitcast=True)
             sel = ok & (((u - lo) >> shift).to(tl.int32) == pick)
             idx = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(dst + idx, u.to(tl.int32, bitcast=True), mask=sel)
@@ -150,16 +183,18 @@ def _radix_topk_kernel(
     for c in range(0, n, BLOCK):
         s = c + offs
         ok = s < n
-        u = tl.load(key_row + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        u = tl.load(key_row + s, mask=s < n_ld, other=0).to(tl.uint32, bitcast=True)
         gt = ok & (u > lo)
         eq = ok & (u == lo)
-        counts = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)  # BLOCK < 2^15: no carry
+        packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # BLOCK < 2^15: no carry into the eq half
+        counts = tl.cumsum(packed, axis=0)
         c_gt = n_gt + (counts & 0xFFFF)
         c_eq = n_eq + (counts >> 16)
         take = gt | (eq & (c_eq <= need))
         tl.store(out_row + c_gt + tl.minimum(c_eq, need) - 1, s, mask=take)
-        n_gt += tl.sum(gt.to(tl.int32), axis=0)
-        n_eq += tl.sum(eq.to(tl.int32), axis=0)
+        total = tl.sum(packed, axis=0)
+        n_gt += total & 0xFFFF
+        n_eq += total >> 16
 
 
 # ------------------------------------------------------------------ split rows: several programs per row
@@ -184,8 +219,9 @@ ST_HIST: tl.constexpr = tl.constexpr(8)  # round-1 histogram, BINS entries
 
 
 @triton.jit
-def _split_range_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K, s_key, s_st,
-                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+def _split_range_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K,
+                        s_key, s_st, ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+                        ALIGNED: tl.constexpr):
     r = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
@@ -193,15 +229,17 @@ def _split_range_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, nu
         return
     s = s0 + tl.arange(0, BLOCK)
     ok = s < n
-    u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
     st = (stats_ptr + r.to(tl.int64) * s_st).to(tl.pointer_type(tl.uint32))
     tl.atomic_max(st + ST_INV_LO, tl.max(tl.where(ok, u ^ 0xFFFFFFFF, 0), axis=0))
     tl.atomic_max(st + ST_HI, tl.max(u, axis=0))
 
 
 @triton.jit
-def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K, s_key, s_st,
-                       ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K,
+                       s_key, s_st,
+                       ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                       ALIGNED: tl.constexpr):
     r = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
@@ -212,10 +250,10 @@ def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num
     lo = tl.load(st + ST_INV_LO) ^ 0xFFFFFFFF
     hi = tl.load(st + ST_HI)
     if lo < hi:
-        shift = tl.sum(((hi - lo) >> tl.arange(0, 32).to(tl.uint32) >= BINS).to(tl.int32), axis=0).to(tl.uint32)
+        shift = _bucket_shift(lo, hi, BINS)
         s = s0 + tl.arange(0, BLOCK)
         ok = s < n
-        u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
         hist = tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=ok)
         tl.atomic_add(st_row + ST_HIST + tl.arange(0, BINS), hist, mask=hist > 0)
 
@@ -224,7 +262,7 @@ def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num
 def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
                           num_seqs, row0, S, K, P, s_key, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
-                          BINS: tl.constexpr, BLOCK_P: tl.constexpr):
+                          BINS: tl.constexpr, BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     s0 = p * BLOCK
@@ -238,14 +276,13 @@ def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_
     if lo < hi:
         offs = tl.arange(0, BLOCK)
         bins = tl.arange(0, BINS)
-        shifts = tl.arange(0, 32).to(tl.uint32)
-        shift = tl.sum(((hi - lo) >> shifts >= BINS).to(tl.int32), axis=0).to(tl.uint32)
+        shift = _bucket_shift(lo, hi, BINS)
         hist = tl.load(st_row + ST_HIST + bins)
         at_or_above = n - tl.cumsum(hist, axis=0) + hist
         pick = tl.sum((at_or_above >= K).to(tl.int32), axis=0) - 1
         s = s0 + offs
         ok = s < n
-        u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
         d = ((u - lo) >> shift).to(tl.int32)
         sel = ok & (d == pick)
         seg_row = seg_ptr + r.to(tl.int64) * s_seg
@@ -266,11 +303,11 @@ def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_
             chi = tl.atomic_max(st + ST_CHI, 0)
             remaining = K - tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
             while clo < chi:
-                shift = tl.sum(((chi - clo) >> shifts >= BINS).to(tl.int32), axis=0).to(tl.uint32)
+                shift = _bucket_shift(clo, chi, BINS)
                 hist = tl.zeros([BINS], tl.int32)
                 for c in range(0, m, BLOCK):
                     ok = c + offs < m
-                    u = tl.load(cand_row + c + offs, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                    u = _load_fresh(cand_row + c + offs, ok).to(tl.uint32, bitcast=True)
                     inr = ok & (u >= clo) & (u <= chi)
                     hist += tl.histogram(((u - clo) >> shift).to(tl.int32), BINS, mask=inr)
                 at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
@@ -280,7 +317,7 @@ def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_
                 nhi_v = tl.zeros([BLOCK], tl.uint32)
                 for c in range(0, m, BLOCK):
                     ok = c + offs < m
-                    u = tl.load(cand_row + c + offs, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                    u = _load_fresh(cand_row + c + offs, ok).to(tl.uint32, bitcast=True)
                     sel = ok & (u >= clo) & (u <= chi) & (((u - clo) >> shift).to(tl.int32) == pick)
                     nlo_v = tl.minimum(nlo_v, tl.where(sel, u, 0xFFFFFFFF))
                     nhi_v = tl.maximum(nhi_v, tl.where(sel, u, 0))
@@ -292,11 +329,11 @@ def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_
             ties = tl.zeros([BLOCK_P], tl.int32)
             for c in range(0, m, BLOCK):
                 ok = c + offs < m
-                u = tl.load(cand_row + c + offs, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-                sg = tl.load(cand_row + S + c + offs, mask=ok, other=0, cache_modifier=".cg") // BLOCK
+                u = _load_fresh(cand_row + c + offs, ok).to(tl.uint32, bitcast=True)
+                sg = _load_fresh(cand_row + S + c + offs, ok) // BLOCK
                 above += tl.histogram(sg, BLOCK_P, mask=ok & (u > clo))
                 ties += tl.histogram(sg, BLOCK_P, mask=ok & (u == clo))
-            above += tl.load(seg_row + segs, mask=segs < nseg, other=0, cache_modifier=".cg")
+            above += _load_fresh(seg_row + segs, segs < nseg)
             tl.store(seg_row + P + segs, tl.cumsum(above, axis=0) - above, mask=segs < P)
             tl.store(seg_row + 2 * P + segs, tl.cumsum(ties, axis=0) - ties, mask=segs < P)
             tl.store(st + ST_TK, clo)
@@ -306,7 +343,8 @@ def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_
 @triton.jit
 def _split_write_kernel(key_ptr, stats_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
                         num_seqs, row0, S, K, P, s_key, s_st, s_seg, s_out,
-                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+                        ALIGNED: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     t = row0 + r
@@ -332,7 +370,7 @@ def _split_write_kernel(key_ptr, stats_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr
     n_eq = tl.where(flat, s0, tl.load(seg_row + 2 * P + p))
     s = s0 + offs
     ok = s < n
-    u = tl.load(key_ptr + r.to(tl.int64) * s_key + s, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
     gt = ok & (u > tk)
     eq = ok & (u == tk)
     counts = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
@@ -351,7 +389,8 @@ def _select_split(keys, out, row0, topk, lens, cu_q, seq_lens, row_lens, block_b
     cand = torch.empty((R, 2 * S), dtype=torch.int32, device=dev)
     num_seqs = seq_lens.shape[0]
     rows = (lens, cu_q, seq_lens, num_seqs, row0, S, topk)
-    meta = {"ROW_LENS": row_lens, "BLOCK_B": block_b, "BLOCK": block, "num_warps": num_warps}
+    meta = {"ROW_LENS": row_lens, "BLOCK_B": block_b, "BLOCK": block, "num_warps": num_warps,
+            "ALIGNED": S % 4 == 0 and keys.stride(0) % 4 == 0}
     _split_range_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), **meta)
     _split_hist_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), BINS=bins, **meta)
     _split_compact_kernel[(R, P)](keys, stats, seg, cand, *rows, P, keys.stride(0), stats.stride(0),
@@ -384,7 +423,8 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
         return
     if keys.dtype != torch.int32 or keys.stride(-1) != 1:
         raise ValueError("select_rows: keys must be int32 with a contiguous last dim")
-    if not (block & (block - 1) == 0 and 16 <= block <= 16384 and bins & (bins - 1) == 0 and 32 <= bins <= 1024):
+    pow2_ok = block & (block - 1) == 0 and bins & (bins - 1) == 0
+    if not (pow2_ok and 16 <= block <= 16384 and 32 <= bins <= 1024):
         raise ValueError(f"select_rows: block {block} and bins {bins} must be powers of two in range")
     row_lens = lengths is not None
     if row_lens:
@@ -402,7 +442,8 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     _radix_topk_kernel[(R,)](
         keys, scratch, out, lengths, cu_seqlens_q, seq_lens,
         seq_lens.shape[0], row0, S, topk, keys.stride(0), scratch.stride(0), out.stride(0),
-        ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins, num_warps=num_warps,
+        ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins,
+        ALIGNED=S % 4 == 0 and keys.stride(0) % 4 == 0, num_warps=num_warps,
     )
 
 
