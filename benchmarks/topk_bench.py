@@ -11,8 +11,12 @@ Per (T, S): microseconds per call, eager (CUDA events around ``--iters`` back-to
 launch cost shows when it exceeds the GPU time) and replayed from a CUDA graph (GPU time alone, as in
 graph-captured decode), the ratio old / ours, and whether both selections are equal.
 
+Variants of ours: ``--split off`` (one program per row), ``on`` (several programs per row, 4 launches),
+``auto`` (``select_rows``' own choice), ``both`` (off and on, the default); ``--sweep`` times a grid of
+split x block x num_warps x bins and prints the 10 fastest per (T, S), to pick the module defaults.
+
 Run: ``python -m benchmarks.topk_bench [--rows 1,8,64] [--ctx 4096,32768] [--topk 2048] [--iters 50]
-[--dist relu|ties|zeros] [--block 2048] [--bins 64] [--num-warps 8] [--no-graph]``;
+[--dist relu|ties|zeros] [--split both] [--block 2048] [--bins 64] [--num-warps 8] [--sweep] [--no-graph]``;
 ``--smoke``: CPU under Triton's interpreter, tiny sizes (checks that the script runs, times mean nothing).
 """
 
@@ -34,6 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=None)
     p.add_argument("--bins", type=int, default=None)
     p.add_argument("--num-warps", type=int, default=None)
+    p.add_argument("--split", choices=["auto", "on", "off", "both"], default="both",
+                   help="one program per row (off), several per row (on), select_rows' choice (auto)")
+    p.add_argument("--sweep", action="store_true",
+                   help="time a grid of split x block x num_warps x bins; print the 10 fastest per (T, S)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
     return p.parse_args(argv)
@@ -111,8 +119,10 @@ def _time_us(fn, iters: int, cuda: bool, graph: bool) -> float:
     return best
 
 
-def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool, tuning: dict) -> dict:
-    """us per call of ours and old (eager; graph replay on CUDA when ``graph``) and equality, for one (T, S)."""
+def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool,
+              variants: dict[str, dict]) -> list[dict]:
+    """For one (T, S): per variant (name -> select_rows tuning) us per call of ours and of the old path
+    (eager; graph replay on CUDA when ``graph``) and whether ours equals the old selection."""
     import torch
 
     from atomtool.serve.ops.triton.topk import orderable_keys, topk_positions
@@ -123,39 +133,67 @@ def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool
     pos = torch.arange(S, device=device)
     keys64 = ((keys ^ torch.iinfo(torch.int32).min).long() << 32) | (2**31 - 1 - pos)
     lengths = torch.full((T,), S, dtype=torch.int32, device=device)
-
-    def ours():
-        return topk_positions(keys, lengths, K, **tuning)
+    want = old_select(scores, K)
 
     def old():
         return _old_from_keys(keys64, K)
 
-    r = {"T": T, "S": S, "K": K, "equal": bool(torch.equal(ours(), old_select(scores, K))),
-         "ours_us": _time_us(ours, iters, cuda, False), "old_us": _time_us(old, iters, cuda, False)}
-    if cuda and graph:
-        r["ours_graph_us"] = _time_us(ours, iters, True, True)
-        r["old_graph_us"] = _time_us(old, iters, True, True)
-    return r
+    old_us = _time_us(old, iters, cuda, False)
+    old_graph_us = _time_us(old, iters, True, True) if cuda and graph else None
+    rows = []
+    for name, tuning in variants.items():
+        def ours(tuning=tuning):
+            return topk_positions(keys, lengths, K, **tuning)
+
+        r = {"T": T, "S": S, "K": K, "variant": name, "equal": bool(torch.equal(ours(), want)),
+             "ours_us": _time_us(ours, iters, cuda, False), "old_us": old_us}
+        if old_graph_us is not None:
+            r["ours_graph_us"] = _time_us(ours, iters, True, True)
+            r["old_graph_us"] = old_graph_us
+        rows.append(r)
+    return rows
 
 
-def bench(rows, ctxs, K: int, iters: int, dist: str, device, graph: bool, tuning: dict) -> list[dict]:
-    """:func:`bench_one` for every (T, S) of ``rows`` x ``ctxs``."""
-    return [bench_one(T, S, K, iters, dist, device, graph, tuning) for T in rows for S in ctxs]
+def bench(rows, ctxs, K: int, iters: int, dist: str, device, graph: bool, variants: dict[str, dict]) -> list[dict]:
+    """:func:`bench_one` for every (T, S) of ``rows`` x ``ctxs``, results concatenated."""
+    return [r for T in rows for S in ctxs for r in bench_one(T, S, K, iters, dist, device, graph, variants)]
 
 
-def print_table(results: list[dict]) -> None:
+def print_table(results: list[dict], top: int | None = None) -> None:
+    """A table of ``results``; with ``top``, per (T, S) only the ``top`` fastest variants."""
     graph = "ours_graph_us" in results[0]
-    head = f"{'T':>5} {'S':>7} {'K':>5} {'ours us':>9} {'old us':>9} {'ratio':>6}"
+    width = max(len(r["variant"]) for r in results)
+    head = f"{'T':>5} {'S':>7} {'K':>5} {'variant':<{width}} {'ours us':>9} {'old us':>9} {'ratio':>6}"
     if graph:
         head += f" {'ours graph':>11} {'old graph':>10} {'ratio':>6}"
     print(head + "  equal")
+    key = "ours_graph_us" if graph else "ours_us"
+    groups: dict[tuple[int, int], list[dict]] = {}
     for r in results:
-        line = (f"{r['T']:>5} {r['S']:>7} {r['K']:>5} {r['ours_us']:>9.1f} {r['old_us']:>9.1f} "
-                f"{r['old_us'] / r['ours_us']:>6.2f}")
-        if graph:
-            line += (f" {r['ours_graph_us']:>11.1f} {r['old_graph_us']:>10.1f} "
-                     f"{r['old_graph_us'] / r['ours_graph_us']:>6.2f}")
-        print(line + f"  {r['equal']}")
+        groups.setdefault((r["T"], r["S"]), []).append(r)
+    for group in groups.values():
+        for r in sorted(group, key=lambda r: r[key])[:top] if top else group:
+            line = (f"{r['T']:>5} {r['S']:>7} {r['K']:>5} {r['variant']:<{width}} {r['ours_us']:>9.1f} "
+                    f"{r['old_us']:>9.1f} {r['old_us'] / r['ours_us']:>6.2f}")
+            if graph:
+                line += (f" {r['ours_graph_us']:>11.1f} {r['old_graph_us']:>10.1f} "
+                         f"{r['old_graph_us'] / r['ours_graph_us']:>6.2f}")
+            print(line + f"  {r['equal']}")
+
+
+def make_variants(args: argparse.Namespace) -> dict[str, dict]:
+    """name -> select_rows tuning: the --split choice(s) with the given/default tuning, or the --sweep grid."""
+    splits = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.split]
+    if args.sweep:
+        grid = [(sp, b, w, nb) for sp in (False, True) for b in (1024, 2048, 4096) for w in (4, 8, 16)
+                for nb in (32, 64, 128)]
+        return {f"split={int(sp)} block={b} warps={w} bins={nb}": {"split": sp, "block": b, "num_warps": w, "bins": nb}
+                for sp, b, w, nb in grid}
+    fixed = {k: v for k, v in (("block", args.block), ("bins", args.bins), ("num_warps", args.num_warps))
+             if v is not None}
+    if args.smoke:
+        fixed.setdefault("block", 64)
+    return {f"split={'auto' if sp is None else int(sp)}": {"split": sp, **fixed} for sp in splits}
 
 
 def main(argv=None) -> int:
@@ -164,19 +202,17 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
     import torch
 
-    tuning = {k: v for k, v in (("block", args.block), ("bins", args.bins), ("num_warps", args.num_warps))
-              if v is not None}
+    variants = make_variants(args)
     if args.smoke:
         device, rows, ctxs, K, iters = torch.device("cpu"), [1, 3], [300], 40, 2
-        tuning.setdefault("block", 64)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         rows = [int(x) for x in args.rows.split(",")]
         ctxs = [int(x) for x in args.ctx.split(",")]
         K, iters = args.topk, args.iters
-    print(f"device {device}, dist {args.dist}, tuning {tuning or 'defaults'}")
-    results = bench(rows, ctxs, K, iters, args.dist, device, not args.no_graph, tuning)
-    print_table(results)
+    print(f"device {device}, dist {args.dist}, {len(variants)} variant(s)")
+    results = bench(rows, ctxs, K, iters, args.dist, device, not args.no_graph, variants)
+    print_table(results, top=10 if args.sweep else None)
     return 0 if all(r["equal"] for r in results) else 1
 
 

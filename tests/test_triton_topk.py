@@ -220,4 +220,16 @@ def test_topk_bench_smoke_runs_and_both_paths_agree():
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert "ours us" in lines[1] and "ratio" in lines[1]
-    assert len(lines) == 4 and all(line.endswith("True") for line in lines[2:])
+    # rows 1 and 3 x one program per row / split rows, each equal to the former torch.topk + sort path
+    assert len(lines) == 6 and all(line.endswith("True") for line in lines[2:])
+    assert sum("split=1" in line for line in lines) == 2
+
+
+def test_topk_bench_sweep_grid_and_variants():
+    from benchmarks.topk_bench import make_variants, parse_args
+
+    grid = make_variants(parse_args(["--sweep"]))
+    assert len(grid) == 2 * 3 * 3 * 3
+    assert {v["split"] for v in grid.values()} == {False, True}
+    assert make_variants(parse_args(["--split", "auto", "--block", "1024"])) == {
+        "split=auto": {"split": None, "block": 1024}}

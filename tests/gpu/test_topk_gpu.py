@@ -1,7 +1,7 @@
 """The Triton radix top-k selection (DSA indexer, issue 7), compiled on a CUDA GPU, at realistic sizes.
 
 Exactness, not tolerance: the selection works on integer keys, so it must equal a stable descending sort
-(ties to the lowest position) bit for bit, for decode rows (T = 1, 8, 64 at S = 4096 and 32768, K = 2048),
+(ties to the lowest position) bit for bit, for decode rows (T = 1, 8, 64 at S = 4096 and 32768, K = 2048; one program per row and split rows),
 for score distributions with heavy ties (16 levels, 90% exact zeros), and through ``indexer_topk`` on
 integer-valued bf16 inputs (every score exact) against ``torch_ref_mla.indexer_topk``, decode and a
 4096-row prefill over 8192 positions. The selection replays from a CUDA graph with new lengths.
@@ -43,10 +43,11 @@ def _scores(rows: int, S: int, dist: str, seed: int) -> torch.Tensor:
     return make_scores(rows, S, dist, DEV, seed=seed)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("S", [4096, 32768])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 @pytest.mark.parametrize("dist", ["relu", "ties", "zeros"])
-def test_selection_equals_a_stable_sort_at_decode_sizes(T, rows, S, dist):
+def test_selection_equals_a_stable_sort_at_decode_sizes(T, rows, S, dist, split):
     scores = _scores(rows, S, dist, seed=rows + S)
     g = torch.Generator().manual_seed(rows)
     lengths = torch.full((rows,), S, dtype=torch.int32)
@@ -56,7 +57,7 @@ def test_selection_equals_a_stable_sort_at_decode_sizes(T, rows, S, dist):
     if rows > 2:
         lengths[-2] = 100
     lengths = lengths.to(DEV)
-    out = T.topk_positions(T.orderable_keys(scores), lengths, K)
+    out = T.topk_positions(T.orderable_keys(scores), lengths, K, split=split)
     assert torch.equal(out, _stable_topk(scores, lengths, K))
 
 
@@ -92,20 +93,23 @@ def test_indexer_prefill_4096_rows_over_8192_positions_exact():
     assert torch.equal(indexer_topk(*args, K), torch_ref_mla.indexer_topk(*args, K))
 
 
-def test_selection_replays_from_a_cuda_graph_with_new_lengths(T):
+@pytest.mark.parametrize("split", [False, True])
+def test_selection_replays_from_a_cuda_graph_with_new_lengths(T, split):
     scores = _scores(4, 8192, "relu", seed=1)
     keys = T.orderable_keys(scores)
     lengths = torch.tensor([8192, 5000, 2049, 17], dtype=torch.int32, device=DEV)
-    T.topk_positions(keys, lengths, K)
+    T.topk_positions(keys, lengths, K, split=split)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = T.topk_positions(keys, lengths, K)
+        out = T.topk_positions(keys, lengths, K, split=split)
     keys.copy_(T.orderable_keys(_scores(4, 8192, "ties", seed=2)))
     lengths.copy_(torch.tensor([3000, 8192, 2048, 6000], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, T.topk_positions(keys, lengths, K))
+    want = _stable_topk(_scores(4, 8192, "ties", seed=2), lengths, K)
+    assert torch.equal(out, want)
+    assert torch.equal(out, T.topk_positions(keys, lengths, K, split=split))
 
 
 # ------------------------------------------------------------------------------ timing (recorded only)
@@ -113,7 +117,9 @@ def test_selection_replays_from_a_cuda_graph_with_new_lengths(T):
 def test_record_selection_time_vs_torch_topk(gpu_report):
     from benchmarks.topk_bench import bench, print_table
 
-    results = bench([1], [4096, 32768], K, 50, "relu", torch.device(DEV), True, {})
+    variants = {"one program per row": {"split": False}, "split rows": {"split": True},
+                "auto": {"split": None}}
+    results = bench([1], [4096, 32768], K, 50, "relu", torch.device(DEV), True, variants)
     print_table(results)
     gpu_report["topk_us"] = results
     assert all(r["equal"] for r in results)
