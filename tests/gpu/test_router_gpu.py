@@ -1,5 +1,5 @@
-"""Triton MoE routing (``grouped_topk``) and expert layout (``moe_align``), compiled on a CUDA GPU, against the
-torch references at real sizes; CUDA-graph replay; recorded (not asserted) timings vs the torch path.
+"""Triton MoE routing (``grouped_topk``) and expert layout (``moe_align``), compiled on a CUDA GPU, against
+the torch references at real sizes; CUDA-graph replay; recorded (not asserted) timings vs the torch path.
 
 Exactness: expert ids equal the reference's (``torch_ref_mla.grouped_topk``) for float32 random logits and
 for tie-heavy grids; weights within float32 rounding of the normalising sum (rtol 1e-6), and the fraction

@@ -16,7 +16,8 @@ also breaks ties towards the lowest id. No sort, no host sync (CUDA-graph captur
 is contiguous, aligned memory, loads it in vectors and keeps most of a group's reduction inside a thread.
 
 Bits: the sigmoid is ``1 / (1 + exp(-x))`` with the IEEE division and the libdevice ``exp`` (what torch's
-CUDA kernel computes), so the scores, and hence the choice, equal the reference's. The normalising sum adds
+CUDA kernel computes), so the scores, and hence the choice, equal the reference's (the chosen experts' scores
+are recomputed from their logits for the weights, the same bits). The normalising sum adds
 the k weights in the order of torch's CUDA row reduction for k <= 32 (adjacent pairs, then pairs of pairs;
 for k not a power of two the elements past the largest power of two p <= k are first added to those p
 places before), so on CUDA the weights are expected to match bitwise; elsewhere (CPU reference,
@@ -107,8 +108,8 @@ def _sigmoid(x, EXACT_EXP: tl.constexpr):
 @triton.jit
 def _grouped_topk_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr, s_lt, s_w, s_id, scale,
-    N_GROUP: tl.constexpr, PER: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, EXACT_EXP: tl.constexpr,
+    N_GROUP: tl.constexpr, PER: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, EXACT_EXP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -205,8 +206,8 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
     _grouped_topk_kernel[(T,)](
         router_logits, bias if bias is not None else router_logits, weights, ids,
         router_logits.stride(0), weights.stride(0), ids.stride(0), float(routed_scaling_factor),
-        N_GROUP=n_g, PER=per, TOPK_GROUP=int(topk_group) if grouped else 0, TOP_K=k, GROUPED=grouped, HAS_BIAS=bias is not None,
-        NORM=bool(norm_topk_prob), EXACT_EXP=not interpreting(),
+        N_GROUP=n_g, PER=per, TOPK_GROUP=int(topk_group) if grouped else 0, TOP_K=k, GROUPED=grouped,
+        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), EXACT_EXP=not interpreting(),
         BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_K=pow2(k),
         num_warps=max(1, min(4, block_g * block_p // 2048)),  # one warp: reductions without shared memory
     )
