@@ -111,6 +111,36 @@ def test_grouped_topk_matches_reference(cfg, ties):
     _check(_logits(5, E, g, ties), _bias(E, g, ties), cfg)
 
 
+def _cuda_row_sum(w: torch.Tensor) -> torch.Tensor:
+    """[T, k] -> [T, 1], added in the order of torch's CUDA inner-dim reduction (ATen Reduce.cuh, torch >= 2.9):
+    thread i of p = last_pow2(k) threads adds w[i] and w[i + p]; then a warp shuffle-down with offsets
+    p/2, p/4, ..., 1 (each adding lane i + offset to lane i)."""
+    T, k = w.shape
+    p = 1 << (k.bit_length() - 1)
+    lanes = torch.zeros(T, p)
+    for i in range(p):
+        lanes[:, i] = w[:, i] if i + p >= k else w[:, i] + w[:, i + p]
+    offset = p // 2
+    while offset:
+        lanes[:, :offset] = lanes[:, :offset] + lanes[:, offset:2 * offset]
+        offset //= 2
+    return lanes[:, :1]
+
+
+@pytest.mark.parametrize("cfg", [DSV3, ODD_K, K16, (64, 3, 1, 1, True, 1.0), (64, 1, 1, 1, True, 1.0)],
+                         ids=["k8", "k6", "k16", "k3", "k1"])
+def test_grouped_topk_normalises_in_the_cuda_row_sum_order(cfg):
+    """With scores both sides compute alike (tie-grid logits), the weights equal, bitwise, the chosen scores
+    divided by their sum taken in CUDA's reduction order (+1e-20), times the scale: what the reference
+    gives on a GPU."""
+    E, k, ng, tg, norm, sc = cfg
+    g = torch.Generator().manual_seed(k)
+    logits = _logits(24, E, g, ties=True)
+    w, ids = grouped_topk(logits, _bias(E, g, True), k, ng, tg, norm, sc)
+    chosen = logits.sigmoid().gather(1, ids)
+    assert torch.equal(w, chosen / (_cuda_row_sum(chosen) + 1e-20) * sc)
+
+
 @pytest.mark.parametrize("cfg", [DSV3, GLM5], ids=["dsv3", "glm5"])
 def test_grouped_topk_without_bias(cfg):
     g = torch.Generator().manual_seed(3)

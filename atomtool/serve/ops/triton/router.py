@@ -18,10 +18,10 @@ is contiguous, aligned memory, loads it in vectors and keeps most of a group's r
 Bits: the sigmoid is ``1 / (1 + exp(-x))`` with the IEEE division and the libdevice ``exp`` (what torch's
 CUDA kernel computes), so the scores, and hence the choice, equal the reference's (the chosen experts' scores
 are recomputed from their logits for the weights, the same bits). The normalising sum adds
-the k weights in the order of torch's CUDA row reduction for k <= 32 (adjacent pairs, then pairs of pairs;
-for k not a power of two the elements past the largest power of two p <= k are first added to those p
-places before), so on CUDA the weights are expected to match bitwise; elsewhere (CPU reference,
-interpreter) they agree to float32 rounding of that sum. NaN logits give unspecified choices.
+the k weights in the order of torch's CUDA row reduction for k <= 32 (repeatedly folding the upper half
+onto the lower half, see _row_sum), so on CUDA the weights are expected to match bitwise (tests/gpu records
+it); elsewhere (CPU reference, ROCm's reduction order, the interpreter) they agree to float32 rounding of
+that sum. NaN logits give unspecified choices.
 """
 
 from __future__ import annotations
@@ -35,36 +35,28 @@ from atomtool.serve.ops.triton._common import interpreting, pow2
 
 
 @triton.jit
-def _pair_sums(v, HALF: tl.constexpr):
-    """[2 * HALF] -> [HALF]: ``v[2i] + v[2i + 1]``."""
-    return tl.sum(tl.reshape(v, [HALF, 2]), axis=1)
+def _fold(v, HALF: tl.constexpr):
+    """[2 * HALF] -> [HALF]: ``v[i] + v[i + HALF]``."""
+    return tl.sum(tl.reshape(v, [2, HALF]), axis=0)
 
 
 @triton.jit
-def _pairwise_tree(v, N: tl.constexpr):
-    """Sum of ``v`` [N] (N a power of two <= 32) as a warp's shuffle-down reduction adds it: adjacent pairs,
-    then adjacent pairs of those, and so on."""
-    if N >= 32:
-        v = _pair_sums(v, 16)
-    if N >= 16:
-        v = _pair_sums(v, 8)
-    if N >= 8:
-        v = _pair_sums(v, 4)
-    if N >= 4:
-        v = _pair_sums(v, 2)
-    if N >= 2:
-        v = _pair_sums(v, 1)
+def _row_sum(v, BLOCK_K: tl.constexpr):
+    """Sum of ``v`` [BLOCK_K] (a power of two <= 32; zeros past the k weights) in the order in which torch's
+    CUDA reduction (ATen Reduce.cuh, torch >= 2.9) sums a k-wide contiguous row: thread i of the
+    ``p = last_pow2(k)`` threads adds v[i] and v[i + p], then a shuffle-down tree with decreasing offsets adds
+    lane i + p/2 to lane i, and so on. Both steps are "fold the upper half onto the lower half"."""
+    if BLOCK_K >= 32:
+        v = _fold(v, 16)
+    if BLOCK_K >= 16:
+        v = _fold(v, 8)
+    if BLOCK_K >= 8:
+        v = _fold(v, 4)
+    if BLOCK_K >= 4:
+        v = _fold(v, 2)
+    if BLOCK_K >= 2:
+        v = _fold(v, 1)
     return tl.sum(v, axis=0)
-
-
-@triton.jit
-def _row_sum(v, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Sum of ``v[:K]`` (``v`` [BLOCK_K], zeros past K) in the order of torch's CUDA inner-dim reduction
-    of a K-wide row (K <= 32): fold the tail onto the largest power of two, then a pairwise tree."""
-    if BLOCK_K != K:  # K not a power of two: thread i of the reduction first adds v[i] and v[i + BLOCK_K/2]
-        return _pairwise_tree(tl.sum(tl.reshape(v, [2, BLOCK_K // 2]), axis=0), BLOCK_K // 2)
-    else:
-        return _pairwise_tree(v, BLOCK_K)
 
 
 #: order keys (see _order_key) of "no lane" (below every float) and of -inf
@@ -160,7 +152,7 @@ def _grouped_topk_kernel(
     wv = _sigmoid(tl.load(logits_ptr + t * s_lt + iv, mask=km, other=0.0).to(tl.float32), EXACT_EXP)
     wv = tl.where(km, wv, 0.0)
     if NORM:
-        den = _row_sum(wv, TOP_K, BLOCK_K) + 1e-20
+        den = _row_sum(wv, BLOCK_K) + 1e-20
         wv = tl.math.div_rn(wv, tl.full([BLOCK_K], 0.0, tl.float32) + den)
     wv = wv * scale
     tl.store(w_ptr + t * s_w + kk, wv, mask=km)
