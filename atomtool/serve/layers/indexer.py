@@ -31,14 +31,15 @@ from atomtool.serve.ops import (
 )
 
 
-def head_weights_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``weights_proj(x)`` in float32 for a float16/bfloat16 model, as HF does (``_keep_in_fp32_modules =
-    ["indexer.weights_proj"]``; dsa.md §5.2: rounding the head weights to bf16 flips near-tied selections).
-    weight: [Hi, hidden] float rows. Returns [T, Hi] float32, or None when the model already runs in float32
-    or the weight is FP8 (then the regular projection is used)."""
-    if x.dtype == torch.float32 or weight.dtype not in (torch.float16, torch.bfloat16):
+def fp32_head_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weights_proj`` in float32 for a float16/bfloat16 model, as HF computes it (``_keep_in_fp32_modules =
+    ["indexer.weights_proj"]``; dsa.md §5.2: rounding the head weights to bf16 flips near-tied selections):
+    the layers compute ``F.linear(x.float(), fp32_head_weight(W))``, the weight cast once after loading rather
+    than every step. weight: [Hi, hidden] float rows. Returns [Hi, hidden] float32, or None when the model
+    already runs in float32 or the weight is FP8 (then the regular projection is used)."""
+    if weight.dtype not in (torch.float16, torch.bfloat16):
         return None
-    return F.linear(x.float(), weight.float())
+    return weight.detach().float()
 
 
 class Indexer(nn.Module):
@@ -75,6 +76,17 @@ class Indexer(nn.Module):
             self.wk = lin("wk", hidden, self.head_dim)
             self.weights_proj = lin("weights_proj", hidden, self.n_heads)
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
+        self._w_heads32: torch.Tensor | None = None  # fp32 weights_proj (post_load), non-fused layout only
+        # the scale as a 1-element float32 tensor: ``w_raw * it`` promotes a bf16 w_raw to float32 inside the
+        # multiply (one kernel), with the same float32 product as ``w_raw.float() * weight_scale`` (two)
+        self.register_buffer("_weight_scale", torch.tensor([self.weight_scale], dtype=torch.float32,
+                                                           device=device), persistent=False)
+
+    def post_load(self) -> None:
+        """Cache the float32 ``weights_proj`` of a bf16/fp16 model (non-fused layout; see
+        :func:`fp32_head_weight`). Called by the attention layer's ``post_load``."""
+        if not self.fused:
+            self._w_heads32 = fp32_head_weight(self.weights_proj.weight)
 
     def forward(self, x: torch.Tensor, c_q: torch.Tensor, k_raw: torch.Tensor | None, w_raw: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
@@ -90,21 +102,19 @@ class Indexer(nn.Module):
         dev = x.device
         if k_raw is None:
             k_raw = self.wk(x)
-            w_raw = head_weights_fp32(x, self.weights_proj.weight)
-            if w_raw is None:
-                w_raw = self.weights_proj(x)
-        k = F.layer_norm(k_raw.float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
-                         self.k_norm.eps).to(x.dtype)
+            w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
+                     else self.weights_proj(x))
+        r = self.rope_dim
+        # LayerNorm (float32) + "pe first" rotary + store: one fused op
+        get_op("indexer_k_store", dev)(k_raw, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps,
+                                       cos if r else None, sin if r else None, self.interleaved,
+                                       index_k_cache, batch.slot_mapping)
         T = x.shape[0]
         q = self.wq_b(c_q).view(T, self.n_heads, self.head_dim)
-        r = self.rope_dim
         if r:
-            rope = get_op("rotary_embedding", dev)
-            q = torch.cat((rope(q[..., :r], cos, sin, self.interleaved), q[..., r:]), dim=-1)
-            k = torch.cat((rope(k[:, None, :r], cos, sin, self.interleaved)[:, 0], k[:, r:]), dim=-1)
-        get_op("store_cache", dev)(k, index_k_cache, batch.slot_mapping)
+            q = get_op("rotary_embedding_prefix", dev)(q, cos, sin, self.interleaved)
         if max(batch.seq_lens_cpu) <= self.topk:
             return None
-        weights = w_raw.float() * self.weight_scale  # float32 before scaling (dsa.md §5.2)
+        weights = w_raw * self._weight_scale  # float32 before scaling (dsa.md §5.2): promoted in the multiply
         return get_op("indexer_topk", dev)(q, weights, index_k_cache, batch.cu_seqlens_q, batch.seq_lens,
                                            batch.block_tables, self.topk)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from atomtool.convert.plan_types import OutputTensor
 from atomtool.errors import EngineError
 from atomtool.serve.engine.batch import ForwardBatch
-from atomtool.serve.layers.indexer import Indexer, head_weights_fp32
+from atomtool.serve.layers.indexer import Indexer, fp32_head_weight
 from atomtool.serve.layers.linear import fused_row_ranges, make_linear
 from atomtool.serve.layers.norm import RMSNorm
 from atomtool.serve.ops import (
@@ -132,10 +133,17 @@ class MLAAttention(nn.Module):
             self.indexer = Indexer(cfg, f"{prefix}.indexer", specs, fused_idx, indexer_rope_interleaved,
                                    dtype, device)
         self._w_kvb: torch.Tensor | None = None
+        self._w_heads32: torch.Tensor | None = None  # fused indexer weights_proj rows in float32 (post_load)
 
     def post_load(self) -> None:
         """Cache kv_b_proj as a float [H, dn + dv, kv_lora_rank] tensor for the absorbed form (W_UK, W_UV);
-        FP8 block weights are dequantized once here."""
+        FP8 block weights are dequantized once here. Also caches the indexer's float32 ``weights_proj``
+        (fused rows here, or the indexer's own; :func:`fp32_head_weight`) so a step does not re-cast it."""
+        if self.indexer is not None:
+            self.indexer.post_load()
+            if self.indexer.fused:
+                s, e = self.splits[IDX_WPROJ]
+                self._w_heads32 = fp32_head_weight(self.fused_qkv_a_proj.weight[s:e])
         w = self.kv_b_proj.weight
         if self.kv_b_proj.block_size is not None:
             w = dequant_fp8_block(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.block_size,
@@ -160,24 +168,22 @@ class MLAAttention(nn.Module):
             self.post_load()
         y = self.fused_qkv_a_proj(x)
         c_q = self.q_a_layernorm(self._part(y, Q_A))
-        kv = self._part(y, KV_A)
-        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        k_pe = rotary(kv[:, None, self.kv_lora_rank:], cos, sin, self.rope_interleaved)[:, 0]
+        latent = kv_cache["latent"]
+        # cache row [RMSNorm(c_kv) | rope(k_pe)] written by one fused op (norm + rotary + store)
+        get_op("mla_kv_store", dev)(self._part(y, KV_A), self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                    cos, sin, self.rope_interleaved, latent, batch.slot_mapping)
         q = self.q_b_proj(c_q).view(T, H, self.nope + self.rope)
         q_nope = q[..., : self.nope]
         q_pe = rotary(q[..., self.nope:], cos, sin, self.rope_interleaved)
-        latent = kv_cache["latent"]
-        get_op("store_cache", dev)(torch.cat((c_kv, k_pe), dim=-1), latent, batch.slot_mapping)
 
         topk = None
         if self.role == "full":
             k_raw = w_raw = None
             if self.indexer.fused:
                 k_raw = self._part(y, IDX_WK)
-                s, e = self.splits[IDX_WPROJ]
-                w_raw = head_weights_fp32(x, self.fused_qkv_a_proj.weight[s:e])
-                if w_raw is None:
-                    w_raw = self._part(y, IDX_WPROJ)
+                # float32 head weights for a bf16/fp16 model (fp32_head_weight, cast at load)
+                w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
+                         else self._part(y, IDX_WPROJ))
             topk = self.indexer(x, c_q, k_raw, w_raw, idx_cos, idx_sin, batch, kv_cache["index_k"])
         elif self.role == "shared":
             topk = prev_topk
@@ -186,8 +192,11 @@ class MLAAttention(nn.Module):
         q_abs = torch.einsum("thd,hdr->thr", q_nope, w_kvb[:, : self.nope])
         o_lat = get_op("mla_attention", dev)(q_abs, q_pe, latent, batch.cu_seqlens_q, batch.seq_lens,
                                              batch.block_tables, self.scale, topk)
-        o = torch.einsum("thr,hvr->thv", o_lat, w_kvb[:, self.nope:]).reshape(T, H * self.v_head_dim)
-        return self.o_proj(o), topk
+        # o[t, h] = W_UV[h] o_lat[t, h]: the einsum's own batched GEMM (batch h), written straight into a
+        # [T, H, dv] buffer (one kernel; the einsum's [H, T, dv] result needs a copy to flatten when T > 1)
+        o = torch.empty((T, H, self.v_head_dim), dtype=o_lat.dtype, device=dev)
+        torch.bmm(o_lat.transpose(0, 1), w_kvb[:, self.nope:].transpose(1, 2), out=o.transpose(0, 1))
+        return self.o_proj(o.view(T, H * self.v_head_dim)), topk
 
 
 def _part_key(source: str) -> str:

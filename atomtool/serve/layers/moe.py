@@ -46,7 +46,12 @@ class SwiGLUMLP(nn.Module):
 
 class TopkRouter(nn.Module):
     """The MoE gate: ``weight`` [E, H] (kept in the model dtype, computed in float32 as HF does) and the
-    float32 ``e_score_correction_bias`` [E] (aux-loss-free balancing bias; only affects the choice)."""
+    float32 ``e_score_correction_bias`` [E] (aux-loss-free balancing bias; only affects the choice).
+
+    :meth:`post_load` keeps a float32 copy of a bf16/fp16 weight, so a step does not re-cast the [E, H]
+    matrix (issue 7: a copy kernel writing twice the weight's bytes, per MoE layer and step); without it
+    (weights changed and ``post_load`` not called yet) the weight is cast per call, as HF does.
+    """
 
     def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype, device):
         super().__init__()
@@ -54,10 +59,15 @@ class TopkRouter(nn.Module):
                                    requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
+        self._w32: torch.Tensor | None = None
+
+    def post_load(self) -> None:
+        """Cache ``weight.float()`` (after every weight load; the model's ``post_load`` calls it)."""
+        self._w32 = self.weight.detach().float() if self.weight.dtype != torch.float32 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E] float32."""
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self._w32 if self._w32 is not None else self.weight.float())
 
 
 class StackedExperts(nn.Module):
@@ -130,13 +140,16 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (SwiGLUMLP(cfg, f"{prefix}.shared_experts", specs, inter * n_shared, dtype, device)
                                if n_shared else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split: bool = False):
+        """x: [T, H] -> routed + shared [T, H]; ``split``: the pair ``(routed, shared or None)`` unsummed, for
+        a caller that folds the sum into the next residual add (``RMSNorm(h, residual, extra)``)."""
         logits = self.gate(x)
         weights, ids = get_op("grouped_topk", x.device)(
             logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.routed_scaling_factor)
         out = get_op("fused_moe", x.device)(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids,
                                             **self.experts.scales())
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if split:
+            return out, shared
+        return out if shared is None else out + shared

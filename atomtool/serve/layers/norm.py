@@ -5,13 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atomtool.serve.ops import get_op
+from atomtool.serve.ops import (
+    get_op,
+    torch_ref_mla,  # noqa: F401  (registers add_rms_norm)
+)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. ``weight``: [hidden] in the model dtype.
 
-    ``forward(x)`` -> normed x; ``forward(x, residual)`` -> ``(normed(x + residual), x + residual)``.
+    ``forward(x)`` -> normed x; ``forward(x, residual)`` -> ``(normed(x + residual), x + residual)``;
+    ``forward(x, residual, extra)`` -> the same with ``x + extra`` (rounded) in place of x, in one op
+    (``add_rms_norm``: a MoE block's routed and shared outputs added inside the next norm).
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -19,6 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self._op = get_op("rms_norm", device)
+        self._add_op = get_op("add_rms_norm", device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, extra: torch.Tensor | None = None):
+        if extra is not None:
+            if residual is None:
+                raise ValueError("RMSNorm: extra needs a residual")
+            return self._add_op(x, extra, self.weight, self.eps, residual)
         return self._op(x, self.weight, self.eps, residual)

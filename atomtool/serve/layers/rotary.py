@@ -67,16 +67,27 @@ def rope_inv_freq(config_flat: dict[str, Any], head_dim: int | None = None) -> t
     return inv.float(), float(scaling)
 
 
+#: largest per-position cos/sin table a :class:`RotaryEmbedding` precomputes (bytes); longer contexts than the
+#: table covers fall back to computing the angles per step
+TABLE_MAX_BYTES = 64 << 20
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rope to q/k slices: forward(positions [T] int64, x [T, H, R]) -> [T, H, R] (x's dtype).
 
     ``interleaved`` selects the GPT-J pair convention instead of NeoX ``rotate_half``. ``cos_sin(positions)``
     gives the per-token float32 tables ``([T, R/2], [T, R/2])`` (times the attention scaling) so a layer can
     rotate several tensors with one table.
+
+    Per-step cost (issue 7): the tables of positions ``0 .. max_positions - 1`` (``max_position_embeddings``
+    by default, capped at :data:`TABLE_MAX_BYTES`) are computed once, with the very elementwise ops the
+    per-step path uses, into one ``[max_positions, R]`` float32 buffer (cos ‖ sin); ``cos_sin`` is then one
+    row gather instead of the cast, product, cos, sin and scaling kernels of every step. Callers pass the
+    host-side bound (``max(batch.seq_lens_cpu)``, no device sync) that says the gather is in range.
     """
 
     def __init__(self, config_flat: dict[str, Any], device: torch.device | str, *, head_dim: int | None = None,
-                 interleaved: bool = False) -> None:
+                 interleaved: bool = False, max_positions: int | None = None) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(config_flat, head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
@@ -84,10 +95,30 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = 2 * inv_freq.shape[0]
         self.interleaved = interleaved
         self._op = get_op("rotary_embedding", device)
+        if max_positions is None:
+            max_positions = int(config_flat.get("max_position_embeddings") or 0)
+        max_positions = min(max_positions, TABLE_MAX_BYTES // (4 * max(self.rotary_dim, 1)))
+        table = None
+        if max_positions > 0:
+            positions = torch.arange(max_positions, dtype=torch.int64, device=device)
+            table = torch.cat(self._compute(positions), dim=-1)
+        self.register_buffer("cos_sin_table", table, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> (cos, sin), each [T, R/2] float32 (rows may be views of one [T, R] tensor:
+        last dim contiguous, row stride R). ``bound``: a host-side number > every position (e.g.
+        ``max(batch.seq_lens_cpu)``); when given and covered by the precomputed table, the rows are gathered
+        from it, else computed."""
+        table = self.cos_sin_table
+        if table is None or bound is None or bound > table.shape[0]:
+            return self._compute(positions)
+        rows = table.index_select(0, positions)
+        half = self.rotary_dim // 2
+        return rows[:, :half], rows[:, half:]
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         cos, sin = self.cos_sin(positions)

@@ -146,23 +146,37 @@ class DeepseekV3ForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One engine step. Returns the final-normed hidden states [T, hidden] of every scheduled token."""
         h = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        bound = max(batch.seq_lens_cpu, default=0)  # host-side: every position is below it
+        cos, sin = self.rotary.cos_sin(batch.positions, bound)
         if self.index_rotary is not None:
-            icos, isin = self.index_rotary.cos_sin(batch.positions)
+            icos, isin = self.index_rotary.cos_sin(batch.positions, bound)
         elif self._idx_rope:
             icos, isin = cos, sin
         else:
             icos = isin = None
         topks: dict[int, torch.Tensor | None] = {}
+        # The residual adds ride in the RMSNorm op (``rms_norm(x, residual)`` -> (norm(x + residual),
+        # x + residual)): one kernel instead of an add and a norm, bit-identical to ``h = h + x; norm(h)``.
+        # A MoE block hands back (routed, shared) and the next norm adds ``residual + (routed + shared)``.
+        residual = extra = None
         for i, layer in enumerate(self.model.layers):
             role = self.roles[i]
             prev = topks[previous_full_layer(self.roles, i)] if role == SHARED else None
-            a, topk = layer.self_attn(layer.input_layernorm(h), cos, sin, icos, isin, batch, kv_caches[i], prev)
+            if residual is None:
+                x, residual = layer.input_layernorm(h), h
+            else:
+                x, residual = layer.input_layernorm(h, residual, extra)
+            a, topk = layer.self_attn(x, cos, sin, icos, isin, batch, kv_caches[i], prev)
             if role == FULL:
                 topks[i] = topk
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            x, residual = layer.post_attention_layernorm(a, residual)
+            if isinstance(layer.mlp, DeepseekMoE):
+                h, extra = layer.mlp(x, split=True)
+            else:
+                h, extra = layer.mlp(x), None
+        if residual is None:
+            return self.model.norm(h)
+        return self.model.norm(h, residual, extra)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
@@ -256,8 +270,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         super().load_weights(self._prepare(weights), preloaded=preloaded)
 
     def post_load(self) -> None:
+        """Per-layer tensors derived from the weights: MLA's absorbed kv_b_proj and the indexer's float32 head
+        weights, the MoE router's float32 weight."""
         for layer in self.model.layers:
             layer.self_attn.post_load()
+            if isinstance(layer.mlp, DeepseekMoE):
+                layer.mlp.gate.post_load()
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

@@ -60,8 +60,10 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                 kv_cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """cos, sin: the step's rotary tables ([T, D/2] float32, :meth:`RotaryEmbedding.cos_sin`, computed
+        once per step by the model); x: [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(x)
         T = qkv.shape[0]
         (qs, qe), (ks, ke), (vs, ve) = self.ranges
@@ -70,7 +72,8 @@ class LlamaAttention(nn.Module):
         v = qkv[:, vs:ve].reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        rope = self.rotary._op
+        q, k = rope(q, cos, sin, self.rotary.interleaved), rope(k, cos, sin, self.rotary.interleaved)
         return self.o_proj(self.attn(q, k, v, batch, kv_cache))
 
 
@@ -111,13 +114,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(int(cfg["hidden_size"]), eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(int(cfg["hidden_size"]), eps, dtype, device)
 
-    def forward(self, positions, x, residual, batch, kv_cache):
+    def forward(self, cos, sin, x, residual, batch, kv_cache):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, batch, kv_cache)
+        h = self.self_attn(cos, sin, h, batch, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -126,7 +129,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, specs, dtype, device) -> None:
         super().__init__()
         hidden = int(cfg["hidden_size"])
-        rotary = RotaryEmbedding(cfg, device)
+        self.rotary = rotary = RotaryEmbedding(cfg, device)
         self.embed_tokens = VocabEmbedding(int(cfg["vocab_size"]), hidden, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, specs, dtype, device, rotary)
                                     for i in range(int(cfg["num_hidden_layers"])))
@@ -135,8 +138,10 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         residual = None
+        # rotary tables once per step (a row gather from the precomputed table), not once per layer
+        cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens_cpu, default=0))
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(batch.positions, x, residual, batch, cache)
+            x, residual = layer(cos, sin, x, residual, batch, cache)
         x, _ = self.norm(x, residual)
         return x
 

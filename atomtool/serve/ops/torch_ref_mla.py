@@ -7,7 +7,9 @@ Math: research/dsa.md §5 (MLA absorbed form, indexer, selection, sparse attenti
 ``noaux_tc`` router (HF transformers ``DeepseekV3TopkRouter``, whose float32 computation these mirror).
 
 Registered in the op dispatch (:func:`atomtool.serve.ops.get_op`) under the names ``mla_attention``,
-``indexer_topk``, ``grouped_topk``, ``fused_moe`` and ``store_cache`` users share.
+``indexer_topk``, ``grouped_topk``, ``fused_moe``, and the fused cache writes ``mla_kv_store`` /
+``indexer_k_store``, ``rotary_embedding_prefix`` and ``add_rms_norm`` (compositions of torch_ref ops, one
+kernel each on the Triton backend).
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from atomtool.serve.ops import register_op
-from atomtool.serve.ops.torch_ref import dequant_fp8_block, gather_cache, query_spans
+from atomtool.serve.ops.torch_ref import (
+    dequant_fp8_block,
+    gather_cache,
+    query_spans,
+    rms_norm,
+    rotary_embedding,
+    store_cache,
+)
 
 
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
@@ -171,6 +180,63 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
-for _name, _fn in (("mla_attention", mla_attention), ("indexer_topk", indexer_topk),
-                   ("grouped_topk", grouped_topk), ("fused_moe", fused_moe)):
+def mla_kv_store(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the step's MLA latent rows ``[RMSNorm(c_kv) | rope(k_pe)]`` into the latent plane, in place.
+
+    One op for what MLA does between its fused down-projection and attention (DeepSeek-V2 §2.1; HF
+    ``kv_a_layernorm`` + ``apply_rotary_pos_emb`` on k_pe): exactly :func:`rms_norm` of the first R dims,
+    :func:`rotary_embedding` of the last P dims, :func:`store_cache` of their concatenation (fused so a
+    decode step does not launch a norm, a rotary, a concatenation and a store per layer).
+
+    kv: [T, R + P] (``kv_a_proj_with_mqa`` output, a column slice of a wider row is fine); norm_weight: [R];
+    cos, sin: [T, P/2] float32; latent_cache: [N, bs, R + P]; slot_mapping: [T] int64 (``-1`` skipped).
+    """
+    R = norm_weight.shape[0]
+    c_kv = rms_norm(kv[:, :R], norm_weight, eps)
+    k_pe = rotary_embedding(kv[:, None, R:], cos, sin, interleaved)[:, 0]
+    store_cache(torch.cat((c_kv, k_pe), dim=-1), latent_cache, slot_mapping)
+
+
+def indexer_k_store(k_raw: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool,
+                    index_k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the step's DSA index keys ``rope(LayerNorm(k_raw))`` into the ``index_k`` plane, in place.
+
+    HF ``DeepseekV32Indexer``: ``k = k_norm(wk(x))`` (LayerNorm with bias, computed here in float32 and
+    rounded to k_raw's dtype), then rotary on the *first* ``R = 2 * cos.shape[-1]`` dims ("pe first"; none
+    when cos is None), stored with :func:`store_cache`.
+
+    k_raw: [T, Di]; weight, bias: [Di]; cos, sin: [T, R/2] float32 or None; index_k_cache: [N, bs, Di];
+    slot_mapping: [T] int64 (``-1`` skipped).
+    """
+    D = k_raw.shape[-1]
+    k = F.layer_norm(k_raw.float(), (D,), weight.float(), bias.float(), eps).to(k_raw.dtype)
+    if cos is not None and cos.shape[-1]:
+        r = 2 * cos.shape[-1]
+        k = torch.cat((rotary_embedding(k[:, None, :r], cos, sin, interleaved)[:, 0], k[:, r:]), dim=-1)
+    store_cache(k, index_k_cache, slot_mapping)
+
+
+def rotary_embedding_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            interleaved: bool = False) -> torch.Tensor:
+    """x: [T, H, D] -> a new [T, H, D] tensor whose first ``R = 2 * cos.shape[-1]`` dims of every head are
+    rotated (:func:`rotary_embedding`) and the other ``D - R`` copied: the DSA indexer's "pe first" query
+    rope in one op. Returns x's dtype."""
+    r = 2 * cos.shape[-1]
+    return torch.cat((rotary_embedding(x[..., :r], cos, sin, interleaved), x[..., r:]), dim=-1)
+
+
+def add_rms_norm(x: torch.Tensor, extra: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE block's output combination fused into the next RMSNorm's residual add:
+    ``s = residual + (x + extra)`` (``x + extra`` rounded to the dtype first, as the unfused model adds
+    ``routed + shared`` and then the residual), returns ``(rms_norm(s), s)`` like :func:`rms_norm` with a
+    residual. x, extra, residual: [T, H] same dtype; weight: [H]."""
+    return rms_norm(x + extra, weight, eps, residual)
+
+
+for _name, _fn in (("add_rms_norm", add_rms_norm), ("mla_attention", mla_attention), ("indexer_topk", indexer_topk),
+                   ("grouped_topk", grouped_topk), ("fused_moe", fused_moe), ("mla_kv_store", mla_kv_store),
+                   ("indexer_k_store", indexer_k_store), ("rotary_embedding_prefix", rotary_embedding_prefix)):
     register_op(_name, "torch", _fn)

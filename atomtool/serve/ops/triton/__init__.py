@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import triton  # noqa: F401  (ImportError here tells the dispatch that this backend is unavailable)
 
+from atomtool.serve.ops.triton import fused_norm, fused_rope  # noqa: F401  (register their fused ops on import)
 from atomtool.serve.ops.triton.activation import silu_and_mul
 from atomtool.serve.ops.triton.attention import paged_attention, store_cache, store_kv
 from atomtool.serve.ops.triton.indexer import indexer_topk
