@@ -40,6 +40,8 @@ from atomtool.serve.ops.triton._common import pow2, token_sequence
 BLOCK = 2048
 BINS = 64
 NUM_WARPS = 8
+#: chunk of the radix rounds after the first, over the (usually few) candidates of the picked bucket
+CAND_BLOCK = 256
 #: rows below this count and at least this wide are selected by several programs per row (select_rows)
 SPLIT_MAX_ROWS = 128
 SPLIT_MIN_WIDTH = 4 * BLOCK
@@ -107,11 +109,42 @@ def _load_keys(row_ptr, s, n, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.constexpr, ALIGNED: tl.constexpr):
+    """One round of the adaptive-range radix select over the ``m`` candidate keys ``src[:m]`` (all within
+    [lo, hi], lo < hi), in chunks of CH: histogram of ``(u - lo) >> shift``, the bucket holding the
+    ``remaining``-th largest, its keys compacted to ``dst``. Returns (their min, their max, their count,
+    keys still to take among them)."""
+    offs = tl.arange(0, CH)
+    bins = tl.arange(0, BINS)
+    shift = _bucket_shift(lo, hi, BINS)
+    hist = tl.zeros([BINS], tl.int32)
+    for c in range(0, m, CH):
+        u = _load_keys(src, c + offs, m, ALIGNED)
+        hist += tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=c + offs < m)
+    at_or_above = m - tl.cumsum(hist, axis=0) + hist  # keys in buckets >= d
+    pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1  # highest bucket crossing
+    remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+    cnt = tl.zeros([], tl.int32)
+    lo_v = tl.full([CH], 0xFFFFFFFF, tl.uint32)
+    hi_v = tl.zeros([CH], tl.uint32)
+    for c in range(0, m, CH):
+        u = _load_keys(src, c + offs, m, ALIGNED)
+        sel = (c + offs < m) & (((u - lo) >> shift).to(tl.int32) == pick)
+        idx = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(dst + idx, u.to(tl.int32, bitcast=True), mask=sel)
+        cnt += tl.sum(sel.to(tl.int32), axis=0)
+        lo_v = tl.minimum(lo_v, tl.where(sel, u, 0xFFFFFFFF))
+        hi_v = tl.maximum(hi_v, tl.where(sel, u, 0))
+    tl.debug_barrier()  # the compacted candidates are read by other threads next round
+    return tl.min(lo_v, axis=0), tl.max(hi_v, axis=0), cnt, remaining
+
+
+@triton.jit
 def _radix_topk_kernel(
     key_ptr, scratch_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
     num_seqs, row0, S, K, s_key, s_scr, s_out,
     ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    CBLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
     t = row0 + r
@@ -138,43 +171,18 @@ def _radix_topk_kernel(
     lo = tl.min(lo_v, axis=0)
     hi = tl.max(hi_v, axis=0)
 
-    # 2. adaptive-range radix select of the K-th largest key
-    bins = tl.arange(0, BINS)
+    # 2. adaptive-range radix select of the K-th largest key: round 1 over the row, then over candidates
     scratch_row = scratch_ptr + r.to(tl.int64) * s_scr
     remaining = K + tl.zeros([], tl.int32)  # keys still to take at or below the current range
-    m = n  # candidates: every key of the range (all of the row at first)
-    src = key_row
-    it = tl.zeros([], tl.int32)
-    while lo < hi:
-        shift = _bucket_shift(lo, hi, BINS)
-        hist = tl.zeros([BINS], tl.int32)
-        m_ld = _load_bound(m, ALIGNED)
-        for c in range(0, m, BLOCK):
-            ok = c + offs < m
-            u = tl.load(src + c + offs, mask=c + offs < m_ld, other=0).to(tl.uint32, bitcast=True)
-            hist += tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=ok)
-        at_or_above = m - tl.cumsum(hist, axis=0) + hist  # keys in buckets >= d
-        pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1  # highest bucket crossing
-        remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
-        dst = scratch_row + (it % 2).to(tl.int64) * S
-        cnt = tl.zeros([], tl.int32)
-        nlo_v = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-        nhi_v = tl.zeros([BLOCK], tl.uint32)
-        for c in range(0, m, BLOCK):
-            ok = c + offs < m
-            u = tl.load(src + c + offs, mask=c + offs < m_ld, other=0).to(tl.uint32, bitcast=True)
-            sel = ok & (((u - lo) >> shift).to(tl.int32) == pick)
-            idx = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(dst + idx, u.to(tl.int32, bitcast=True), mask=sel)
-            cnt += tl.sum(sel.to(tl.int32), axis=0)
-            nlo_v = tl.minimum(nlo_v, tl.where(sel, u, 0xFFFFFFFF))
-            nhi_v = tl.maximum(nhi_v, tl.where(sel, u, 0))
-        tl.debug_barrier()  # the compacted candidates are read by other threads next round
-        lo = tl.min(nlo_v, axis=0)
-        hi = tl.max(nhi_v, axis=0)
-        m = cnt
-        src = dst
-        it += 1
+    if lo < hi:
+        lo, hi, m, remaining = _radix_round(key_row, n, lo, hi, remaining, scratch_row, BLOCK, BINS, ALIGNED)
+        src = scratch_row
+        it = tl.full([], 1, tl.int32)
+        while lo < hi:
+            dst = scratch_row + (it % 2).to(tl.int64) * S  # ping-pong halves of the scratch row
+            lo, hi, m, remaining = _radix_round(src, m, lo, hi, remaining, dst, CBLOCK, BINS, False)
+            src = dst
+            it += 1
 
     # 3. positions above the threshold and the first `need` ties, in position order
     need = remaining
@@ -262,7 +270,8 @@ def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num
 def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
                           num_seqs, row0, S, K, P, s_key, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
-                          BINS: tl.constexpr, BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
+                          BINS: tl.constexpr, BLOCK_P: tl.constexpr, CBLOCK: tl.constexpr,
+                          ALIGNED: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     s0 = p * BLOCK
@@ -302,37 +311,38 @@ def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_
             clo = tl.atomic_max(st + ST_CINV_LO, 0) ^ 0xFFFFFFFF
             chi = tl.atomic_max(st + ST_CHI, 0)
             remaining = K - tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+            coffs = tl.arange(0, CBLOCK)
             while clo < chi:
-                shift = _bucket_shift(clo, chi, BINS)
-                hist = tl.zeros([BINS], tl.int32)
-                for c in range(0, m, BLOCK):
-                    ok = c + offs < m
-                    u = _load_fresh(cand_row + c + offs, ok).to(tl.uint32, bitcast=True)
-                    inr = ok & (u >= clo) & (u <= chi)
-                    hist += tl.histogram(((u - clo) >> shift).to(tl.int32), BINS, mask=inr)
-                at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-                pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
-                remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
-                nlo_v = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-                nhi_v = tl.zeros([BLOCK], tl.uint32)
-                for c in range(0, m, BLOCK):
-                    ok = c + offs < m
-                    u = _load_fresh(cand_row + c + offs, ok).to(tl.uint32, bitcast=True)
-                    sel = ok & (u >= clo) & (u <= chi) & (((u - clo) >> shift).to(tl.int32) == pick)
-                    nlo_v = tl.minimum(nlo_v, tl.where(sel, u, 0xFFFFFFFF))
-                    nhi_v = tl.maximum(nhi_v, tl.where(sel, u, 0))
+                cshift = _bucket_shift(clo, chi, BINS)
+                chist = tl.zeros([BINS], tl.int32)
+                for c in range(0, m, CBLOCK):
+                    cok = c + coffs < m
+                    cu = _load_fresh(cand_row + c + coffs, cok).to(tl.uint32, bitcast=True)
+                    inr = cok & (cu >= clo) & (cu <= chi)
+                    chist += tl.histogram(((cu - clo) >> cshift).to(tl.int32), BINS, mask=inr)
+                cabove = tl.sum(chist, axis=0) - tl.cumsum(chist, axis=0) + chist
+                cpick = tl.sum((cabove >= remaining).to(tl.int32), axis=0) - 1
+                remaining -= tl.sum(tl.where(bins == cpick, cabove - chist, 0), axis=0)
+                nlo_v = tl.full([CBLOCK], 0xFFFFFFFF, tl.uint32)
+                nhi_v = tl.zeros([CBLOCK], tl.uint32)
+                for c in range(0, m, CBLOCK):
+                    cok = c + coffs < m
+                    cu = _load_fresh(cand_row + c + coffs, cok).to(tl.uint32, bitcast=True)
+                    csel = cok & (cu >= clo) & (cu <= chi) & (((cu - clo) >> cshift).to(tl.int32) == cpick)
+                    nlo_v = tl.minimum(nlo_v, tl.where(csel, cu, 0xFFFFFFFF))
+                    nhi_v = tl.maximum(nhi_v, tl.where(csel, cu, 0))
                 clo = tl.min(nlo_v, axis=0)
                 chi = tl.max(nhi_v, axis=0)
             # every segment's first output slot: keys above Tk and ties before it, in earlier segments
             segs = tl.arange(0, BLOCK_P)
             above = tl.zeros([BLOCK_P], tl.int32)
             ties = tl.zeros([BLOCK_P], tl.int32)
-            for c in range(0, m, BLOCK):
-                ok = c + offs < m
-                u = _load_fresh(cand_row + c + offs, ok).to(tl.uint32, bitcast=True)
-                sg = _load_fresh(cand_row + S + c + offs, ok) // BLOCK
-                above += tl.histogram(sg, BLOCK_P, mask=ok & (u > clo))
-                ties += tl.histogram(sg, BLOCK_P, mask=ok & (u == clo))
+            for c in range(0, m, CBLOCK):
+                cok = c + coffs < m
+                cu = _load_fresh(cand_row + c + coffs, cok).to(tl.uint32, bitcast=True)
+                sg = _load_fresh(cand_row + S + c + coffs, cok) // BLOCK
+                above += tl.histogram(sg, BLOCK_P, mask=cok & (cu > clo))
+                ties += tl.histogram(sg, BLOCK_P, mask=cok & (cu == clo))
             above += _load_fresh(seg_row + segs, segs < nseg)
             tl.store(seg_row + P + segs, tl.cumsum(above, axis=0) - above, mask=segs < P)
             tl.store(seg_row + 2 * P + segs, tl.cumsum(ties, axis=0) - ties, mask=segs < P)
@@ -394,7 +404,8 @@ def _select_split(keys, out, row0, topk, lens, cu_q, seq_lens, row_lens, block_b
     _split_range_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), **meta)
     _split_hist_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), BINS=bins, **meta)
     _split_compact_kernel[(R, P)](keys, stats, seg, cand, *rows, P, keys.stride(0), stats.stride(0),
-                                  seg.stride(0), cand.stride(0), BINS=bins, BLOCK_P=pow2(P, 32), **meta)
+                                  seg.stride(0), cand.stride(0), BINS=bins, BLOCK_P=pow2(P, 32),
+                                  CBLOCK=min(block, CAND_BLOCK), **meta)
     _split_write_kernel[(R, P)](keys, stats, seg, out, *rows, P, keys.stride(0), stats.stride(0),
                                 seg.stride(0), out.stride(0), **meta)
 
@@ -442,7 +453,7 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     _radix_topk_kernel[(R,)](
         keys, scratch, out, lengths, cu_seqlens_q, seq_lens,
         seq_lens.shape[0], row0, S, topk, keys.stride(0), scratch.stride(0), out.stride(0),
-        ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins,
+        ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins, CBLOCK=min(block, CAND_BLOCK),
         ALIGNED=S % 4 == 0 and keys.stride(0) % 4 == 0, num_warps=num_warps,
     )
 
