@@ -6,7 +6,8 @@ The scoring kernel writes, per (token, causally valid position), one int32 *orde
 equal scores have equal keys). The radix-select kernel of :mod:`~atomtool.serve.ops.triton.topk` then
 picks, per row, the top-K keys among positions ``0..pos(t)``, ties toward the lowest position, exactly
 the reference's stable sort (dsa.md §5.6, pitfall 12: ReLU plateaus of exact zeros), and writes them in
-ascending position order, -1 padded. Two launches per row chunk, no host sync: all shapes come from
+ascending position order, -1 padded. Per row chunk: the scoring launch, then one selection launch (many
+rows) or four plus a memset (few wide rows, split across programs). No host sync: all shapes come from
 tensor shapes (the key width is ``max_blocks * block_size``), so decode can be captured in a CUDA graph.
 """
 

@@ -19,10 +19,15 @@ positions cost ~80 us per layer at decode. Here one program per row does, in a s
    ``(hi - lo) >> shift < BINS``), the bucket where the count of larger keys crosses the remaining ``k``,
    and a stream compaction of that bucket's keys into a scratch row (ping-pong halves) together with
    their exact min/max, until ``lo == hi``. That value is the threshold ``Tk``; ``need`` = how many keys
-   equal to ``Tk`` are taken. The first step reads the whole row; later ones only the (usually tiny)
-   candidate list. A plateau of equal scores (ReLU zeros) ends at once: its min equals its max;
+   equal to ``Tk`` are taken. The first round reads the whole row in chunks of ``BLOCK``; later ones only
+   the (usually small) candidate list, in chunks of ``CAND_BLOCK``. A plateau of equal scores (ReLU
+   zeros) ends at once: its min equals its max;
 3. one pass in position order writes every position with ``u > Tk`` and the first ``need`` with
    ``u == Tk`` to its rank among the taken (one packed cumsum), so the output is ascending by construction.
+
+Few long rows (decode at small batch) would leave most SMs idle, so there the same algorithm runs split:
+one program per ``BLOCK`` positions of a row, four launches (see "split rows" below). ``select_rows``
+picks the mode from shapes only (rows < ``SPLIT_MAX_ROWS`` and width >= ``SPLIT_MIN_WIDTH``).
 
 No host sync: ``n`` per row comes from device tensors (``cu_seqlens_q``/``seq_lens`` or explicit lengths),
 every launch size from tensor shapes, so the selection can be captured in a CUDA graph.
