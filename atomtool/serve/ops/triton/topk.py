@@ -154,7 +154,6 @@ def _radix_topk_kernel(
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
     t = row0 + r
     n = _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
-    n_ld = _load_bound(n, ALIGNED)
     key_row = key_ptr + r.to(tl.int64) * s_key
     out_row = out_ptr + t.to(tl.int64) * s_out
     offs = tl.arange(0, BLOCK)
@@ -170,9 +169,9 @@ def _radix_topk_kernel(
     hi_v = tl.zeros([BLOCK], tl.uint32)
     for c in range(0, n, BLOCK):
         ok = c + offs < n
-        u = tl.load(key_row + c + offs, mask=c + offs < n_ld, other=0).to(tl.uint32, bitcast=True)
+        u = _load_keys(key_row, c + offs, n, ALIGNED)
         lo_v = tl.minimum(lo_v, tl.where(ok, u, 0xFFFFFFFF))
-        hi_v = tl.maximum(hi_v, u)
+        hi_v = tl.maximum(hi_v, tl.where(ok, u, 0))
     lo = tl.min(lo_v, axis=0)
     hi = tl.max(hi_v, axis=0)
 
@@ -196,7 +195,7 @@ def _radix_topk_kernel(
     for c in range(0, n, BLOCK):
         s = c + offs
         ok = s < n
-        u = tl.load(key_row + s, mask=s < n_ld, other=0).to(tl.uint32, bitcast=True)
+        u = _load_keys(key_row, s, n, ALIGNED)
         gt = ok & (u > lo)
         eq = ok & (u == lo)
         packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # BLOCK < 2^15: no carry into the eq half
@@ -245,7 +244,7 @@ def _split_range_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, nu
     u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
     st = (stats_ptr + r.to(tl.int64) * s_st).to(tl.pointer_type(tl.uint32))
     tl.atomic_max(st + ST_INV_LO, tl.max(tl.where(ok, u ^ 0xFFFFFFFF, 0), axis=0))
-    tl.atomic_max(st + ST_HI, tl.max(u, axis=0))
+    tl.atomic_max(st + ST_HI, tl.max(tl.where(ok, u, 0), axis=0))
 
 
 @triton.jit
