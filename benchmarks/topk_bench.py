@@ -13,7 +13,9 @@ graph-captured decode), the ratio old / ours, and whether both selections are eq
 
 Variants of ours: ``--split off`` (one program per row), ``on`` (several programs per row, 4 launches),
 ``auto`` (``select_rows``' own choice), ``both`` (off and on, the default); ``--sweep`` times a grid of
-split x block x num_warps x bins and prints the 10 fastest per (T, S), to pick the module defaults.
+split x block (1024, 2048, 4096) x num_warps (4, 8, 16) x bins (32, 64, 128) and prints the 10 fastest per
+(T, S), to pick the module defaults (54 variants, mostly compile time: several minutes; ``--block``,
+``--num-warps`` or ``--bins`` pin an axis).
 
 Run: ``python -m benchmarks.topk_bench [--rows 1,8,64] [--ctx 4096,32768] [--topk 2048] [--iters 50]
 [--dist relu|ties|zeros] [--split both] [--block 2048] [--bins 64] [--num-warps 8] [--sweep] [--no-graph]``;
@@ -184,9 +186,10 @@ def print_table(results: list[dict], top: int | None = None) -> None:
 def make_variants(args: argparse.Namespace) -> dict[str, dict]:
     """name -> select_rows tuning: the --split choice(s) with the given/default tuning, or the --sweep grid."""
     splits = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.split]
-    if args.sweep:
-        grid = [(sp, b, w, nb) for sp in (False, True) for b in (1024, 2048, 4096) for w in (4, 8, 16)
-                for nb in (32, 64, 128)]
+    if args.sweep:  # a given --block / --num-warps / --bins pins that axis of the grid
+        grid = [(sp, b, w, nb) for sp in (False, True) for b in ([args.block] if args.block else (1024, 2048, 4096))
+                for w in ([args.num_warps] if args.num_warps else (4, 8, 16))
+                for nb in ([args.bins] if args.bins else (32, 64, 128))]
         return {f"split={int(sp)} block={b} warps={w} bins={nb}": {"split": sp, "block": b, "num_warps": w, "bins": nb}
                 for sp, b, w, nb in grid}
     fixed = {k: v for k, v in (("block", args.block), ("bins", args.bins), ("num_warps", args.num_warps))

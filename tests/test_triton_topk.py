@@ -232,5 +232,7 @@ def test_topk_bench_sweep_grid_and_variants():
     grid = make_variants(parse_args(["--sweep"]))
     assert len(grid) == 2 * 3 * 3 * 3
     assert {v["split"] for v in grid.values()} == {False, True}
+    pinned = make_variants(parse_args(["--sweep", "--bins", "64", "--num-warps", "8"]))
+    assert len(pinned) == 2 * 3 and {(v["bins"], v["num_warps"]) for v in pinned.values()} == {(64, 8)}
     assert make_variants(parse_args(["--split", "auto", "--block", "1024"])) == {
         "split=auto": {"split": None, "block": 1024}}
