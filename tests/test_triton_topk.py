@@ -131,6 +131,12 @@ def test_topk_wider_than_the_rows_and_one_chunk_per_row():
         _check(x, [50, 49, 3], 49, split=split, block=16)
 
 
+def test_zero_rows_or_zero_topk():
+    keys = T.orderable_keys(torch.randn(3, 20))
+    assert T.topk_positions(keys, torch.tensor([20, 5, 0], dtype=torch.int32), 0).shape == (3, 0)
+    assert T.topk_positions(keys[:0], torch.zeros(0, dtype=torch.int32), 4).shape == (0, 4)
+
+
 def test_keys_past_a_rows_length_are_never_read():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 200, generator=g)

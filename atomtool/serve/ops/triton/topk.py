@@ -434,7 +434,7 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     bins = BINS if bins is None else bins
     num_warps = NUM_WARPS if num_warps is None else num_warps
     R, S = keys.shape
-    if R == 0:
+    if R == 0 or topk == 0:
         return
     if keys.dtype != torch.int32 or keys.stride(-1) != 1:
         raise ValueError("select_rows: keys must be int32 with a contiguous last dim")
