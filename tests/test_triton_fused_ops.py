@@ -1,11 +1,12 @@
 """The fused ops (atomtool/serve/ops/triton/fused_rope.py, fused_norm.py) vs their torch references, on CPU
 under Triton's interpreter (TRITON_INTERPRET=1).
 
-``mla_kv_store`` / ``indexer_k_store`` / ``rotary_embedding_prefix`` / ``add_rms_norm`` replace compositions
-of reference ops (norm, rotary, concatenation, cache store, add) by one kernel each (issue 7). Checked here:
-both rotary pairings, padding slots (-1: nothing written), a kv row that is a column slice of a wider
-projection output, odd widths (masking), the indexer without rope, float32 tight and bf16 loose (the
-interpreter rounds bf16 stores by truncation, see tests/test_triton_ops.py), and the shape errors.
+``mla_rope_store`` / ``indexer_rope_store`` / ``add_rms_norm`` replace compositions of reference ops (norm,
+rotary, concatenation, cache store, cast, add) by one kernel each (issue 7). Checked here: both rotary
+pairings, padding slots (-1: nothing written), rows that are column slices of a wider projection output,
+odd widths and head counts over one head program (masking), the indexer with rope on part of the head, all
+of it and none, float32 tight and bf16 loose (the interpreter rounds bf16 stores by truncation, see
+tests/test_triton_ops.py), and the shape errors.
 """
 
 from __future__ import annotations
@@ -86,72 +87,72 @@ def _tables(T, half, seed=0):
 SLOTS = torch.tensor([5, -1, 0, 13, 7, -1])  # two padding tokens; slots across blocks
 
 
+def _untouched(cache, value=9.0):
+    nb, bs = cache.shape[:2]
+    rows = torch.ones(nb * bs, dtype=torch.bool)
+    rows[SLOTS[SLOTS >= 0]] = False
+    return bool((cache.reshape(nb * bs, -1)[rows] == value).all())
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_kv_store(interleaved, dtype):
-    T, R, P, nb, bs = 6, 24, 10, 4, 4  # R not a power of two (masked norm), P/2 = 5 odd
+def test_mla_rope_store(interleaved, dtype):
+    T, H, R, P, nb, bs = 6, 19, 24, 10, 4, 4  # 19 heads: two head programs; R not a power of two; P/2 odd
     g = torch.Generator().manual_seed(1)
     y = torch.randn(T, 7 + R + P + 3, generator=g).to(dtype)  # a wider fused projection row
     kv = y[:, 7:7 + R + P]
+    q = torch.randn(T, H, 5 + P, generator=g).to(dtype)  # rope slice after 5 nope dims: a strided view
     w = (1 + 0.1 * torch.randn(R, generator=g)).to(dtype)
     cos, sin = _tables(T, P // 2)
     got = torch.full((nb, bs, R + P), 9.0, dtype=dtype)
     want = got.clone()
-    tri.mla_kv_store(kv, w, 1e-6, cos, sin, interleaved, got, SLOTS)
-    ref.mla_kv_store(kv, w, 1e-6, cos, sin, interleaved, want, SLOTS)
+    q_got = tri.mla_rope_store(q[..., 5:], kv, w, 1e-6, cos, sin, interleaved, got, SLOTS)
+    q_want = ref.mla_rope_store(q[..., 5:], kv, w, 1e-6, cos, sin, interleaved, want, SLOTS)
     tol = (1e-5, 1e-5) if dtype == torch.float32 else (0.05, 0.02)
     _close(got, want, *tol)
-    untouched = torch.ones(nb * bs, dtype=torch.bool)
-    untouched[SLOTS[SLOTS >= 0]] = False
-    assert (got.view(nb * bs, -1)[untouched] == 9.0).all()
+    _close(q_got, q_want, *tol)
+    assert _untouched(got)
 
 
-def test_mla_kv_store_errors_and_empty():
+def test_mla_rope_store_errors_and_empty():
     cache = torch.zeros(2, 4, 12)
+    q = torch.randn(1, 2, 4)
     with pytest.raises(ValueError, match="do not fit latent cache"):
-        tri.mla_kv_store(torch.randn(1, 12), torch.ones(8), 1e-6, *_tables(1, 3), False, cache, SLOTS[:1])
+        tri.mla_rope_store(q, torch.randn(1, 12), torch.ones(8), 1e-6, *_tables(1, 3), False, cache, SLOTS[:1])
     with pytest.raises(ValueError, match="contiguous"):
-        tri.mla_kv_store(torch.randn(1, 12), torch.ones(8), 1e-6, *_tables(1, 2), False,
-                         torch.zeros(2, 12, 4).transpose(1, 2), SLOTS[:1])
-    tri.mla_kv_store(torch.randn(0, 12), torch.ones(8), 1e-6, *_tables(0, 2), False, cache, SLOTS[:0])
-    assert (cache == 0).all()
+        tri.mla_rope_store(q, torch.randn(1, 12), torch.ones(8), 1e-6, *_tables(1, 2), False,
+                           torch.zeros(2, 12, 4).transpose(1, 2), SLOTS[:1])
+    out = tri.mla_rope_store(q[:0], torch.randn(0, 12), torch.ones(8), 1e-6, *_tables(0, 2), False, cache,
+                             SLOTS[:0])
+    assert out.shape == (0, 2, 4) and (cache == 0).all()
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rope", [10, 0])
-def test_indexer_k_store(interleaved, dtype, rope):
-    T, D, nb, bs = 6, 40, 4, 4
+@pytest.mark.parametrize("rope", [10, 40, 0])  # part of the head, all of it, none
+def test_indexer_rope_store(interleaved, dtype, rope):
+    T, H, D, nb, bs = 6, 19, 40, 4, 4
     g = torch.Generator().manual_seed(2)
     y = (3 + torch.randn(T, D + 9, generator=g)).to(dtype)  # non-zero mean: the centering matters
     k = y[:, 5:5 + D]
-    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
-    b = (0.1 * torch.randn(D, generator=g)).to(dtype)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    w_raw = torch.randn(T, H + 3, generator=g).to(dtype)[:, 3:]
+    lw = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    lb = (0.1 * torch.randn(D, generator=g)).to(dtype)
     cos, sin = _tables(T, rope // 2) if rope else (None, None)
     got = torch.full((nb, bs, D), 9.0, dtype=dtype)
     want = got.clone()
-    tri.indexer_k_store(k, w, b, 1e-6, cos, sin, interleaved, got, SLOTS)
-    ref.indexer_k_store(k, w, b, 1e-6, cos, sin, interleaved, want, SLOTS)
+    q_got, w_got = tri.indexer_rope_store(q, k, w_raw, 0.0625, lw, lb, 1e-6, cos, sin, interleaved, got, SLOTS)
+    q_want, w_want = ref.indexer_rope_store(q, k, w_raw, 0.0625, lw, lb, 1e-6, cos, sin, interleaved, want,
+                                            SLOTS)
     tol = (1e-5, 1e-5) if dtype == torch.float32 else (0.05, 0.02)
     _close(got, want, *tol)
+    _close(q_got, q_want, *tol)
+    _close(w_got, w_want, 0.0)  # float32(w_raw) * scale: exact
+    assert _untouched(got)
 
 
-def test_indexer_k_store_errors():
+def test_indexer_rope_store_errors():
     with pytest.raises(ValueError, match="do not fit index_k cache"):
-        tri.indexer_k_store(torch.randn(2, 8), torch.ones(8), torch.zeros(8), 1e-6, *_tables(2, 5), False,
-                            torch.zeros(2, 4, 8), SLOTS[:2])
-
-
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_rotary_embedding_prefix(interleaved):
-    T, H, D, R = 5, 19, 22, 8  # 19 heads: two head blocks
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(T, H, D, generator=g)
-    cos, sin = _tables(T, R // 2)
-    _close(tri.rotary_embedding_prefix(x, cos, sin, interleaved),
-           ref.rotary_embedding_prefix(x, cos, sin, interleaved), 1e-6, 1e-6)
-    xb = torch.randn(T, H, D + 6, generator=g).bfloat16()[..., 3:3 + D]  # strided heads
-    _close(tri.rotary_embedding_prefix(xb, cos, sin, interleaved),
-           ref.rotary_embedding_prefix(xb, cos, sin, interleaved), 0.05, 0.02)
-    with pytest.raises(ValueError, match="do not fit head dim 22"):
-        tri.rotary_embedding_prefix(x, *_tables(T, 12))
+        tri.indexer_rope_store(torch.randn(2, 3, 8), torch.randn(2, 8), torch.randn(2, 3), 1.0, torch.ones(8),
+                               torch.zeros(8), 1e-6, *_tables(2, 5), False, torch.zeros(2, 4, 8), SLOTS[:2])

@@ -1,4 +1,4 @@
-"""The issue-7 fused ops (``mla_kv_store``, ``indexer_k_store``, ``rotary_embedding_prefix``, ``add_rms_norm``),
+"""The issue-7 fused ops (``mla_rope_store``, ``indexer_rope_store``, ``add_rms_norm``),
 compiled on a CUDA GPU, against their torch references at DeepSeek-V3.2 sizes (kv_lora_rank 512 + rope 64,
 index head 128 with rope 64, 64 index heads, hidden 7168), bf16.
 
@@ -43,61 +43,67 @@ def _slots(T, nslots, g):
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_mla_kv_store_bf16(tri, interleaved):
+def test_mla_rope_store_bf16(tri, interleaved):
     t, fr, _ = tri
     g = torch.Generator().manual_seed(0)
-    T, R, P, nb, bs = 67, 512, 64, 40, 64
+    T, H, R, P, nb, bs = 67, 128, 512, 64, 40, 64
     y = torch.randn(T, 1536 + R + P + 192, generator=g).to(DEV, BF16)
     kv = y[:, 1536:1536 + R + P]
+    q_pe = torch.randn(T, H, 128 + P, generator=g).to(DEV, BF16)[..., 128:]
     w = (1 + 0.1 * torch.randn(R, generator=g)).to(DEV, BF16)
     cos, sin = _tables(T, P // 2, g)
     slots = _slots(T, nb * bs, g)
     got = torch.zeros(nb, bs, R + P, dtype=BF16, device=DEV)
     want, unfused = got.clone(), got.clone()
-    fr.mla_kv_store(kv, w, 1e-6, cos, sin, interleaved, got, slots)
-    ref.mla_kv_store(kv, w, 1e-6, cos, sin, interleaved, want, slots)
+    q_got = fr.mla_rope_store(q_pe, kv, w, 1e-6, cos, sin, interleaved, got, slots)
+    q_want = ref.mla_rope_store(q_pe, kv, w, 1e-6, cos, sin, interleaved, want, slots)
     _close(got, want, 1e-2, 1e-2)
+    _close(q_got, q_want, 1e-2, 1e-2)
     # the unfused Triton ops it replaces: same arithmetic, same bits
     c_kv = t.rms_norm(kv[:, :R], w, 1e-6)
     k_pe = t.rotary_embedding(kv[:, None, R:], cos, sin, interleaved)[:, 0]
     t.store_cache(torch.cat((c_kv, k_pe), -1), unfused, slots)
     assert torch.equal(got, unfused)
+    assert torch.equal(q_got, t.rotary_embedding(q_pe, cos, sin, interleaved))
     alone = torch.zeros_like(got)
-    fr.mla_kv_store(kv[5:6], w, 1e-6, cos[5:6], sin[5:6], interleaved, alone, slots[5:6])
+    q_alone = fr.mla_rope_store(q_pe[5:6], kv[5:6], w, 1e-6, cos[5:6], sin[5:6], interleaved, alone, slots[5:6])
     s = int(slots[5])
-    assert torch.equal(alone.view(-1, R + P)[s], got.view(-1, R + P)[s])
+    assert s >= 0 and torch.equal(alone.view(-1, R + P)[s], got.view(-1, R + P)[s])
+    assert torch.equal(q_alone[0], q_got[5])
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_indexer_k_store_bf16(tri, interleaved):
-    _, fr, _ = tri
+def test_indexer_rope_store_bf16(tri, interleaved):
+    t, fr, _ = tri
     g = torch.Generator().manual_seed(1)
-    T, D, nb, bs = 67, 128, 40, 64
+    T, H, D, nb, bs = 67, 64, 128, 40, 64
     k = (2 + torch.randn(T, D + 64, generator=g)).to(DEV, BF16)[:, 64:]
-    w = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV, BF16)
-    b = (0.1 * torch.randn(D, generator=g)).to(DEV, BF16)
+    q = torch.randn(T, H, D, generator=g).to(DEV, BF16)
+    w_raw = torch.randn(T, H, generator=g).to(DEV, BF16)
+    lw = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV, BF16)
+    lb = (0.1 * torch.randn(D, generator=g)).to(DEV, BF16)
     cos, sin = _tables(T, 32, g)
     slots = _slots(T, nb * bs, g)
+    scale = 64 ** -0.5 * 128 ** -0.5
     got = torch.zeros(nb, bs, D, dtype=BF16, device=DEV)
     want = got.clone()
-    fr.indexer_k_store(k, w, b, 1e-6, cos, sin, interleaved, got, slots)
-    ref.indexer_k_store(k, w, b, 1e-6, cos, sin, interleaved, want, slots)
+    q_got, w_got = fr.indexer_rope_store(q, k, w_raw, scale, lw, lb, 1e-6, cos, sin, interleaved, got, slots)
+    q_want, w_want = ref.indexer_rope_store(q, k, w_raw, scale, lw, lb, 1e-6, cos, sin, interleaved, want, slots)
     _close(got, want, 1e-2, 1e-2)
+    assert torch.equal(q_got[..., :64], t.rotary_embedding(q[..., :64], cos, sin, interleaved))
+    assert torch.equal(q_got[..., 64:], q[..., 64:])
+    _close(q_got, q_want, 1e-2, 1e-2)
+    assert torch.equal(w_got, w_want)
     alone = torch.zeros_like(got)
-    fr.indexer_k_store(k[9:10], w, b, 1e-6, cos[9:10], sin[9:10], interleaved, alone, slots[9:10])
+    fr.indexer_rope_store(q[9:10], k[9:10], w_raw[9:10], scale, lw, lb, 1e-6, cos[9:10], sin[9:10], interleaved,
+                          alone, slots[9:10])
     s = int(slots[9])
     assert s >= 0 and torch.equal(alone.view(-1, D)[s], got.view(-1, D)[s])
 
 
-def test_rotary_prefix_and_add_rms_norm_bf16(tri):
-    t, fr, fn = tri
+def test_add_rms_norm_bf16(tri):
+    t, _, fn = tri
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(33, 64, 128, generator=g).to(DEV, BF16)
-    cos, sin = _tables(33, 32, g)
-    out = fr.rotary_embedding_prefix(q, cos, sin, False)
-    _close(out, ref.rotary_embedding_prefix(q, cos, sin, False), 1e-2, 1e-2)
-    assert torch.equal(out[..., :64], t.rotary_embedding(q[..., :64], cos, sin, False))
-    assert torch.equal(out[..., 64:], q[..., 64:])
     x, e, r = (torch.randn(33, 7168, generator=g).to(DEV, BF16) for _ in range(3))
     w = (1 + 0.1 * torch.randn(7168, generator=g)).to(DEV, BF16)
     o, s = fn.add_rms_norm(x, e, w, 1e-6, r)
@@ -113,8 +119,10 @@ def test_fused_ops_replay_in_a_cuda_graph(tri):
     g = torch.Generator().manual_seed(3)
     T = 8
     kv = torch.randn(T, 576, generator=g).to(DEV, BF16)
+    q_pe = torch.randn(T, 128, 64, generator=g).to(DEV, BF16)
     k = torch.randn(T, 128, generator=g).to(DEV, BF16)
     q = torch.randn(T, 64, 128, generator=g).to(DEV, BF16)
+    w_raw = torch.randn(T, 64, generator=g).to(DEV, BF16)
     x, e, r = (torch.randn(T, 7168, generator=g).to(DEV, BF16) for _ in range(3))
     w512, w7168 = torch.ones(512, dtype=BF16, device=DEV), torch.ones(7168, dtype=BF16, device=DEV)
     lnw, lnb = torch.ones(128, dtype=BF16, device=DEV), torch.zeros(128, dtype=BF16, device=DEV)
@@ -124,19 +132,19 @@ def test_fused_ops_replay_in_a_cuda_graph(tri):
     idx = torch.zeros(4, 16, 128, dtype=BF16, device=DEV)
 
     def step():
-        fr.mla_kv_store(kv, w512, 1e-6, cos, sin, True, lat, slots)
-        fr.indexer_k_store(k, lnw, lnb, 1e-6, cos, sin, False, idx, slots)
-        return fr.rotary_embedding_prefix(q, cos, sin, False), fn.add_rms_norm(x, e, w7168, 1e-6, r)
+        qp = fr.mla_rope_store(q_pe, kv, w512, 1e-6, cos, sin, True, lat, slots)
+        qi, wi = fr.indexer_rope_store(q, k, w_raw, 0.01, lnw, lnb, 1e-6, cos, sin, False, idx, slots)
+        return [qp, qi, wi, *fn.add_rms_norm(x, e, w7168, 1e-6, r)]
 
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
-    for src in (kv, k, q, x, e, r):
+    for src in (kv, q_pe, k, q, w_raw, x, e, r):
         src.copy_(torch.randn(src.shape, generator=g).to(DEV, BF16))
     graph.replay()
-    replay = [lat.clone(), idx.clone(), outs[0].clone(), outs[1][0].clone(), outs[1][1].clone()]
-    eager_q, (eager_o, eager_s) = step()
-    for a, b in zip(replay, [lat, idx, eager_q, eager_o, eager_s], strict=True):
+    replay = [lat.clone(), idx.clone()] + [o.clone() for o in outs]
+    eager = step()
+    for a, b in zip(replay, [lat, idx, *eager], strict=True):
         assert torch.equal(a, b)

@@ -77,10 +77,6 @@ class Indexer(nn.Module):
             self.weights_proj = lin("weights_proj", hidden, self.n_heads)
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
         self._w_heads32: torch.Tensor | None = None  # fp32 weights_proj (post_load), non-fused layout only
-        # the scale as a 1-element float32 tensor: ``w_raw * it`` promotes a bf16 w_raw to float32 inside the
-        # multiply (one kernel), with the same float32 product as ``w_raw.float() * weight_scale`` (two)
-        self.register_buffer("_weight_scale", torch.tensor([self.weight_scale], dtype=torch.float32,
-                                                           device=device), persistent=False)
 
     def post_load(self) -> None:
         """Cache the float32 ``weights_proj`` of a bf16/fp16 model (non-fused layout; see
@@ -104,17 +100,15 @@ class Indexer(nn.Module):
             k_raw = self.wk(x)
             w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
                      else self.weights_proj(x))
-        r = self.rope_dim
-        # LayerNorm (float32) + "pe first" rotary + store: one fused op
-        get_op("indexer_k_store", dev)(k_raw, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps,
-                                       cos if r else None, sin if r else None, self.interleaved,
-                                       index_k_cache, batch.slot_mapping)
         T = x.shape[0]
         q = self.wq_b(c_q).view(T, self.n_heads, self.head_dim)
-        if r:
-            q = get_op("rotary_embedding_prefix", dev)(q, cos, sin, self.interleaved)
+        r = self.rope_dim
+        # one fused op: LayerNorm (float32) + "pe first" rope + store of the keys, the same rope on the queries,
+        # the float32 scaled head weights
+        q, weights = get_op("indexer_rope_store", dev)(
+            q, k_raw, w_raw, self.weight_scale, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps,
+            cos if r else None, sin if r else None, self.interleaved, index_k_cache, batch.slot_mapping)
         if max(batch.seq_lens_cpu) <= self.topk:
             return None
-        weights = w_raw * self._weight_scale  # float32 before scaling (dsa.md §5.2): promoted in the multiply
         return get_op("indexer_topk", dev)(q, weights, index_k_cache, batch.cu_seqlens_q, batch.seq_lens,
                                            batch.block_tables, self.topk)

@@ -161,7 +161,6 @@ class MLAAttention(nn.Module):
         the indexer's; kv_cache: this layer's planes; prev_topk: the previous full layer's selection
         (used by shared layers). Returns (out [T, hidden], the top-k this layer used or None for dense)."""
         dev = x.device
-        rotary = get_op("rotary_embedding", dev)
         T = x.shape[0]
         H = self.num_heads
         if self._w_kvb is None:
@@ -169,12 +168,12 @@ class MLAAttention(nn.Module):
         y = self.fused_qkv_a_proj(x)
         c_q = self.q_a_layernorm(self._part(y, Q_A))
         latent = kv_cache["latent"]
-        # cache row [RMSNorm(c_kv) | rope(k_pe)] written by one fused op (norm + rotary + store)
-        get_op("mla_kv_store", dev)(self._part(y, KV_A), self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
-                                    cos, sin, self.rope_interleaved, latent, batch.slot_mapping)
         q = self.q_b_proj(c_q).view(T, H, self.nope + self.rope)
         q_nope = q[..., : self.nope]
-        q_pe = rotary(q[..., self.nope:], cos, sin, self.rope_interleaved)
+        # one fused op: rope(q_pe), and the cache row [RMSNorm(c_kv) | rope(k_pe)] stored at the token's slot
+        q_pe = get_op("mla_rope_store", dev)(q[..., self.nope:], self._part(y, KV_A), self.kv_a_layernorm.weight,
+                                             self.kv_a_layernorm.eps, cos, sin, self.rope_interleaved, latent,
+                                             batch.slot_mapping)
 
         topk = None
         if self.role == "full":

@@ -7,9 +7,9 @@ Math: research/dsa.md §5 (MLA absorbed form, indexer, selection, sparse attenti
 ``noaux_tc`` router (HF transformers ``DeepseekV3TopkRouter``, whose float32 computation these mirror).
 
 Registered in the op dispatch (:func:`atomtool.serve.ops.get_op`) under the names ``mla_attention``,
-``indexer_topk``, ``grouped_topk``, ``fused_moe``, and the fused cache writes ``mla_kv_store`` /
-``indexer_k_store``, ``rotary_embedding_prefix`` and ``add_rms_norm`` (compositions of torch_ref ops, one
-kernel each on the Triton backend).
+``indexer_topk``, ``grouped_topk``, ``fused_moe``, and the fused per-token prologues ``mla_rope_store`` /
+``indexer_rope_store`` and ``add_rms_norm`` (compositions of torch_ref ops, one kernel each on the Triton
+backend).
 """
 
 from __future__ import annotations
@@ -180,51 +180,53 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
-def mla_kv_store(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 interleaved: bool, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's MLA latent rows ``[RMSNorm(c_kv) | rope(k_pe)]`` into the latent plane, in place.
+def mla_rope_store(q_pe: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, latent_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> torch.Tensor:
+    """MLA's per-token work between its projections and attention, as one op: the query rope, and the latent
+    cache row ``[RMSNorm(c_kv) | rope(k_pe)]`` written to its slot (DeepSeek-V2 §2.1; HF ``kv_a_layernorm`` +
+    ``apply_rotary_pos_emb``).
 
-    One op for what MLA does between its fused down-projection and attention (DeepSeek-V2 §2.1; HF
-    ``kv_a_layernorm`` + ``apply_rotary_pos_emb`` on k_pe): exactly :func:`rms_norm` of the first R dims,
-    :func:`rotary_embedding` of the last P dims, :func:`store_cache` of their concatenation (fused so a
-    decode step does not launch a norm, a rotary, a concatenation and a store per layer).
+    Exactly :func:`rotary_embedding` of q_pe, and :func:`store_cache` of the concatenation of
+    :func:`rms_norm` of kv's first R dims and :func:`rotary_embedding` of its last P dims (fused so a decode
+    step does not launch two rotaries, a norm, a concatenation and a store per layer).
 
-    kv: [T, R + P] (``kv_a_proj_with_mqa`` output, a column slice of a wider row is fine); norm_weight: [R];
-    cos, sin: [T, P/2] float32; latent_cache: [N, bs, R + P]; slot_mapping: [T] int64 (``-1`` skipped).
+    q_pe: [T, H, P] (the rope slice of the query heads, a view is fine); kv: [T, R + P]
+    (``kv_a_proj_with_mqa`` output, a column slice of a wider row is fine); norm_weight: [R]; cos, sin:
+    [T, P/2] float32; latent_cache: [N, bs, R + P]; slot_mapping: [T] int64 (``-1``: not stored).
+    Returns the rotated q_pe [T, H, P] (a new tensor, q_pe's dtype).
     """
     R = norm_weight.shape[0]
     c_kv = rms_norm(kv[:, :R], norm_weight, eps)
     k_pe = rotary_embedding(kv[:, None, R:], cos, sin, interleaved)[:, 0]
     store_cache(torch.cat((c_kv, k_pe), dim=-1), latent_cache, slot_mapping)
+    return rotary_embedding(q_pe, cos, sin, interleaved)
 
 
-def indexer_k_store(k_raw: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                    cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool,
-                    index_k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's DSA index keys ``rope(LayerNorm(k_raw))`` into the ``index_k`` plane, in place.
+def indexer_rope_store(q: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor, weight_scale: float,
+                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, cos: torch.Tensor | None,
+                       sin: torch.Tensor | None, interleaved: bool, index_k_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DSA lightning indexer's per-token work before scoring, as one op (HF ``DeepseekV32Indexer``).
 
-    HF ``DeepseekV32Indexer``: ``k = k_norm(wk(x))`` (LayerNorm with bias, computed here in float32 and
-    rounded to k_raw's dtype), then rotary on the *first* ``R = 2 * cos.shape[-1]`` dims ("pe first"; none
-    when cos is None), stored with :func:`store_cache`.
+    - keys: ``k = LayerNorm(k_raw)`` (with bias; computed in float32, rounded to k_raw's dtype), rotary on
+      its *first* ``R = 2 * cos.shape[-1]`` dims ("pe first"; none when cos is None), stored to the
+      ``index_k`` plane with :func:`store_cache`;
+    - queries: the same rope on the first R dims of every head, the rest unchanged;
+    - head weights: ``float32(w_raw) * weight_scale`` (dsa.md §5.2: float32 before scaling).
 
-    k_raw: [T, Di]; weight, bias: [Di]; cos, sin: [T, R/2] float32 or None; index_k_cache: [N, bs, Di];
-    slot_mapping: [T] int64 (``-1`` skipped).
+    q: [T, Hi, Di]; k_raw: [T, Di]; w_raw: [T, Hi] (any float dtype); ln_weight, ln_bias: [Di];
+    cos, sin: [T, R/2] float32 or None; index_k_cache: [N, bs, Di]; slot_mapping: [T] int64 (``-1`` skipped).
+    Returns (rotated q [T, Hi, Di] in q's dtype, weights [T, Hi] float32).
     """
     D = k_raw.shape[-1]
-    k = F.layer_norm(k_raw.float(), (D,), weight.float(), bias.float(), eps).to(k_raw.dtype)
+    k = F.layer_norm(k_raw.float(), (D,), ln_weight.float(), ln_bias.float(), eps).to(k_raw.dtype)
     if cos is not None and cos.shape[-1]:
         r = 2 * cos.shape[-1]
         k = torch.cat((rotary_embedding(k[:, None, :r], cos, sin, interleaved)[:, 0], k[:, r:]), dim=-1)
+        q = torch.cat((rotary_embedding(q[..., :r], cos, sin, interleaved), q[..., r:]), dim=-1)
     store_cache(k, index_k_cache, slot_mapping)
-
-
-def rotary_embedding_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            interleaved: bool = False) -> torch.Tensor:
-    """x: [T, H, D] -> a new [T, H, D] tensor whose first ``R = 2 * cos.shape[-1]`` dims of every head are
-    rotated (:func:`rotary_embedding`) and the other ``D - R`` copied: the DSA indexer's "pe first" query
-    rope in one op. Returns x's dtype."""
-    r = 2 * cos.shape[-1]
-    return torch.cat((rotary_embedding(x[..., :r], cos, sin, interleaved), x[..., r:]), dim=-1)
+    return q, w_raw.float() * weight_scale
 
 
 def add_rms_norm(x: torch.Tensor, extra: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -236,7 +238,7 @@ def add_rms_norm(x: torch.Tensor, extra: torch.Tensor, weight: torch.Tensor, eps
     return rms_norm(x + extra, weight, eps, residual)
 
 
-for _name, _fn in (("add_rms_norm", add_rms_norm), ("mla_attention", mla_attention), ("indexer_topk", indexer_topk),
-                   ("grouped_topk", grouped_topk), ("fused_moe", fused_moe), ("mla_kv_store", mla_kv_store),
-                   ("indexer_k_store", indexer_k_store), ("rotary_embedding_prefix", rotary_embedding_prefix)):
+for _name, _fn in (("mla_attention", mla_attention), ("indexer_topk", indexer_topk), ("grouped_topk", grouped_topk),
+                   ("fused_moe", fused_moe), ("mla_rope_store", mla_rope_store),
+                   ("indexer_rope_store", indexer_rope_store), ("add_rms_norm", add_rms_norm)):
     register_op(_name, "torch", _fn)
