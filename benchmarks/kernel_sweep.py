@@ -11,8 +11,9 @@ one's achieved bandwidth against the device copy bandwidth measured in the same 
   are rotated so no call is served from L2. Metric: step-weighted time, bytes / time.
 - Fused MoE at T = 1 and 8 (routing random, distinct experts per call), the routed experts of one layer
   (E = 256, hidden 7168, intermediate 2048, FP8 128x128 blocks).
+- Sparse MLA decode (split-KV kernel + merge) at batch 1 and 8: 128 heads, kv_lora_rank 512, top-k 2048.
 
-    python -m benchmarks.kernel_sweep [--quick] [--smoke]
+    python -m benchmarks.kernel_sweep [--quick] [--smoke] [--only linear|moe|mla]
 
 Prints one table per kernel and records rows in ``$BENCH_OUT/results.jsonl`` (bench ``kernel_sweep``).
 """
@@ -143,11 +144,47 @@ def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool) -> list[dict
     return rows
 
 
+def sweep_mla(device, candidates, copy_bw: float, smoke: bool) -> list[dict]:
+    """Sparse MLA decode (split-KV + merge) at batch 1 and 8: 128 heads, kv_lora_rank 512, rope 64, top-k 2048
+    of a 4096-token context (smoke: toy sizes). ``candidates``: (MlaDecodeConfig, SPLIT_CHUNK_SPARSE)."""
+    mla = importlib.import_module("atomtool.serve.ops.triton.mla")
+    H, R, P, K, ctx, bs = (128, 512, 64, 2048, 4096, 64) if not smoke else (16, 256, 32, 64, 200, 16)
+    gen = torch.Generator(device=device).manual_seed(2)
+    rows = []
+    default = (mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE)
+    for B in (1, 8):
+        blocks = B * (ctx // bs + 1)
+        latent = torch.randn(blocks, bs, R + P, device=device, dtype=torch.bfloat16, generator=gen)
+        bt = torch.randperm(blocks, device=device, generator=gen).to(torch.int32).view(B, -1)
+        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=device)
+        topk = torch.stack([torch.randperm(ctx, device=device, generator=gen)[:K].sort().values
+                            for _ in range(B)]).to(torch.int32)
+        qn = torch.randn(B, H, R, device=device, dtype=torch.bfloat16, generator=gen)
+        qp = torch.randn(B, H, P, device=device, dtype=torch.bfloat16, generator=gen)
+        nbytes = B * K * (R + P) * 2
+        args = (qn, qp, latent, cu, seq_lens, bt, 0.1, topk)
+        try:
+            for cfg, chunk in candidates:
+                mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE = cfg, chunk
+                try:
+                    t = _graph_time(lambda a=args: mla.mla_attention(*a), device)
+                except Exception as e:  # a tile that does not fit shared memory / registers
+                    print(f"  B={B} {cfg} chunk={chunk}: failed ({type(e).__name__})", flush=True)
+                    continue
+                rows.append(C.record("kernel_sweep", kernel="mla_decode", B=B, chunk=chunk, **vars(cfg), us=t * 1e6,
+                                     GBps=nbytes / t / 1e9))
+                print(f"  B={B} {cfg} chunk={chunk}: {t * 1e6:.1f} us", flush=True)
+        finally:
+            mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE = default
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU toy sizes under the Triton interpreter")
     ap.add_argument("--quick", action="store_true", help="a few candidates only")
-    ap.add_argument("--only", choices=["linear", "moe"], default=None)
+    ap.add_argument("--only", choices=["linear", "moe", "mla"], default=None)
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
     if device.type != "cuda" and not args.smoke:
@@ -157,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from atomtool.serve.ops.triton.linear import Fp8LinearConfig
+    from atomtool.serve.ops.triton.mla import MlaDecodeConfig
     from atomtool.serve.ops.triton.moe import MoeGemmConfig
 
     print("env", C.env_info(device))
@@ -181,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             moe = [MoeGemmConfig(block_n=bn, num_warps=4, num_stages=ns, swap_ab=sw)
                    for sw, bn, ns in itertools.product((False, True), (32, 64, 128), (3, 4))
                    if not (sw and bn == 32)]
+    if args.smoke:
+        mla_c = [(MlaDecodeConfig(), 128), (MlaDecodeConfig(block_h=32, block_n=16), 64)]
+    else:
+        mla_c = [(MlaDecodeConfig(block_h=bh, block_n=bn, num_warps=nw), ch)
+                 for bh, bn, nw, ch in itertools.product((16, 32, 64), (32, 64), (4, 8), (64, 128))]
     results = []
     if args.only in (None, "linear"):
         print(f"\n== FP8 linear at M=1, {len(lin)} configs")
@@ -194,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             best = min((r for r in mo if r["T"] == T), key=lambda r: r["us"])
             print(f"best moe T={T}: {best}")
         results += mo
+    if args.only in (None, "mla"):
+        print(f"\n== sparse MLA decode, {len(mla_c)} configs")
+        ml = sweep_mla(device, mla_c, copy_bw, args.smoke)
+        for B in (1, 8):
+            if any(r["B"] == B for r in ml):
+                print(f"best mla B={B}: {min((r for r in ml if r['B'] == B), key=lambda r: r['us'])}")
+        results += ml
     print(f"sweep done in {time.time() - t0:.0f} s")
     return 0
 

@@ -20,6 +20,8 @@ shapes only: CUDA-graph capturable. Workspace: B x chunks x H x (R + 2) float32 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -95,6 +97,25 @@ def _mla_kernel(
 SPLIT_CHUNK_SPARSE = 128
 SPLIT_SPAN_DENSE = 256
 SPLIT_CHUNKS_DENSE = 32
+
+
+@dataclass(frozen=True)
+class MlaDecodeConfig:
+    """Launch options of the split-KV decode kernel for wide latents (kv_lora_rank >= 256, e.g. DeepSeek's 512).
+
+    block_h: query heads per program; block_n: keys per inner step; num_warps / num_stages: Triton options.
+    None of them changes a row's chunking, so a row's bits do not depend on them beyond the dot's tile shape,
+    which is fixed for every batch. Tuned with ``python -m benchmarks.kernel_sweep --only mla``.
+    """
+
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+#: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
+MLA_DECODE_CONFIG = MlaDecodeConfig()
 
 
 @triton.jit
@@ -217,14 +238,15 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     n_chunks = max(1, triton.cdiv(K, SPLIT_CHUNK_SPARSE)) if sparse else SPLIT_CHUNKS_DENSE
     ws_acc = torch.empty((B, n_chunks, H, R), dtype=torch.float32, device=out.device)
     ws_ml = torch.empty((B, n_chunks, H, 2), dtype=torch.float32, device=out.device)
-    block_h = min(pow2(H, 16), 16 if r_pad >= 256 else 32)
+    cfg = MLA_DECODE_CONFIG if r_pad >= 256 else MlaDecodeConfig(block_h=32, block_n=64)
+    block_h = min(pow2(H, 16), cfg.block_h)
     _mla_split_kernel[(B, triton.cdiv(H, block_h), n_chunks)](
         q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables, tk,
         H, R, P, K, latent_cache.shape[1], float(scale), n_chunks,
         q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), tk.stride(0),
-        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=block_h, BLOCK_N=32 if r_pad >= 256 else 64, R_PAD=r_pad,
-        P_PAD=p_pad, DOT_DTYPE=dot, num_warps=4, num_stages=2,
+        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=block_h, BLOCK_N=cfg.block_n, R_PAD=r_pad,
+        P_PAD=p_pad, DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     grid, merge_h, merge_d = merge_grid(B, H, R)
     split_kv_merge_kernel[grid](
