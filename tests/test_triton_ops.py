@@ -497,17 +497,20 @@ def test_moe_sorting_layout():
 
 # ---------------------------------------------------------------- launch-config variants (kernel_sweep)
 
-@pytest.mark.parametrize("swap_ab,block_n", [(True, 64), (True, 32), (False, 32)])
-def test_fp8_linear_and_moe_launch_variants(swap_ab, block_n, monkeypatch):
-    """The swapped-operand tile (W_tile @ a_tile^T) and other block widths the sweep benchmark tries give the
-    reference's results, with and without split-K and bias, and rows stay batch-invariant."""
+@pytest.mark.parametrize("swap_ab,block_n,fused_sum", [(True, 64, True), (True, 32, False), (False, 32, True),
+                                                        (False, 64, False)])
+def test_fp8_linear_and_moe_launch_variants(swap_ab, block_n, fused_sum, monkeypatch):
+    """The swapped-operand tile (W_tile @ a_tile^T), other block widths the sweep benchmark tries, and the
+    split-K sum done by each tile's last split program or by a second kernel give the reference's results,
+    with and without split-K and bias; rows stay batch-invariant; the fused and the two-kernel sums agree
+    bitwise and the tile counters are left at zero."""
     import dataclasses
     import sys
 
     lin = sys.modules["atomtool.serve.ops.triton.linear"]
     moe = sys.modules["atomtool.serve.ops.triton.moe"]
     monkeypatch.setattr(lin, "FP8_LINEAR_CONFIG", dataclasses.replace(
-        lin.FP8_LINEAR_CONFIG, swap_ab=swap_ab, block_n=block_n, split_target=64))
+        lin.FP8_LINEAR_CONFIG, swap_ab=swap_ab, block_n=block_n, split_target=64, fused_sum=fused_sum))
     monkeypatch.setattr(moe, "MOE_GEMM_CONFIG", dataclasses.replace(
         moe.MOE_GEMM_CONFIG, swap_ab=swap_ab, block_n=block_n))
     g = torch.Generator().manual_seed(21)
@@ -520,6 +523,11 @@ def test_fp8_linear_and_moe_launch_variants(swap_ab, block_n, monkeypatch):
     full = tri.linear(x, w, b, s, block)
     _close(full, torch_ref.linear(x, w, b, s, block), 1e-4, 1e-5)
     assert torch.equal(tri.linear(x[18:], w, b, s, block)[0], full[18])
+    other = dataclasses.replace(lin.FP8_LINEAR_CONFIG, fused_sum=not fused_sum)
+    monkeypatch.setattr(lin, "FP8_LINEAR_CONFIG", other)
+    assert torch.equal(tri.linear(x, w, b, s, block), full)
+    for counters in lin._COUNTERS.values():
+        assert int(counters.abs().sum()) == 0
 
     T, H, inter, E, k = 7, 48, 40, 4, 2
     xm, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k)

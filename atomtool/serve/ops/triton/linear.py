@@ -31,10 +31,11 @@ from atomtool.serve.ops.triton._common import dot_acc, dot_dtype
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk, k_chunk,
-                           s_am, s_wn, s_sn, s_cm, s_cs,
+def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, M, N, K, bn, bk, k_chunk,
+                           n_splits, s_am, s_wn, s_sn, s_cm, s_cs, s_om,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr):
+                           BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr,
+                           FUSED_SUM: tl.constexpr):
     # program (pid_m, pid_n, pid_s) owns a BLOCK_M x BLOCK_N tile and the K range [pid_s * k_chunk, + k_chunk);
     # with one split (k_chunk >= K) c_ptr is the output, else it is split pid_s's fp32 partial plane.
     # SWAP_AB computes the transposed tile W_tile @ a_tile^T ([BLOCK_N, BLOCK_M]): the widened weight tile is
@@ -71,15 +72,33 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk
             acc += part * sc[None, :]
     c_base = c_ptr + pid_s.to(tl.int64) * s_cs
     if SWAP_AB:
-        if HAS_BIAS:
+        if HAS_BIAS and not FUSED_SUM:
             acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(c_base + m[None, :].to(tl.int64) * s_cm + n[:, None], acc.to(c_ptr.dtype.element_ty),
                  mask=m_ok[None, :] & n_ok[:, None])
     else:
-        if HAS_BIAS:
+        if HAS_BIAS and not FUSED_SUM:
             acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(c_base + m[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+    if FUSED_SUM:
+        # split-K without a second launch: the last of the tile's n_splits programs to finish (a counter per
+        # tile, acq_rel atomic after a CTA barrier, so every split's partial stores are visible to it) sums the
+        # partials in split order -- the order of _sum_splits_kernel, so the bits are the same whichever
+        # program arrives last -- and resets the counter for the next call / CUDA-graph replay.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(cnt_ptr + tile, 1) == n_splits - 1:
+            offs = m[:, None].to(tl.int64) * s_cm + n[None, :]
+            ok = m_ok[:, None] & n_ok[None, :]
+            tot = tl.load(c_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for sp in range(1, n_splits):
+                tot += tl.load(c_ptr + sp * s_cs + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :], tot.to(out_ptr.dtype.element_ty),
+                     mask=ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @triton.jit
@@ -97,6 +116,23 @@ def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.
 
 #: rows per split-K launch (bounds the fp32 partials workspace; does not change any row's result)
 SPLIT_ROWS = 512
+#: tile counters for the fused split-K sum, per device (zero between calls: the last program resets its own)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_COUNTERS = 1 << 16
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 buffer of >= n tile counters shared by every split-K call on ``device`` (calls on one
+    stream never overlap), or None when n exceeds the fixed size or the buffer would have to be created while a
+    CUDA graph is being captured (the two-kernel path then serves the call)."""
+    if n > _MAX_COUNTERS:
+        return None
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 @dataclass(frozen=True)
@@ -106,7 +142,8 @@ class Fp8LinearConfig:
     block_n: output features per program; block_k: K per step (a divisor of the 128-wide scale block);
     split_target: programs the split-K plan aims for (a constant, so a given weight's split is the same on
     every call and device); num_warps / num_stages: Triton launch options; swap_ab: compute the transposed
-    tile (see the kernel). H200 sweep at M = 1 over one DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms
+    tile (see the kernel); fused_sum: the last split of each tile sums the partials (no second launch; same
+    bits as the separate sum kernel). H200 sweep at M = 1 over one DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms
     (59% of the copy bandwidth), swap_ab 1.48 ms, block_n 32 1.52 ms, block_n 128 >= 1.93 ms. Tuned on an H200 at M = 1 with
     ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
     """
@@ -117,6 +154,7 @@ class Fp8LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    fused_sum: bool = True
 
 
 #: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
@@ -165,7 +203,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     bias_arg = bias if has_bias else s
     # One tile shape and one K split for every M (decode and prefill alike): 16-row tiles (the smallest
     # tensor-core tile) and split-K chosen from the weight's shape only, the splits' fp32 partials summed in
-    # split order by a second kernel (no atomics). A row's bits therefore depend on neither the other rows
+    # split order (by the tile's last split program, or by a second kernel). A row's bits therefore depend on neither the other rows
     # nor M: strictly batch-invariant, at some cost to large-M (prefill) efficiency. A GEMV is bound by
     # streaming the weight, so the split gives decode the programs in flight it needs.
     block_m, block_n = 16, cfg.block_n
@@ -173,10 +211,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     dot = dot_dtype(x.dtype)
     if n_splits == 1:
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1)
-        _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, M, N, K, bn, bk, k_chunk,
-                                     a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0,
+        _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, out, s, M, N, K, bn, bk, k_chunk, 1,
+                                     a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0, out.stride(0),
                                      HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+                                     DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, FUSED_SUM=False, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages)
         return out.view(*lead, N)
     # rows in chunks bound the fp32 workspace ([splits, rows, N]); chunking never changes a row's bits
@@ -185,14 +223,18 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         a_r, out_r = a[r0:r0 + rows], out[r0:r0 + rows]
         ws = torch.empty((n_splits, rows, N), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(N, block_n), n_splits)
-        _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, ws, rows, N, K, bn, bk, k_chunk,
-                                     a_r.stride(0), w.stride(0), s.stride(0), ws.stride(1), ws.stride(0),
-                                     HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
-                                     num_stages=cfg.num_stages)
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
-                                                            HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+        counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum else None
+        fused = counters is not None
+        _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, ws, out_r, counters if fused else s, rows, N, K, bn, bk,
+                                     k_chunk, n_splits, a_r.stride(0), w.stride(0), s.stride(0), ws.stride(1),
+                                     ws.stride(0), out_r.stride(0),
+                                     HAS_BIAS=has_bias and fused, BLOCK_M=block_m, BLOCK_N=block_n,
+                                     BLOCK_K=block_k, DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, FUSED_SUM=fused,
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if not fused:
+            block = 1024
+            _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
+                                                                HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
     return out.view(*lead, N)
 
 
