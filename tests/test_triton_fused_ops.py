@@ -1,8 +1,8 @@
 """The fused ops (atomtool/serve/ops/triton/fused_rope.py, fused_norm.py) vs their torch references, on CPU
 under Triton's interpreter (TRITON_INTERPRET=1).
 
-``mla_rope_store`` / ``indexer_rope_store`` / ``add_rms_norm`` replace compositions of reference ops (norm,
-rotary, concatenation, cache store, cast, add) by one kernel each (issue 7). Checked here: both rotary
+``mla_rope_store`` / ``indexer_rope_store`` / ``qk_rope_store_kv`` / ``add_rms_norm`` replace compositions of
+reference ops (norm, rotary, concatenation, cache store, cast, add) by one kernel each (issue 7). Checked here: both rotary
 pairings, padding slots (-1: nothing written), rows that are column slices of a wider projection output,
 odd widths and head counts over one head program (masking), the indexer with rope on part of the head, all
 of it and none, float32 tight and bf16 loose (the interpreter rounds bf16 stores by truncation, see
@@ -50,10 +50,13 @@ def test_suite_in_a_fresh_process():
 
 
 def test_registered_with_the_reference_signatures():
+    from atomtool.serve.ops import torch_ref
+
     for name, fn in tri.OPS.items():
-        assert list(inspect.signature(fn).parameters) == list(inspect.signature(getattr(ref, name)).parameters)
+        reference = getattr(ref, name, None) or getattr(torch_ref, name)
+        assert list(inspect.signature(fn).parameters) == list(inspect.signature(reference).parameters)
         assert dispatch._REGISTRY[(name, "triton")] is fn
-        assert dispatch._REGISTRY[(name, "torch")] is getattr(ref, name)
+        assert dispatch.get_op(name, "cpu") is reference
 
 
 def test_add_rms_norm():
@@ -156,3 +159,40 @@ def test_indexer_rope_store_errors():
     with pytest.raises(ValueError, match="do not fit index_k cache"):
         tri.indexer_rope_store(torch.randn(2, 3, 8), torch.randn(2, 8), torch.randn(2, 3), 1.0, torch.ones(8),
                                torch.zeros(8), 1e-6, *_tables(2, 5), False, torch.zeros(2, 4, 8), SLOTS[:2])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_rope_store_kv(interleaved, dtype, qk_norm):
+    from atomtool.serve.ops import torch_ref
+
+    T, H, Hkv, D, nb, bs = 6, 19, 3, 12, 4, 4  # 19 query heads: two head programs; GQA group not a power of 2
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D + 5, generator=g).to(dtype)[:, 5:]  # views of a fused qkv row
+    q = qkv[:, :H * D].view(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+    qw, kw = ((1 + 0.1 * torch.randn(D, generator=g)).to(dtype) for _ in range(2)) if qk_norm else (None, None)
+    cos, sin = _tables(T, D // 2)
+    caches = [torch.full((nb, bs, Hkv, D), 9.0, dtype=dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    got = tri.qk_rope_store_kv(q, k, v, qw, kw, 1e-6, cos, sin, interleaved, *caches, SLOTS)
+    want = torch_ref.qk_rope_store_kv(q, k, v, qw, kw, 1e-6, cos, sin, interleaved, *ref_caches, SLOTS)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (0.05, 0.02)
+    _close(got, want, *tol)
+    for c, r in zip(caches, ref_caches, strict=True):
+        _close(c, r, *tol)
+        assert _untouched(c)
+
+
+def test_qk_rope_store_kv_errors():
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    caches = [torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)]
+    with pytest.raises(ValueError, match="do not fit caches"):  # rope over part of the head
+        tri.qk_rope_store_kv(q, k, v, None, None, 1e-6, *_tables(2, 2), False, *caches, SLOTS[:2])
+    with pytest.raises(ValueError, match="only one q/k norm"):
+        tri.qk_rope_store_kv(q, k, v, torch.ones(8), None, 1e-6, *_tables(2, 4), False, *caches, SLOTS[:2])
+    with pytest.raises(ValueError, match="contiguous"):
+        tri.qk_rope_store_kv(q, k, v, None, None, 1e-6, *_tables(2, 4), False, caches[0],
+                             torch.zeros(2, 2, 4, 8).transpose(1, 2), SLOTS[:2])

@@ -1,4 +1,4 @@
-"""The issue-7 fused ops (``mla_rope_store``, ``indexer_rope_store``, ``add_rms_norm``),
+"""The issue-7 fused ops (``mla_rope_store``, ``indexer_rope_store``, ``qk_rope_store_kv``, ``add_rms_norm``),
 compiled on a CUDA GPU, against their torch references at DeepSeek-V3.2 sizes (kv_lora_rank 512 + rope 64,
 index head 128 with rope 64, 64 index heads, hidden 7168), bf16.
 
@@ -99,6 +99,42 @@ def test_indexer_rope_store_bf16(tri, interleaved):
                           alone, slots[9:10])
     s = int(slots[9])
     assert s >= 0 and torch.equal(alone.view(-1, D)[s], got.view(-1, D)[s])
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_rope_store_kv_bf16(tri, qk_norm):
+    """Qwen3-0.6B sizes: 16 query heads, 8 KV heads, head dim 128."""
+    from atomtool.serve.ops import torch_ref
+
+    t, fr, _ = tri
+    g = torch.Generator().manual_seed(4)
+    T, H, Hkv, D, nb, bs = 67, 16, 8, 128, 40, 64
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(DEV, BF16)
+    q, k, v = (qkv[:, a * D:b * D].view(T, b - a, D) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
+    qw, kw = ((1 + 0.1 * torch.randn(D, generator=g)).to(DEV, BF16) for _ in range(2)) if qk_norm else (None, None)
+    cos, sin = _tables(T, D // 2, g)
+    slots = _slots(T, nb * bs, g)
+    caches = [torch.zeros(nb, bs, Hkv, D, dtype=BF16, device=DEV) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    unfused = [c.clone() for c in caches]
+    got = fr.qk_rope_store_kv(q, k, v, qw, kw, 1e-6, cos, sin, False, *caches, slots)
+    want = torch_ref.qk_rope_store_kv(q, k, v, qw, kw, 1e-6, cos, sin, False, *ref_caches, slots)
+    _close(got, want, 1e-2, 1e-2)
+    for c, r in zip(caches, ref_caches, strict=True):
+        _close(c, r, 1e-2, 1e-2)
+    # against the unfused Triton ops: v bitwise; q/k within a bf16 ulp (the per-head norm reduces over a 2-D
+    # tile, norm.py over a row: float32 sums in another order)
+    uq, uk = (t.rms_norm(q, qw, 1e-6), t.rms_norm(k, kw, 1e-6)) if qk_norm else (q, k)
+    uq, uk = t.rotary_embedding(uq, cos, sin, False), t.rotary_embedding(uk, cos, sin, False)
+    t.store_kv(uk, v, *unfused, slots)
+    assert torch.equal(caches[1], unfused[1])
+    _close(got, uq, 1e-2, 1e-2)
+    _close(caches[0], unfused[0], 1e-2, 1e-2)
+    if not qk_norm:  # no reduction: the same arithmetic, the same bits
+        assert torch.equal(got, uq) and torch.equal(caches[0], unfused[0])
+    alone = fr.qk_rope_store_kv(q[3:4], k[3:4], v[3:4], qw, kw, 1e-6, cos[3:4], sin[3:4], False,
+                                *[torch.zeros_like(c) for c in caches], slots[3:4])
+    assert torch.equal(alone[0], got[3])
 
 
 def test_add_rms_norm_bf16(tri):

@@ -30,6 +30,11 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 kv_cache: dict[str, torch.Tensor]) -> torch.Tensor:
         self._store(k, v, kv_cache["k"], kv_cache["v"], batch.slot_mapping)
+        return self.attend(q, batch, kv_cache)
+
+    def attend(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Attention only, for a caller that stored the step's K/V itself (e.g. with ``qk_rope_store_kv``):
+        q [T, H, D] -> [T, H * Dv]."""
         out = self._attn(q, kv_cache["k"], kv_cache["v"], batch.cu_seqlens_q, batch.seq_lens,
                          batch.block_tables, self.scale)
         return out.reshape(out.shape[0], -1)

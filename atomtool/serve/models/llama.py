@@ -57,7 +57,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
+        self.norm_eps = eps
         self.rotary = rotary
+        self._prologue = get_op("qk_rope_store_kv", device)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, device)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
@@ -70,11 +72,11 @@ class LlamaAttention(nn.Module):
         q = qkv[:, qs:qe].reshape(T, self.num_heads, self.head_dim)
         k = qkv[:, ks:ke].reshape(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, vs:ve].reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rope = self.rotary._op
-        q, k = rope(q, cos, sin, self.rotary.interleaved), rope(k, cos, sin, self.rotary.interleaved)
-        return self.o_proj(self.attn(q, k, v, batch, kv_cache))
+        # q/k norm (Qwen3), rope and the K/V store in one op, then attention over the cache
+        qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q = self._prologue(q, k, v, qn, kn, self.norm_eps, cos, sin, self.rotary.interleaved, kv_cache["k"],
+                           kv_cache["v"], batch.slot_mapping)
+        return self.o_proj(self.attn.attend(q, batch, kv_cache))
 
 
 class LlamaMLP(nn.Module):

@@ -113,6 +113,28 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     store_cache(v, v_cache, slot_mapping)
 
 
+def qk_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor | None,
+                     k_norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     interleaved: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """A dense attention layer's per-token work between its qkv projection and attention, as one op: optional
+    per-head q/k RMSNorm (Qwen3 ``q_norm`` / ``k_norm``), rope on q and k, and the K/V store.
+
+    Exactly :func:`rms_norm` of q and k over the head dim (when the weights are given, one ``eps``),
+    :func:`rotary_embedding` of both (full head dim: R = D), :func:`store_kv` of (k, v); returns the rotated q.
+    Fused so a decode step does not launch up to six kernels per layer for it.
+
+    q: [T, H, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv] (views of the fused qkv output are fine); q_norm_weight,
+    k_norm_weight: [D] or None; cos, sin: [T, D/2] float32; k_cache: [N, bs, Hkv, D]; v_cache: [N, bs, Hkv,
+    Dv]; slot_mapping: [T] int64 (``-1`` skipped). Returns q [T, H, D] (new tensor).
+    """
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    q, k = rotary_embedding(q, cos, sin, interleaved), rotary_embedding(k, cos, sin, interleaved)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def gather_cache(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Read the first ``num_tokens`` entries of one sequence from a paged cache plane.
 

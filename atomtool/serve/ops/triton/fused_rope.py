@@ -5,10 +5,12 @@ several (issue 7: a decode step is bound by the count of tiny kernels).
   written straight to its slot (was: two rotaries, rms_norm, cat, store_cache);
 - ``indexer_rope_store``: the DSA index key ``rope(LayerNorm(k))`` ("pe first") written to its slot, the same
   rope on the index queries, and the float32 scaled head weights (was: casts, layer_norm, two rotaries, two
-  cats, store_cache, cast, multiply).
+  cats, store_cache, cast, multiply);
+- ``qk_rope_store_kv`` (dense GQA models): optional per-head q/k RMSNorm (Qwen3), rope on q and k, K/V
+  written to their slots (was: up to two norms, two rotaries and two stores).
 
 Grid ``(T, 1 + head blocks)``: program ``(t, 0)`` does token t's cache row (and head weights), programs
-``(t, j > 0)`` one block of its query heads, so a row never depends on the other rows of the batch and a
+``(t, j > 0)`` one block of its query heads (``qk_rope_store_kv``: query head blocks, then KV head blocks), so a row never depends on the other rows of the batch and a
 batch-1 step still spreads over several programs. The arithmetic repeats the unfused kernels' (norm.py,
 rotary.py): float32 math, the RMSNorm value rounded to the activation dtype before the weight (HF order),
 the LayerNorm value rounded after the affine map (rope then runs on the rounded values), one rounding per
@@ -236,8 +238,117 @@ def indexer_rope_store(q: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor
     return q_out, weights
 
 
+@triton.jit
+def _norm_rope_heads(src, s_h, dst, d_h, w_ptr, h0, nh, D, half, cos_row, sin_row, eps,
+                     HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Heads ``h0 .. h0 + BLOCK_H`` (of ``nh``) of one token: optional RMSNorm over the head dim (norm.py's
+    arithmetic, rounded to the dtype at the same points), then rope over the whole head (rotary.py's)."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    hm = h[:, None] < nh
+    rows = src + h[:, None].to(tl.int64) * s_h
+    orows = dst + h[:, None].to(tl.int64) * d_h
+    dt = src.dtype.element_ty
+    i = tl.arange(0, BLOCK_R)
+    m = hm & (i[None, :] < half)
+    c = tl.load(cos_row + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_row + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+    i1, i2 = _pairs(i, half, INTERLEAVED)
+    x1 = tl.load(rows + i1[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + i2[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        d = tl.arange(0, BLOCK_D)
+        x = tl.load(rows + d[None, :], mask=hm & (d[None, :] < D), other=0.0).to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+        w1 = tl.load(w_ptr + i1, mask=i < half, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + i2, mask=i < half, other=0.0).to(tl.float32)[None, :]
+        nt = w_ptr.dtype.element_ty  # rms_norm's output dtype (x's and weight's are the same here)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(nt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(nt).to(tl.float32)
+    tl.store(orows + i1[None, :], (x1 * c - x2 * s).to(dt).to(dst.dtype.element_ty), mask=m)
+    tl.store(orows + i2[None, :], (x2 * c + x1 * s).to(dt).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qk_rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+                             slot_ptr, H, Hkv, D, Dv, half, nqb, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
+                             s_ct, s_st, s_kcs, s_kch, s_vcs, s_vch, eps, HAS_NORM: tl.constexpr,
+                             INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    cos_row = cos_ptr + t * s_ct
+    sin_row = sin_ptr + t * s_st
+    if j < nqb:  # a block of query heads
+        _norm_rope_heads(q_ptr + t * s_qt, s_qh, qo_ptr + t * s_ot, s_oh, qw_ptr, j * BLOCK_H, H, D, half,
+                         cos_row, sin_row, eps, HAS_NORM, INTERLEAVED, BLOCK_H, BLOCK_D, BLOCK_R)
+    else:  # a block of KV heads: k normed + rotated, v as is, into the token's slot
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            h0 = (j - nqb) * BLOCK_H
+            _norm_rope_heads(k_ptr + t * s_kt, s_kh, kc_ptr + slot * s_kcs, s_kch, kw_ptr, h0, Hkv, D, half,
+                             cos_row, sin_row, eps, HAS_NORM, INTERLEAVED, BLOCK_H, BLOCK_D, BLOCK_R)
+            h = h0 + tl.arange(0, BLOCK_H)
+            dv = tl.arange(0, BLOCK_DV)
+            vm = (h[:, None] < Hkv) & (dv[None, :] < Dv)
+            val = tl.load(v_ptr + t * s_vt + h[:, None].to(tl.int64) * s_vh + dv[None, :], mask=vm)
+            tl.store(vc_ptr + slot * s_vcs + h[:, None].to(tl.int64) * s_vch + dv[None, :],
+                     val.to(vc_ptr.dtype.element_ty), mask=vm)
+
+
+def qk_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor | None,
+                     k_norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     interleaved: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``torch_ref.qk_rope_store_kv``: q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] (last dims
+    contiguous or copied so), norm weights [D] or None, cos/sin [T, D/2] float32, k_cache [N, bs, Hkv, D] and
+    v_cache [N, bs, Hkv, Dv] contiguous, slot_mapping [T] (-1 skipped). Returns the rotated q, a new
+    contiguous [T, H, D].
+
+    Raises:
+        ValueError: shapes that do not fit (rope over a part of the head is not supported), or a
+            non-contiguous cache.
+    """
+    T, H, D = q.shape
+    Hkv, Dv = v.shape[1], v.shape[2]
+    half = cos.shape[-1]
+    if (2 * half != D or sin.shape[-1] != half or tuple(k.shape) != (T, Hkv, D) or v.shape[0] != T
+            or tuple(k_cache.shape[2:]) != (Hkv, D) or tuple(v_cache.shape[2:]) != (Hkv, Dv)
+            or (q_norm_weight is None) != (k_norm_weight is None)):
+        raise ValueError(f"qk_rope_store_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, rotary "
+                         f"tables {tuple(cos.shape)} do not fit caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} (or only one q/k norm weight)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("qk_rope_store_kv: the cache planes must be contiguous")
+    has_norm = q_norm_weight is not None
+    if has_norm and q.dtype != q_norm_weight.dtype:  # an unusual dtype mix: the reference's promotion rules
+        from atomtool.serve.ops.triton.attention import store_kv
+        from atomtool.serve.ops.triton.norm import rms_norm
+        from atomtool.serve.ops.triton.rotary import rotary_embedding
+
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+        q, k = rotary_embedding(q, cos, sin, interleaved), rotary_embedding(k, cos, sin, interleaved)
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    q, k, v, cos, sin = (_row_major(t) for t in (q, k, v, cos, sin))
+    block_h = min(pow2(max(H, Hkv)), BLOCK_HEADS)
+    nqb = triton.cdiv(H, block_h)
+    w = q_norm_weight if has_norm else cos  # dummy pointers when there is no norm
+    _qk_rope_store_kv_kernel[(T, nqb + triton.cdiv(Hkv, block_h))](
+        q, k, v, out, k_cache, v_cache, w, k_norm_weight if has_norm else cos, cos, sin, slot_mapping,
+        H, Hkv, D, Dv, half, nqb, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), cos.stride(0), sin.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(1), v_cache.stride(2), float(eps), HAS_NORM=has_norm, INTERLEAVED=bool(interleaved),
+        BLOCK_H=block_h, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_R=pow2(half))
+    return out
+
+
 #: op name -> Triton implementation (signatures identical to the torch reference)
-OPS = {"mla_rope_store": mla_rope_store, "indexer_rope_store": indexer_rope_store}
+OPS = {"mla_rope_store": mla_rope_store, "indexer_rope_store": indexer_rope_store,
+       "qk_rope_store_kv": qk_rope_store_kv}
 
 for _name, _fn in OPS.items():
     register_op(_name, "triton", _fn)
