@@ -196,3 +196,45 @@ def test_qk_rope_store_kv_errors():
     with pytest.raises(ValueError, match="contiguous"):
         tri.qk_rope_store_kv(q, k, v, None, None, 1e-6, *_tables(2, 4), False, caches[0],
                              torch.zeros(2, 2, 4, 8).transpose(1, 2), SLOTS[:2])
+
+
+FUSED = ("mla_rope_store", "indexer_rope_store", "add_rms_norm", "qk_rope_store_kv")
+
+
+def _decode_step(model_name, ctx, batch=3):
+    """(logits [batch, vocab], kv caches) of one float32 decode step of a tiny engine model over random cached
+    contexts (benchmarks.common builders; same seeds -> same weights and caches)."""
+    from benchmarks import common as C
+
+    cfg = {"dsv32": lambda: C.dsv32_config(3, first_dense=1, smoke=True), "qwen3": lambda: C.qwen3_config(True)}
+    cpu = torch.device("cpu")
+    model, flat = C.build_random_model(cfg[model_name](), cpu, dtype=torch.float32)
+    runner, pool = C.make_runner(model, cpu, num_blocks=batch * (-(-ctx // 16)) + 1, block_size=16,
+                                 max_model_len=ctx + 16, graph_sizes=None)
+    C.fill_cache_random_(pool)
+    seqs = C.fake_sequences(batch, ctx, 16, int(flat["vocab_size"]))
+    return runner.run(runner.prepare(C.scheduler_output(seqs))), pool.caches
+
+
+@pytest.mark.parametrize("model_name,ctx", [("dsv32", 80), ("qwen3", 40)])  # dsv32: past index_topk 64
+def test_models_with_the_fused_triton_ops_match_the_reference(model_name, ctx, monkeypatch):
+    """The layers hand the fused ops the right tensors (strided views of fused projections, rotary tables,
+    cache planes): one decode step with the four fused ops on Triton equals the all-reference step."""
+    from atomtool.serve.ops import torch_ref
+
+    want_logits, want_caches = _decode_step(model_name, ctx)
+    calls = []
+
+    def counted(name, fn):
+        return lambda *a, **k: calls.append(name) or fn(*a, **k)
+
+    for name in FUSED:
+        monkeypatch.setitem(dispatch._REGISTRY, (name, "torch"), counted(name, dispatch._REGISTRY[(name, "triton")]))
+    assert dispatch.get_op("qk_rope_store_kv", "cpu") is not torch_ref.qk_rope_store_kv
+    got_logits, got_caches = _decode_step(model_name, ctx)
+    expected = {"dsv32": {"mla_rope_store", "indexer_rope_store", "add_rms_norm"}, "qwen3": {"qk_rope_store_kv"}}
+    assert set(calls) == expected[model_name]
+    _close(got_logits, want_logits, 1e-4, 1e-4)
+    for got, want in zip(got_caches, want_caches, strict=True):
+        for plane in want:
+            _close(got[plane], want[plane], 1e-5, 1e-5)
