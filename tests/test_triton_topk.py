@@ -198,7 +198,7 @@ def selection_mode(request, monkeypatch):
     into programs of 32 positions (as for few long rows on a GPU)."""
     if request.param == "split_rows":
         monkeypatch.setattr(T, "SPLIT_MIN_WIDTH", 0)
-        monkeypatch.setattr(T, "BLOCK", 32)
+        monkeypatch.setattr(T, "SPLIT_BLOCK", 32)
     return request.param
 
 

@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
-from atomtool.serve.ops.triton.topk import orderable_key, select_rows
+from atomtool.serve.ops.triton.topk import (
+    accumulate_row_range,
+    orderable_key,
+    resolve_tuning,
+    row_range_buffer,
+    select_rows,
+    use_split,
+)
 
 #: bytes of keys + selection scratch one launch may hold (12 per position); longer batches go in row chunks
 _KEY_BUDGET = 1 << 30
@@ -26,9 +33,9 @@ _KEY_BUDGET = 1 << 30
 
 @triton.jit
 def _indexer_keys_kernel(
-    q_ptr, w_ptr, k_ptr, key_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
+    q_ptr, w_ptr, k_ptr, key_ptr, rng_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
     num_seqs, row0, Hi, Di, block_size, S,
-    s_qt, s_qh, s_wt, s_kb, s_ks, s_bt, s_key,
+    s_qt, s_qh, s_wt, s_kb, s_ks, s_bt, s_key, s_rng,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
@@ -51,22 +58,27 @@ def _indexer_keys_kernel(
     k = tl.load(k_ptr + row[:, None] + d[None, :], mask=s_ok[:, None] & (d[None, :] < Di), other=0.0)
     logits = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
     score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)
-    tl.store(key_row + s, orderable_key(score), mask=s_ok)
+    keys = orderable_key(score)
+    tl.store(key_row + s, keys, mask=s_ok)
+    # the row's key range, so the selection skips a pass over the row (it zeroes the accumulator again)
+    accumulate_row_range(rng_ptr + tl.program_id(0).to(tl.int64) * s_rng, keys, s_ok)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                 topk: int) -> torch.Tensor:
+                 topk: int, **tuning) -> torch.Tensor:
     """Indexer scores + deterministic top-k; same contract as ``torch_ref_mla.indexer_topk``.
 
     q: [T, Hi, Di]; weights: [T, Hi] float32 (all scales folded in); index_k_cache: [N, bs, Di];
     cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; topk: K.
+    ``tuning``: ``split``, ``block``, ``bins``, ``num_warps`` of
+    :func:`~atomtool.serve.ops.triton.topk.select_rows` (benchmarks; default: the module's choice).
     Returns [T, K] int32 request-local positions in ascending order, -1 padded.
-    Raises ValueError when q or index_k_cache has a strided last dim.
+    Raises ValueError when q or index_k_cache has a strided last dim or the tuning is out of range.
     """
     T, Hi, Di = q.shape
     B = seq_lens.shape[0]
-    if T == 0 or B == 0:
+    if T == 0 or B == 0 or topk == 0:
         return torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     if q.stride(-1) != 1 or index_k_cache.stride(-1) != 1:
         raise ValueError("indexer_topk: q and index_k_cache need a contiguous last dim")
@@ -75,16 +87,21 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     S = block_tables.shape[1] * block_size  # widest possible context of this batch
     block_n = 64
     rows_per_chunk = max(1, _KEY_BUDGET // (12 * S))
+    split = tuning.get("split")
+    # errors before any key range is accumulated (the range buffer must be consumed once filled)
+    resolve_tuning(use_split(min(T, rows_per_chunk), S) if split is None else split, tuning.get("block"),
+                   tuning.get("bins"), tuning.get("num_warps"))
     for row0 in range(0, T, rows_per_chunk):
         rows = min(rows_per_chunk, T - row0)
         keys = torch.empty((rows, S), dtype=torch.int32, device=q.device)
+        rng = row_range_buffer(rows, q.device)
         _indexer_keys_kernel[(rows, triton.cdiv(S, block_n))](
-            q, weights, index_k_cache, keys, cu_seqlens_q, seq_lens, block_tables,
+            q, weights, index_k_cache, keys, rng, cu_seqlens_q, seq_lens, block_tables,
             B, row0, Hi, Di, block_size, S,
             q.stride(0), q.stride(1), weights.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
-            block_tables.stride(0), keys.stride(0),
+            block_tables.stride(0), keys.stride(0), rng.stride(0),
             BLOCK_H=pow2(Hi, 16), BLOCK_D=pow2(Di, 16), BLOCK_N=block_n, BLOCK_B=pow2(B),
             DOT_DTYPE=dot_dtype(q.dtype), num_warps=4,
         )
-        select_rows(keys, out, row0, topk, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
+        select_rows(keys, out, row0, topk, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, row_range=rng, **tuning)
     return out

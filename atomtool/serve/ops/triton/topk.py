@@ -41,15 +41,22 @@ import triton.language as tl
 
 from atomtool.serve.ops.triton._common import pow2, token_sequence
 
-#: positions per chunk of a row pass, buckets per histogram, warps per row program (see the bench)
+#: one program per row: positions per chunk of a row pass, buckets per histogram round, warps (see the bench)
 BLOCK = 2048
-BINS = 64
+BINS = 256
 NUM_WARPS = 8
-#: chunk of the radix rounds after the first, over the (usually few) candidates of the picked bucket
-CAND_BLOCK = 256
+#: split rows: positions per program (one chunk each), buckets per histogram round, warps
+SPLIT_BLOCK = 1024
+SPLIT_BINS = 256
+SPLIT_NUM_WARPS = 4
+#: candidates (keys of the picked round-1 bucket) held in registers for the remaining radix rounds; more
+#: candidates than this fall back to rounds that rescan them from the scratch row, CAND_BLOCK at a time
+CAND_BLOCK = 2048
 #: rows below this count and at least this wide are selected by several programs per row (select_rows)
 SPLIT_MAX_ROWS = 128
-SPLIT_MIN_WIDTH = 4 * BLOCK
+SPLIT_MIN_WIDTH = 8192
+#: largest bucket count the split state row has room for
+MAX_BINS = 1024
 
 
 def orderable_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -114,8 +121,90 @@ def _load_keys(row_ptr, s, n, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _as_u32(ptr):
+    return ptr.to(tl.pointer_type(tl.uint32))
+
+
+@triton.jit
+def accumulate_row_range(rng_row_ptr, keys, ok):
+    """Fold int32 order ``keys`` (lanes ``ok``) into one row of a row-range buffer (:func:`row_range_buffer`):
+    two relaxed atomic maxima, ``~min`` and ``max`` of the uint32 keys. For producers of keys (the indexer's
+    scoring kernel), so the selection skips its own pass over the row for the key range."""
+    u = keys.to(tl.uint32, bitcast=True)
+    st = _as_u32(rng_row_ptr)
+    tl.atomic_max(st, tl.max(tl.where(ok, u ^ 0xFFFFFFFF, 0), axis=0), sem="relaxed")
+    tl.atomic_max(st + 1, tl.max(tl.where(ok, u, 0), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _rounds_in_registers(cu, valid, lo, hi, remaining, BINS: tl.constexpr):
+    """Radix rounds over candidate keys held in registers (``cu`` uint32, lanes ``valid``; those within
+    [lo, hi] are the live ones): each round histograms ``(u - lo) >> shift`` of the live keys into BINS
+    buckets, keeps the bucket holding the ``remaining``-th largest and narrows [lo, hi] to its exact key
+    range, until one key is left. Returns (that key Tk, how many keys equal to Tk to take)."""
+    bins = tl.arange(0, BINS)
+    while lo < hi:
+        shift = _bucket_shift(lo, hi, BINS)
+        live = valid & (cu >= lo) & (cu <= hi)
+        d = tl.where(live, ((cu - lo) >> shift).to(tl.int32), 0)
+        hist = tl.histogram(d, BINS, mask=live)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1  # highest bucket crossing
+        remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+        sel = live & (d == pick)
+        lo = tl.min(tl.where(sel, cu, 0xFFFFFFFF), axis=0)
+        hi = tl.max(tl.where(sel, cu, 0), axis=0)
+    return lo, remaining
+
+
+@triton.jit
+def _rounds_chunked(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.constexpr):
+    """:func:`_rounds_in_registers` for more than CH candidates ``cand[:m]`` (int32 in memory): every round
+    rescans them CH at a time (no compaction). The slow path: only when the first round leaves many
+    candidates (heavy ties spread over a narrow key range)."""
+    offs = tl.arange(0, CH)
+    bins = tl.arange(0, BINS)
+    while lo < hi:
+        shift = _bucket_shift(lo, hi, BINS)
+        hist = tl.zeros([BINS], tl.int32)
+        for c in range(0, m, CH):
+            ok = c + offs < m
+            cu = _load_fresh(cand + c + offs, ok).to(tl.uint32, bitcast=True)
+            live = ok & (cu >= lo) & (cu <= hi)
+            hist += tl.histogram(tl.where(live, ((cu - lo) >> shift).to(tl.int32), 0), BINS, mask=live)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
+        remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+        lo_v = tl.full([CH], 0xFFFFFFFF, tl.uint32)
+        hi_v = tl.zeros([CH], tl.uint32)
+        for c in range(0, m, CH):
+            ok = c + offs < m
+            cu = _load_fresh(cand + c + offs, ok).to(tl.uint32, bitcast=True)
+            sel = ok & (cu >= lo) & (cu <= hi) & (((cu - lo) >> shift).to(tl.int32) == pick)
+            lo_v = tl.minimum(lo_v, tl.where(sel, cu, 0xFFFFFFFF))
+            hi_v = tl.maximum(hi_v, tl.where(sel, cu, 0))
+        lo = tl.min(lo_v, axis=0)
+        hi = tl.max(hi_v, axis=0)
+    return lo, remaining
+
+
+@triton.jit
+def _threshold(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.constexpr):
+    """Tk and the ties to take among the ``m`` candidate keys ``cand[:m]`` (all in [lo, hi]): in registers
+    when they fit in CH lanes (one load), else chunked."""
+    if m <= CH:
+        offs = tl.arange(0, CH)
+        ok = offs < m
+        cu = _load_fresh(cand + offs, ok).to(tl.uint32, bitcast=True)
+        tk, need = _rounds_in_registers(cu, ok, lo, hi, remaining, BINS)
+    else:
+        tk, need = _rounds_chunked(cand, m, lo, hi, remaining, CH, BINS)
+    return tk, need
+
+
+@triton.jit
 def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.constexpr, ALIGNED: tl.constexpr):
-    """One round of the adaptive-range radix select over the ``m`` candidate keys ``src[:m]`` (all within
+    """The first round of the adaptive-range radix select over the ``m`` keys ``src[:m]`` (all within
     [lo, hi], lo < hi), in chunks of CH: histogram of ``(u - lo) >> shift``, the bucket holding the
     ``remaining``-th largest, its keys compacted to ``dst``. Returns (their min, their max, their count,
     keys still to take among them)."""
@@ -140,16 +229,16 @@ def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.cons
         cnt += tl.sum(sel.to(tl.int32), axis=0)
         lo_v = tl.minimum(lo_v, tl.where(sel, u, 0xFFFFFFFF))
         hi_v = tl.maximum(hi_v, tl.where(sel, u, 0))
-    tl.debug_barrier()  # the compacted candidates are read by other threads next round
+    tl.debug_barrier()  # the compacted candidates are read by other threads next
     return tl.min(lo_v, axis=0), tl.max(hi_v, axis=0), cnt, remaining
 
 
 @triton.jit
 def _radix_topk_kernel(
-    key_ptr, scratch_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
-    num_seqs, row0, S, K, s_key, s_scr, s_out,
+    key_ptr, scratch_ptr, rng_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
+    num_seqs, row0, S, K, s_key, s_scr, s_rng, s_out,
     ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    CBLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+    CBLOCK: tl.constexpr, ALIGNED: tl.constexpr, RANGE_GIVEN: tl.constexpr,
 ):
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
     t = row0 + r
@@ -158,6 +247,12 @@ def _radix_topk_kernel(
     out_row = out_ptr + t.to(tl.int64) * s_out
     offs = tl.arange(0, BLOCK)
 
+    if RANGE_GIVEN:  # the producer's key range; this program is its only reader: reset it for the next
+        rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
+        lo_given = tl.load(rng) ^ 0xFFFFFFFF
+        hi_given = tl.load(rng + 1)
+        tl.store(rng + tl.arange(0, 2), tl.zeros([2], tl.uint32))
+
     if n <= K:  # dense row: every valid position, then -1
         for c in range(0, K, BLOCK):
             slot = c + offs
@@ -165,28 +260,26 @@ def _radix_topk_kernel(
         return
 
     # 1. the row's key range
-    lo_v = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-    hi_v = tl.zeros([BLOCK], tl.uint32)
-    for c in range(0, n, BLOCK):
-        ok = c + offs < n
-        u = _load_keys(key_row, c + offs, n, ALIGNED)
-        lo_v = tl.minimum(lo_v, tl.where(ok, u, 0xFFFFFFFF))
-        hi_v = tl.maximum(hi_v, tl.where(ok, u, 0))
-    lo = tl.min(lo_v, axis=0)
-    hi = tl.max(hi_v, axis=0)
+    if RANGE_GIVEN:
+        lo = lo_given
+        hi = hi_given
+    else:
+        lo_v = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+        hi_v = tl.zeros([BLOCK], tl.uint32)
+        for c in range(0, n, BLOCK):
+            ok = c + offs < n
+            u = _load_keys(key_row, c + offs, n, ALIGNED)
+            lo_v = tl.minimum(lo_v, tl.where(ok, u, 0xFFFFFFFF))
+            hi_v = tl.maximum(hi_v, tl.where(ok, u, 0))
+        lo = tl.min(lo_v, axis=0)
+        hi = tl.max(hi_v, axis=0)
 
     # 2. adaptive-range radix select of the K-th largest key: round 1 over the row, then over candidates
-    scratch_row = scratch_ptr + r.to(tl.int64) * s_scr
     remaining = K + tl.zeros([], tl.int32)  # keys still to take at or below the current range
     if lo < hi:
+        scratch_row = scratch_ptr + r.to(tl.int64) * s_scr
         lo, hi, m, remaining = _radix_round(key_row, n, lo, hi, remaining, scratch_row, BLOCK, BINS, ALIGNED)
-        src = scratch_row
-        it = tl.full([], 1, tl.int32)
-        while lo < hi:
-            dst = scratch_row + (it % 2).to(tl.int64) * S  # ping-pong halves of the scratch row
-            lo, hi, m, remaining = _radix_round(src, m, lo, hi, remaining, dst, CBLOCK, BINS, False)
-            src = dst
-            it += 1
+        lo, remaining = _threshold(scratch_row, m, lo, hi, remaining, CBLOCK, BINS)
 
     # 3. positions above the threshold and the first `need` ties, in position order
     need = remaining
@@ -212,44 +305,44 @@ def _radix_topk_kernel(
 # ------------------------------------------------------------------ split rows: several programs per row
 #
 # Few long rows (decode at batch 1..64) would leave most SMs idle with one program per row, so the same
-# selection runs over segments of BLOCK positions, one program each, in four launches that communicate
-# through a zero-initialised per-row stats row (atomics): A) key range, B) round-1 histogram, C) compaction
-# of the picked bucket's (key, position) pairs; the last program of the row to finish C (an acq_rel
-# counter) completes the radix loop on the candidates, stores Tk / need and every segment's offsets;
-# E) every segment writes its taken positions. Ties never depend on the order of the atomics: the
-# candidates are a set, positions keep the order.
+# selection runs over segments of BLOCK positions, one program each. The grid is sized from the key width
+# S (shapes only: CUDA graphs), but a program whose segment starts at or past the row's length n returns at
+# once, so the cost follows n. Launches: [range: only when no producer supplied the key range], B) round-1
+# histogram (atomics), C) compaction of the picked bucket's (key, position) pairs; the last program of the
+# row to finish C (an acq_rel counter) completes the radix select on the candidates (in registers when
+# they fit) and stores Tk / need and every segment's first output slot; E) every segment writes its taken
+# positions, and program 0 of the row zeroes the row's accumulators (range, histogram, counters) for the
+# next call: the state is persistent and self-cleaning, so no memset launch. Ties never depend on the
+# order of the atomics: the candidates are a set, positions keep the order.
 
-ST_INV_LO: tl.constexpr = tl.constexpr(0)  # max of ~u (uint32) = ~(min key)
-ST_HI: tl.constexpr = tl.constexpr(1)  # max key
-ST_CNT: tl.constexpr = tl.constexpr(2)  # candidates compacted so far
-ST_CINV_LO: tl.constexpr = tl.constexpr(3)  # ~(min candidate key)
-ST_CHI: tl.constexpr = tl.constexpr(4)  # max candidate key
-ST_DONE: tl.constexpr = tl.constexpr(5)  # programs of C done
-ST_TK: tl.constexpr = tl.constexpr(6)  # threshold key
-ST_NEED: tl.constexpr = tl.constexpr(7)  # keys equal to the threshold to take
-ST_HIST: tl.constexpr = tl.constexpr(8)  # round-1 histogram, BINS entries
+ST_CNT: tl.constexpr = tl.constexpr(0)  # candidates compacted so far
+ST_CINV_LO: tl.constexpr = tl.constexpr(1)  # ~(min candidate key)
+ST_CHI: tl.constexpr = tl.constexpr(2)  # max candidate key
+ST_DONE: tl.constexpr = tl.constexpr(3)  # programs of C done
+ST_TK: tl.constexpr = tl.constexpr(4)  # threshold key (written by C's last program, not reset)
+ST_NEED: tl.constexpr = tl.constexpr(5)  # keys equal to the threshold to take
+ST_FLAT: tl.constexpr = tl.constexpr(6)  # 1: every key of the row is equal
+ST_HIST: tl.constexpr = tl.constexpr(16)  # round-1 histogram, BINS entries
+_ST_WIDTH = 16
 
 
 @triton.jit
-def _split_range_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K,
-                        s_key, s_st, ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S,
+                        s_key, s_rng, ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                         ALIGNED: tl.constexpr):
     r = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
-    if (n <= K) | (s0 >= n):
+    if s0 >= n:
         return
     s = s0 + tl.arange(0, BLOCK)
-    ok = s < n
     u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
-    st = (stats_ptr + r.to(tl.int64) * s_st).to(tl.pointer_type(tl.uint32))
-    tl.atomic_max(st + ST_INV_LO, tl.max(tl.where(ok, u ^ 0xFFFFFFFF, 0), axis=0))
-    tl.atomic_max(st + ST_HI, tl.max(tl.where(ok, u, 0), axis=0))
+    accumulate_row_range(rng_ptr + r.to(tl.int64) * s_rng, u.to(tl.int32, bitcast=True), s < n)
 
 
 @triton.jit
-def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K,
-                       s_key, s_st,
+def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K,
+                       s_key, s_rng, s_st,
                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
                        ALIGNED: tl.constexpr):
     r = tl.program_id(0)
@@ -257,22 +350,22 @@ def _split_hist_kernel(key_ptr, stats_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
     if (n <= K) | (s0 >= n):
         return
-    st_row = stats_ptr + r.to(tl.int64) * s_st
-    st = st_row.to(tl.pointer_type(tl.uint32))
-    lo = tl.load(st + ST_INV_LO) ^ 0xFFFFFFFF
-    hi = tl.load(st + ST_HI)
+    rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
+    lo = tl.load(rng) ^ 0xFFFFFFFF
+    hi = tl.load(rng + 1)
     if lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
         s = s0 + tl.arange(0, BLOCK)
         ok = s < n
         u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
-        hist = tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=ok)
-        tl.atomic_add(st_row + ST_HIST + tl.arange(0, BINS), hist, mask=hist > 0)
+        hist = tl.histogram(tl.where(ok, ((u - lo) >> shift).to(tl.int32), 0), BINS, mask=ok)
+        tl.atomic_add(st_ptr + r.to(tl.int64) * s_st + ST_HIST + tl.arange(0, BINS), hist, mask=hist > 0,
+                      sem="relaxed")
 
 
 @triton.jit
-def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
-                          num_seqs, row0, S, K, P, s_key, s_st, s_seg, s_cand,
+def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
+                          num_seqs, row0, S, K, P, s_key, s_rng, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                           BINS: tl.constexpr, BLOCK_P: tl.constexpr, CBLOCK: tl.constexpr,
                           ALIGNED: tl.constexpr):
@@ -282,88 +375,87 @@ def _split_compact_kernel(key_ptr, stats_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
     if (n <= K) | (s0 >= n):
         return
-    st_row = stats_ptr + r.to(tl.int64) * s_st
-    st = st_row.to(tl.pointer_type(tl.uint32))
-    lo = tl.load(st + ST_INV_LO) ^ 0xFFFFFFFF
-    hi = tl.load(st + ST_HI)
+    rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
+    lo = tl.load(rng) ^ 0xFFFFFFFF
+    hi = tl.load(rng + 1)
+    st_row = st_ptr + r.to(tl.int64) * s_st
+    st = _as_u32(st_row)
+    seg_row = seg_ptr + r.to(tl.int64) * s_seg
+    cand_row = cand_ptr + r.to(tl.int64) * s_cand
+    bins = tl.arange(0, BINS)
+    nseg = tl.cdiv(n, BLOCK)
+    hist = tl.load(st_row + ST_HIST + bins)
+    at_or_above = n - tl.cumsum(hist, axis=0) + hist
+    pick = tl.sum((at_or_above >= K).to(tl.int32), axis=0) - 1
     if lo < hi:
-        offs = tl.arange(0, BLOCK)
-        bins = tl.arange(0, BINS)
         shift = _bucket_shift(lo, hi, BINS)
-        hist = tl.load(st_row + ST_HIST + bins)
-        at_or_above = n - tl.cumsum(hist, axis=0) + hist
-        pick = tl.sum((at_or_above >= K).to(tl.int32), axis=0) - 1
-        s = s0 + offs
+        s = s0 + tl.arange(0, BLOCK)
         ok = s < n
         u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
         d = ((u - lo) >> shift).to(tl.int32)
         sel = ok & (d == pick)
-        seg_row = seg_ptr + r.to(tl.int64) * s_seg
         tl.store(seg_row + p, tl.sum((ok & (d > pick)).to(tl.int32), axis=0))  # round-1 keys above
-        cand_row = cand_ptr + r.to(tl.int64) * s_cand
-        base = tl.atomic_add(st_row + ST_CNT, tl.sum(sel.to(tl.int32), axis=0))
+        base = tl.atomic_add(st_row + ST_CNT, tl.sum(sel.to(tl.int32), axis=0), sem="relaxed")
         idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(cand_row + idx, u.to(tl.int32, bitcast=True), mask=sel)
         tl.store(cand_row + S + idx, s, mask=sel)
-        tl.atomic_max(st + ST_CINV_LO, tl.max(tl.where(sel, u ^ 0xFFFFFFFF, 0), axis=0))
-        tl.atomic_max(st + ST_CHI, tl.max(tl.where(sel, u, 0), axis=0))
-        nseg = tl.cdiv(n, BLOCK)
-        tl.debug_barrier()  # every thread's candidate stores precede the release below
-        if tl.atomic_add(st_row + ST_DONE, 1) == nseg - 1:  # acq_rel: every other segment's stores are seen
-            # the last segment done finishes the radix select on the candidates (no compaction: a rescan)
+        tl.atomic_max(st + ST_CINV_LO, tl.max(tl.where(sel, u ^ 0xFFFFFFFF, 0), axis=0), sem="relaxed")
+        tl.atomic_max(st + ST_CHI, tl.max(tl.where(sel, u, 0), axis=0), sem="relaxed")
+    tl.debug_barrier()  # every thread's candidate stores precede the release below
+    if tl.atomic_add(st_row + ST_DONE, 1) == nseg - 1:  # acq_rel: every other segment's stores are seen
+        if lo < hi:
             m = tl.atomic_add(st_row + ST_CNT, 0)
             clo = tl.atomic_max(st + ST_CINV_LO, 0) ^ 0xFFFFFFFF
             chi = tl.atomic_max(st + ST_CHI, 0)
             remaining = K - tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
-            coffs = tl.arange(0, CBLOCK)
-            while clo < chi:
-                cshift = _bucket_shift(clo, chi, BINS)
-                chist = tl.zeros([BINS], tl.int32)
-                for c in range(0, m, CBLOCK):
-                    cok = c + coffs < m
-                    cu = _load_fresh(cand_row + c + coffs, cok).to(tl.uint32, bitcast=True)
-                    inr = cok & (cu >= clo) & (cu <= chi)
-                    chist += tl.histogram(((cu - clo) >> cshift).to(tl.int32), BINS, mask=inr)
-                cabove = tl.sum(chist, axis=0) - tl.cumsum(chist, axis=0) + chist
-                cpick = tl.sum((cabove >= remaining).to(tl.int32), axis=0) - 1
-                remaining -= tl.sum(tl.where(bins == cpick, cabove - chist, 0), axis=0)
-                nlo_v = tl.full([CBLOCK], 0xFFFFFFFF, tl.uint32)
-                nhi_v = tl.zeros([CBLOCK], tl.uint32)
-                for c in range(0, m, CBLOCK):
-                    cok = c + coffs < m
-                    cu = _load_fresh(cand_row + c + coffs, cok).to(tl.uint32, bitcast=True)
-                    csel = cok & (cu >= clo) & (cu <= chi) & (((cu - clo) >> cshift).to(tl.int32) == cpick)
-                    nlo_v = tl.minimum(nlo_v, tl.where(csel, cu, 0xFFFFFFFF))
-                    nhi_v = tl.maximum(nhi_v, tl.where(csel, cu, 0))
-                clo = tl.min(nlo_v, axis=0)
-                chi = tl.max(nhi_v, axis=0)
-            # every segment's first output slot: keys above Tk and ties before it, in earlier segments
             segs = tl.arange(0, BLOCK_P)
-            above = tl.zeros([BLOCK_P], tl.int32)
-            ties = tl.zeros([BLOCK_P], tl.int32)
-            for c in range(0, m, CBLOCK):
-                cok = c + coffs < m
-                cu = _load_fresh(cand_row + c + coffs, cok).to(tl.uint32, bitcast=True)
-                sg = _load_fresh(cand_row + S + c + coffs, cok) // BLOCK
-                above += tl.histogram(sg, BLOCK_P, mask=cok & (cu > clo))
-                ties += tl.histogram(sg, BLOCK_P, mask=cok & (cu == clo))
+            if m <= CBLOCK:  # the usual case: every candidate in registers, one load
+                coffs = tl.arange(0, CBLOCK)
+                cok = coffs < m
+                cu = _load_fresh(cand_row + coffs, cok).to(tl.uint32, bitcast=True)
+                sg = _load_fresh(cand_row + S + coffs, cok) // BLOCK
+                tk, need = _rounds_in_registers(cu, cok, clo, chi, remaining, BINS)
+                above = tl.histogram(sg, BLOCK_P, mask=cok & (cu > tk))
+                ties = tl.histogram(sg, BLOCK_P, mask=cok & (cu == tk))
+            else:
+                tk, need = _rounds_chunked(cand_row, m, clo, chi, remaining, CBLOCK, BINS)
+                coffs = tl.arange(0, CBLOCK)
+                above = tl.zeros([BLOCK_P], tl.int32)
+                ties = tl.zeros([BLOCK_P], tl.int32)
+                for c in range(0, m, CBLOCK):
+                    cok = c + coffs < m
+                    cu = _load_fresh(cand_row + c + coffs, cok).to(tl.uint32, bitcast=True)
+                    sg = _load_fresh(cand_row + S + c + coffs, cok) // BLOCK
+                    above += tl.histogram(sg, BLOCK_P, mask=cok & (cu > tk))
+                    ties += tl.histogram(sg, BLOCK_P, mask=cok & (cu == tk))
+            # every segment's first output slot: keys above Tk and ties before it, in earlier segments
             above += _load_fresh(seg_row + segs, segs < nseg)
             tl.store(seg_row + P + segs, tl.cumsum(above, axis=0) - above, mask=segs < P)
             tl.store(seg_row + 2 * P + segs, tl.cumsum(ties, axis=0) - ties, mask=segs < P)
-            tl.store(st + ST_TK, clo)
-            tl.store(st_row + ST_NEED, remaining)
+            tl.store(st + ST_TK, tk)
+            tl.store(st_row + ST_NEED, need)
+            tl.store(st_row + ST_FLAT, 0)
+        else:  # every key equal: all ties, the first K positions
+            tl.store(st + ST_TK, lo)
+            tl.store(st_row + ST_NEED, K)
+            tl.store(st_row + ST_FLAT, 1)
 
 
 @triton.jit
-def _split_write_kernel(key_ptr, stats_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
-                        num_seqs, row0, S, K, P, s_key, s_st, s_seg, s_out,
+def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
+                        num_seqs, row0, S, K, P, s_key, s_rng, s_st, s_seg, s_out,
                         ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
-                        ALIGNED: tl.constexpr):
+                        BINS: tl.constexpr, ALIGNED: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     t = row0 + r
     s0 = p * BLOCK
     n = _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
+    st_row = st_ptr + r.to(tl.int64) * s_st
+    if p == 0:  # the accumulators of this row are read by no later launch: zero them for the next call
+        tl.store(rng_ptr + r.to(tl.int64) * s_rng + tl.arange(0, 2), tl.zeros([2], tl.int32))
+        tl.store(st_row + tl.arange(0, 4), tl.zeros([4], tl.int32))  # ST_CNT .. ST_DONE
+        tl.store(st_row + ST_HIST + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
     out_row = out_ptr + t.to(tl.int64) * s_out
     offs = tl.arange(0, BLOCK)
     if n <= K:  # dense row: the programs of the row share the K slots
@@ -373,13 +465,11 @@ def _split_write_kernel(key_ptr, stats_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr
         return
     if s0 >= n:
         return
-    st_row = stats_ptr + r.to(tl.int64) * s_st
-    st = st_row.to(tl.pointer_type(tl.uint32))
+    st = _as_u32(st_row)
     seg_row = seg_ptr + r.to(tl.int64) * s_seg
-    lo = tl.load(st + ST_INV_LO) ^ 0xFFFFFFFF
-    flat = lo == tl.load(st + ST_HI)  # all keys equal: C did nothing, every key is a tie
-    tk = tl.where(flat, lo, tl.load(st + ST_TK))
-    need = tl.where(flat, K, tl.load(st_row + ST_NEED))
+    flat = tl.load(st_row + ST_FLAT) != 0
+    tk = tl.load(st + ST_TK)
+    need = tl.load(st_row + ST_NEED)
     n_gt = tl.where(flat, 0, tl.load(seg_row + P + p))
     n_eq = tl.where(flat, s0, tl.load(seg_row + 2 * P + p))
     s = s0 + offs
@@ -394,71 +484,132 @@ def _split_write_kernel(key_ptr, stats_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr
     tl.store(out_row + c_gt + tl.minimum(c_eq, need) - 1, s, mask=take)
 
 
-def _select_split(keys, out, row0, topk, lens, cu_q, seq_lens, row_lens, block_b, block, bins, num_warps):
+# ------------------------------------------------------------------ host side
+
+# Persistent zeroed scratch (per name and device): every kernel that accumulates into it is followed, in
+# the same call, by a kernel that zeroes what was touched, so it is zero between calls and needs no memset
+# launch. Buffers are never freed once handed out (a captured CUDA graph keeps their addresses); a buffer
+# first needed while a CUDA graph is being captured is allocated per call inside the capture (the graph
+# replays its memset) and not cached, because eager code would see it unzeroed.
+_ZEROED: dict[tuple[str, str], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def _zeroed(name: str, rows: int, width: int, device: torch.device) -> torch.Tensor:
+    key = (name, str(device))
+    buf = _ZEROED.get(key)
+    if buf is not None and buf.shape[0] >= rows and buf.shape[1] == width:
+        return buf[:rows]
+    fresh = torch.zeros((max(rows, 256), width), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh[:rows]
+    if buf is not None:
+        _RETIRED.append(buf)
+    _ZEROED[key] = fresh
+    return fresh[:rows]
+
+
+def row_range_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
+    """[rows, 2] int32 per-row key range accumulator, zero on return (persistent, self-cleaning scratch).
+
+    A producer of keys folds each row's range into it with :func:`accumulate_row_range`; passing it to
+    :func:`select_rows` as ``row_range`` skips the selection's own range pass, and the selection zeroes it
+    again. Every row handed to a producer must then go through ``select_rows`` in the same stream.
+    """
+    return _zeroed("range", rows, 2, torch.device(device))
+
+
+def use_split(rows: int, width: int) -> bool:
+    """Whether :func:`select_rows` selects ``rows`` key rows of ``width`` positions in split mode by default:
+    fewer than :data:`SPLIT_MAX_ROWS` rows at least :data:`SPLIT_MIN_WIDTH` wide (shapes only)."""
+    return rows < SPLIT_MAX_ROWS and width >= SPLIT_MIN_WIDTH
+
+
+def resolve_tuning(split: bool, block: int | None = None, bins: int | None = None,
+                   num_warps: int | None = None) -> tuple[int, int, int]:
+    """(block, bins, num_warps) for a mode: given values, else the mode's module defaults.
+    Raises ValueError when block (power of two, 16..16384) or bins (power of two, 32..MAX_BINS) is out of range."""
+    if block is None:
+        block = SPLIT_BLOCK if split else BLOCK
+    if bins is None:
+        bins = SPLIT_BINS if split else BINS
+    if num_warps is None:
+        num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
+    pow2_ok = block & (block - 1) == 0 and bins & (bins - 1) == 0
+    if not (pow2_ok and 16 <= block <= 16384 and 32 <= bins <= MAX_BINS):
+        raise ValueError(f"select_rows: block {block} and bins {bins} must be powers of two in range")
+    return block, bins, num_warps
+
+
+def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps):
     R, S = keys.shape
     P = triton.cdiv(S, block)
     dev = keys.device
-    stats = torch.zeros((R, 8 + bins), dtype=torch.int32, device=dev)
+    st = _zeroed("split", R, _ST_WIDTH + MAX_BINS, dev)
     seg = torch.empty((R, 3 * P), dtype=torch.int32, device=dev)
     cand = torch.empty((R, 2 * S), dtype=torch.int32, device=dev)
-    num_seqs = seq_lens.shape[0]
-    rows = (lens, cu_q, seq_lens, num_seqs, row0, S, topk)
     meta = {"ROW_LENS": row_lens, "BLOCK_B": block_b, "BLOCK": block, "num_warps": num_warps,
             "ALIGNED": S % 4 == 0 and keys.stride(0) % 4 == 0}
-    _split_range_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), **meta)
-    _split_hist_kernel[(R, P)](keys, stats, *rows, keys.stride(0), stats.stride(0), BINS=bins, **meta)
-    _split_compact_kernel[(R, P)](keys, stats, seg, cand, *rows, P, keys.stride(0), stats.stride(0),
-                                  seg.stride(0), cand.stride(0), BINS=bins, BLOCK_P=pow2(P, 32),
-                                  CBLOCK=min(block, CAND_BLOCK), **meta)
-    _split_write_kernel[(R, P)](keys, stats, seg, out, *rows, P, keys.stride(0), stats.stride(0),
-                                seg.stride(0), out.stride(0), **meta)
+    lens, cu_q, seq_lens, num_seqs = rows
+    if not range_given:
+        _split_range_kernel[(R, P)](keys, rng, lens, cu_q, seq_lens, num_seqs, row0, S, keys.stride(0),
+                                    rng.stride(0), **meta)
+    args = (*rows, row0, S, topk)
+    _split_hist_kernel[(R, P)](keys, rng, st, *args, keys.stride(0), rng.stride(0), st.stride(0), BINS=bins,
+                               **meta)
+    _split_compact_kernel[(R, P)](keys, rng, st, seg, cand, *args, P, keys.stride(0), rng.stride(0),
+                                  st.stride(0), seg.stride(0), cand.stride(0), BINS=bins,
+                                  BLOCK_P=pow2(P, 32), CBLOCK=CAND_BLOCK, **meta)
+    _split_write_kernel[(R, P)](keys, rng, st, seg, out, *args, P, keys.stride(0), rng.stride(0),
+                                st.stride(0), seg.stride(0), out.stride(0), BINS=bins, **meta)
 
 
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
                 lengths: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                 seq_lens: torch.Tensor | None = None, split: bool | None = None, block: int | None = None,
-                bins: int | None = None, num_warps: int | None = None) -> None:
+                bins: int | None = None, num_warps: int | None = None,
+                row_range: torch.Tensor | None = None) -> None:
     """Top-``topk`` positions of key rows ``keys[r]`` into ``out[row0 + r]`` (contract: module doc).
 
     keys: [R, S] int32 orderable keys (:func:`orderable_key`), last dim contiguous; out: [T, topk] int32,
     every slot of rows ``row0 .. row0+R-1`` is written. A row's valid length ``n`` is ``lengths[row0+r]``
     ([T] int32) when given, else the query position + 1 of step row ``row0 + r`` from ``cu_seqlens_q``
-    ([B+1] int32) and ``seq_lens`` ([B] int32); it is clamped to [0, S]. ``split``: one program per
-    ``block`` positions of a row (4 launches + a memset) instead of one program per row (1 launch); by
-    default when there are fewer than :data:`SPLIT_MAX_ROWS` rows at least :data:`SPLIT_MIN_WIDTH` wide.
-    ``block`` (power of two, 16..16384), ``bins`` (power of two, 32..1024) and ``num_warps`` tune speed
-    (None: the module's :data:`BLOCK`, :data:`BINS`, :data:`NUM_WARPS`).
+    ([B+1] int32) and ``seq_lens`` ([B] int32); it is clamped to [0, S]; no pass reads a position >= n.
+    ``split``: one program per ``block`` positions of a row (3 launches; 4 without ``row_range``) instead
+    of one program per row (1 launch); default :func:`use_split`. ``row_range``: [R, 2] int32 rows of
+    :func:`row_range_buffer` into which the keys' producer folded each row's first n keys
+    (:func:`accumulate_row_range`); zeroed again here. ``block`` (power of two, 16..16384), ``bins``
+    (power of two, 32..:data:`MAX_BINS`) and ``num_warps`` tune speed (None: the mode's module defaults,
+    :data:`BLOCK` / :data:`BINS` / :data:`NUM_WARPS` or :data:`SPLIT_BLOCK` / ...).
     Raises ValueError on non-int32 / strided keys or out-of-range tuning.
     """
-    block = BLOCK if block is None else block
-    bins = BINS if bins is None else bins
-    num_warps = NUM_WARPS if num_warps is None else num_warps
     R, S = keys.shape
+    if split is None:
+        split = use_split(R, S)
+    block, bins, num_warps = resolve_tuning(split, block, bins, num_warps)
     if R == 0 or topk == 0:
+        if row_range is not None:
+            row_range.zero_()  # nothing consumes it: keep the buffer's zero-between-calls contract
         return
     if keys.dtype != torch.int32 or keys.stride(-1) != 1:
         raise ValueError("select_rows: keys must be int32 with a contiguous last dim")
-    pow2_ok = block & (block - 1) == 0 and bins & (bins - 1) == 0
-    if not (pow2_ok and 16 <= block <= 16384 and 32 <= bins <= 1024):
-        raise ValueError(f"select_rows: block {block} and bins {bins} must be powers of two in range")
     row_lens = lengths is not None
     if row_lens:
         cu_seqlens_q = seq_lens = lengths  # unused by the kernels
     else:
         lengths = keys  # unused by the kernels
     block_b = 1 if row_lens else pow2(seq_lens.shape[0])
-    if split is None:
-        split = R < SPLIT_MAX_ROWS and S >= SPLIT_MIN_WIDTH
+    range_given = row_range is not None
+    rng = row_range if range_given else row_range_buffer(R, keys.device)
+    rows = (lengths, cu_seqlens_q, seq_lens, seq_lens.shape[0])
     if split:
-        _select_split(keys, out, row0, topk, lengths, cu_seqlens_q, seq_lens, row_lens, block_b, block, bins,
-                      num_warps)
+        _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps)
         return
-    scratch = torch.empty((R, 2 * S), dtype=torch.int32, device=keys.device)
+    scratch = torch.empty((R, S), dtype=torch.int32, device=keys.device)
     _radix_topk_kernel[(R,)](
-        keys, scratch, out, lengths, cu_seqlens_q, seq_lens,
-        seq_lens.shape[0], row0, S, topk, keys.stride(0), scratch.stride(0), out.stride(0),
-        ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins, CBLOCK=min(block, CAND_BLOCK),
-        ALIGNED=S % 4 == 0 and keys.stride(0) % 4 == 0, num_warps=num_warps,
+        keys, scratch, rng, out, *rows, row0, S, topk, keys.stride(0), scratch.stride(0), rng.stride(0),
+        out.stride(0), ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins, CBLOCK=CAND_BLOCK,
+        ALIGNED=S % 4 == 0 and keys.stride(0) % 4 == 0, RANGE_GIVEN=range_given, num_warps=num_warps,
     )
 
 
