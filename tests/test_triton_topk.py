@@ -149,6 +149,71 @@ def test_keys_past_a_rows_length_are_never_read():
         assert torch.equal(T.topk_positions(keys, lengths, 30, block=32, split=split), want)
 
 
+def _accumulators_are_zero() -> bool:
+    """The persistent self-cleaning accumulators (key ranges; split rows' counters and histogram, not the
+    results Tk / need / flat that the last launch reads) are zero between calls."""
+    bufs = [buf[:, :4] if name == "split" else buf for (name, _), buf in T._ZEROED.items()]
+    bufs += [buf[:, T._ST_WIDTH:] for (name, _), buf in T._ZEROED.items() if name == "split"]
+    return all(int(buf.abs().sum()) == 0 for buf in bufs)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_rows_much_shorter_than_the_key_width(split):
+    # CUDA-graph decode: keys as wide as max_model_len, the rows' real lengths far shorter. Programs past n
+    # exit, no pass reads a position >= n (garbage there would win), and the cost follows n
+    g = torch.Generator().manual_seed(8)
+    S, K = 4096, 40
+    x = torch.randn(3, S, generator=g)
+    x[1] = (x[1] * 2).round()  # ties straddling the K-th
+    lengths = torch.tensor([300, 97, 41], dtype=torch.int32)
+    want = _stable_topk(x, lengths, K)
+    keys = T.orderable_keys(x)
+    keys[:, 300:] = -1  # the largest key
+    keys[1, 97:] = 0x7FFFFFFF
+    keys[2, 41:] = -1
+    assert torch.equal(T.topk_positions(keys, lengths, K, split=split, block=32), want)
+    assert _accumulators_are_zero()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_producers_row_range_is_used_and_zeroed_again(split):
+    g = torch.Generator().manual_seed(9)
+    S, K = 512, 24
+    x = (torch.randn(4, S, generator=g) * 3).round()
+    lengths = torch.tensor([512, 200, 25, 24], dtype=torch.int32)
+    keys = T.orderable_keys(x)
+    rng = T.row_range_buffer(4, "cpu")
+    assert int(rng.abs().sum()) == 0
+    signed = keys ^ torch.iinfo(torch.int32).min  # signed order = the keys' unsigned order
+    for r in range(4):  # what accumulate_row_range leaves: ~min and max of the row's first n keys
+        n = int(lengths[r])
+        rng[r, 0] = ~(signed[r, :n].min() ^ torch.iinfo(torch.int32).min)
+        rng[r, 1] = signed[r, :n].max() ^ torch.iinfo(torch.int32).min
+    out = torch.empty((4, K), dtype=torch.int32)
+    T.select_rows(keys, out, 0, K, lengths=lengths, split=split, block=64, row_range=rng)
+    assert torch.equal(out, _stable_topk(x, lengths, K))
+    assert int(rng.abs().sum()) == 0 and _accumulators_are_zero()
+    # a range wider than the keys' (the whole uint32 span) still selects exactly: round 1 narrows it
+    rng[:, 0] = -1  # ~min = 0xFFFFFFFF: min key 0
+    rng[:, 1] = -1  # max key 0xFFFFFFFF
+    T.select_rows(keys, out, 0, K, lengths=lengths, split=split, block=64, row_range=rng)
+    assert torch.equal(out, _stable_topk(x, lengths, K))
+    assert int(rng.abs().sum()) == 0
+
+
+def test_repeated_calls_are_identical_and_leave_no_state():
+    # the accumulators are persistent (no memset launch): each call must clean up after itself
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 600, generator=g)
+    lengths = torch.tensor([600, 333], dtype=torch.int32)
+    keys = T.orderable_keys(x)
+    want = _stable_topk(x, lengths, 50)
+    for split in (True, False, True):
+        for _ in range(2):
+            assert torch.equal(T.topk_positions(keys, lengths, 50, split=split, block=64), want)
+            assert _accumulators_are_zero()
+
+
 def test_random_rows_against_a_stable_sort(monkeypatch):
     monkeypatch.setattr(T, "CAND_BLOCK", 16)  # candidate rounds over several chunks too
     g = torch.Generator().manual_seed(4)
@@ -211,6 +276,25 @@ def test_indexer_mixed_batch_matches_the_reference(dtype, plateau, selection_mod
     out, ref = indexer_topk(*args, K), torch_ref_mla.indexer_topk(*args, K)
     assert out.dtype == torch.int32 and out.shape == ref.shape
     assert torch.equal(out, ref)
+
+
+def test_indexer_block_tables_wider_than_the_contexts(selection_mode):
+    # CUDA-graph decode pads block tables to max_model_len: S = width * block size >> every row's n
+    q, w, kc, cu, sl, bt = _indexer_inputs([1, 1, 2], [60, 23, 45], bs=4)
+    wide = torch.zeros((bt.shape[0], 96), dtype=torch.int32)  # 384 positions; pad columns -> block 0
+    wide[:, :bt.shape[1]] = bt.clamp(min=0)
+    args = (q, w, kc, cu, sl, wide)
+    assert torch.equal(indexer_topk(*args, 21), torch_ref_mla.indexer_topk(*args, 21))
+    assert _accumulators_are_zero()
+
+
+def test_indexer_zero_topk_and_bad_tuning_leave_no_state():
+    args = _indexer_inputs([2, 1], [30, 12])
+    assert indexer_topk(*args, 0).shape == (3, 0)
+    with pytest.raises(ValueError, match="must be powers of two"):
+        indexer_topk(*args, 8, block=48)
+    assert _accumulators_are_zero()
+    assert torch.equal(indexer_topk(*args, 8), torch_ref_mla.indexer_topk(*args, 8))
 
 
 def test_indexer_topk_larger_than_the_block_table(selection_mode):

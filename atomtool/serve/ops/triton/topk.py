@@ -404,9 +404,10 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
     tl.debug_barrier()  # every thread's candidate stores precede the release below
     if tl.atomic_add(st_row + ST_DONE, 1) == nseg - 1:  # acq_rel: every other segment's stores are seen
         if lo < hi:
-            m = tl.atomic_add(st_row + ST_CNT, 0)
-            clo = tl.atomic_max(st + ST_CINV_LO, 0) ^ 0xFFFFFFFF
-            chi = tl.atomic_max(st + ST_CHI, 0)
+            # plain L2 reads, ordered after the acquire above (independent: issued together)
+            m = tl.load(st_row + ST_CNT, cache_modifier=".cg")
+            clo = tl.load(st + ST_CINV_LO, cache_modifier=".cg") ^ 0xFFFFFFFF
+            chi = tl.load(st + ST_CHI, cache_modifier=".cg")
             remaining = K - tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
             segs = tl.arange(0, BLOCK_P)
             if m <= CBLOCK:  # the usual case: every candidate in registers, one load
