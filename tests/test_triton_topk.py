@@ -61,6 +61,11 @@ def test_suite_in_a_fresh_process():
 
 # ---------------------------------------------------------------- helpers
 
+#: the selection modes: one program per row; split rows (several programs per row); split rows where rows
+#: of at most 64 valid positions are selected whole by one program of the first launch
+MODES = {"one_program": {"split": False}, "split": {"split": True, "small_n": 0},
+         "split_small_rows": {"split": True, "small_n": 64}}
+
 def _stable_topk(scores: torch.Tensor, lengths: torch.Tensor, K: int) -> torch.Tensor:
     """The contract, written plainly: stable descending sort of each row's first n scores, first K taken,
     listed ascending, -1 padded."""
@@ -118,17 +123,18 @@ def test_selection_matches_a_stable_sort(seed, kind):
     lengths = [S, S - 1, 41, 40, 7, 0]  # full, above K, K + 1, == K, < K, empty
     _check(x, lengths, K, block=64, split=False)
     _check(x, lengths, K, block=32, bins=256, split=False)
-    _check(x, lengths, K, block=32, split=True)  # 10 programs per row
+    _check(x, lengths, K, block=32, **MODES["split"])  # 10 programs per row
+    _check(x, lengths, K, block=32, **MODES["split_small_rows"])  # and the rows of <= 64 in one
 
 
 def test_topk_wider_than_the_rows_and_one_chunk_per_row():
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 50, generator=g) * 3).round()
-    for split in (False, True):
-        _check(x, [50, 49, 3], 64, split=split)  # K > S: every valid position, then -1
-        _check(x, [50, 49, 3], 1, split=split)
-        _check(x, [50, 49, 3], 49, split=split)
-        _check(x, [50, 49, 3], 49, split=split, block=16)
+    for mode in MODES.values():
+        _check(x, [50, 49, 3], 64, **mode)  # K > S: every valid position, then -1
+        _check(x, [50, 49, 3], 1, **mode)
+        _check(x, [50, 49, 3], 49, **mode)
+        _check(x, [50, 49, 3], 49, block=16, **mode)
 
 
 def test_zero_rows_or_zero_topk():
@@ -145,8 +151,8 @@ def test_keys_past_a_rows_length_are_never_read():
     want = _stable_topk(x, lengths, 30)
     keys[0, 120:] = 0x7FFFFFFF  # near the largest key: would win if read
     keys[1, 90:] = -1  # the largest key (uint32 0xFFFFFFFF)
-    for split in (False, True):
-        assert torch.equal(T.topk_positions(keys, lengths, 30, block=32, split=split), want)
+    for mode in MODES.values():
+        assert torch.equal(T.topk_positions(keys, lengths, 30, block=32, **mode), want)
 
 
 def _accumulators_are_zero() -> bool:
@@ -157,8 +163,8 @@ def _accumulators_are_zero() -> bool:
     return all(int(buf.abs().sum()) == 0 for buf in bufs)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_rows_much_shorter_than_the_key_width(split):
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_much_shorter_than_the_key_width(mode):
     # CUDA-graph decode: keys as wide as max_model_len, the rows' real lengths far shorter. Programs past n
     # exit, no pass reads a position >= n (garbage there would win), and the cost follows n
     g = torch.Generator().manual_seed(8)
@@ -171,12 +177,12 @@ def test_rows_much_shorter_than_the_key_width(split):
     keys[:, 300:] = -1  # the largest key
     keys[1, 97:] = 0x7FFFFFFF
     keys[2, 41:] = -1
-    assert torch.equal(T.topk_positions(keys, lengths, K, split=split, block=32), want)
+    assert torch.equal(T.topk_positions(keys, lengths, K, block=32, **MODES[mode]), want)
     assert _accumulators_are_zero()
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_a_producers_row_range_is_used_and_zeroed_again(split):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_producers_row_range_is_used_and_zeroed_again(mode):
     g = torch.Generator().manual_seed(9)
     S, K = 512, 24
     x = (torch.randn(4, S, generator=g) * 3).round()
@@ -190,13 +196,13 @@ def test_a_producers_row_range_is_used_and_zeroed_again(split):
         rng[r, 0] = ~(signed[r, :n].min() ^ torch.iinfo(torch.int32).min)
         rng[r, 1] = signed[r, :n].max() ^ torch.iinfo(torch.int32).min
     out = torch.empty((4, K), dtype=torch.int32)
-    T.select_rows(keys, out, 0, K, lengths=lengths, split=split, block=64, row_range=rng)
+    T.select_rows(keys, out, 0, K, lengths=lengths, block=64, row_range=rng, **MODES[mode])
     assert torch.equal(out, _stable_topk(x, lengths, K))
     assert int(rng.abs().sum()) == 0 and _accumulators_are_zero()
     # a range wider than the keys' (the whole uint32 span) still selects exactly: round 1 narrows it
     rng[:, 0] = -1  # ~min = 0xFFFFFFFF: min key 0
     rng[:, 1] = -1  # max key 0xFFFFFFFF
-    T.select_rows(keys, out, 0, K, lengths=lengths, split=split, block=64, row_range=rng)
+    T.select_rows(keys, out, 0, K, lengths=lengths, block=64, row_range=rng, **MODES[mode])
     assert torch.equal(out, _stable_topk(x, lengths, K))
     assert int(rng.abs().sum()) == 0
 
@@ -208,9 +214,9 @@ def test_repeated_calls_are_identical_and_leave_no_state():
     lengths = torch.tensor([600, 333], dtype=torch.int32)
     keys = T.orderable_keys(x)
     want = _stable_topk(x, lengths, 50)
-    for split in (True, False, True):
+    for mode in (*MODES.values(), MODES["split"]):
         for _ in range(2):
-            assert torch.equal(T.topk_positions(keys, lengths, 50, split=split, block=64), want)
+            assert torch.equal(T.topk_positions(keys, lengths, 50, block=64, **mode), want)
             assert _accumulators_are_zero()
 
 
@@ -224,7 +230,8 @@ def test_random_rows_against_a_stable_sort(monkeypatch):
         x = torch.randint(-levels, levels + 1, (R, S), generator=g).float() * 0.37
         lengths = torch.randint(0, S + 1, (R,), generator=g)
         _check(x, lengths, K, block=32, split=False)
-        _check(x, lengths, K, block=16, split=True)
+        _check(x, lengths, K, block=16, **MODES["split"])
+        _check(x, lengths, K, block=16, split=True, small_n=128)
 
 
 def test_bad_keys_or_tuning_are_refused():
@@ -257,13 +264,17 @@ def _indexer_inputs(q_lens, seq_lens, Hi=3, Di=16, bs=8, seed=5, dtype=torch.flo
     return (q.to(dtype), w, kc.to(dtype), _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32), bt)
 
 
-@pytest.fixture(params=["one_program_per_row", "split_rows"])
+@pytest.fixture(params=["one_program_per_row", "split_rows", "split_small_rows"])
 def selection_mode(request, monkeypatch):
-    """The indexer with its default selection (small S: one program per row) and with every row split
-    into programs of 32 positions (as for few long rows on a GPU)."""
-    if request.param == "split_rows":
+    """The indexer with its default selection (small S: one program per row), with every row split into
+    programs of 32 positions (as for few long rows on a GPU), and split with rows of <= 64 positions
+    selected whole by one program (through the module defaults, as the engine gets them)."""
+    if request.param != "one_program_per_row":
         monkeypatch.setattr(T, "SPLIT_MIN_WIDTH", 0)
         monkeypatch.setattr(T, "SPLIT_BLOCK", 32)
+        monkeypatch.setattr(T, "SPLIT_SMALL_N", 0 if request.param == "split_rows" else 64)
+    else:
+        monkeypatch.setattr(T, "BLOCK", 64)  # rows of <= 64 in registers, longer ones in chunks
     return request.param
 
 

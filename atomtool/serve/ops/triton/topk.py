@@ -52,6 +52,9 @@ SPLIT_NUM_WARPS = 4
 #: candidates (keys of the picked round-1 bucket) held in registers for the remaining radix rounds; more
 #: candidates than this fall back to rounds that rescan them from the scratch row, CAND_BLOCK at a time
 CAND_BLOCK = 2048
+#: split rows: a row with at most this many valid positions (0: none; else a power of two) is selected whole
+#: by one program, in registers, in the first launch; the later launches skip it
+SPLIT_SMALL_N = 4096
 #: rows below this count and at least this wide are selected by several programs per row (select_rows)
 SPLIT_MAX_ROWS = 128
 SPLIT_MIN_WIDTH = 8192
@@ -234,6 +237,35 @@ def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.cons
 
 
 @triton.jit
+def _write_chunk(out_row, s, u, ok, tk, need, n_gt, n_eq):
+    """Store the taken positions ``s`` of one chunk (keys ``u``, lanes ``ok``; fewer than 2^15 lanes):
+    keys above Tk, and ties while the ties taken so far stay within ``need``, each to its rank among the
+    taken (``n_gt`` / ``n_eq``: keys above Tk / ties in earlier chunks). Returns this chunk's (above, ties)."""
+    gt = ok & (u > tk)
+    eq = ok & (u == tk)
+    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # < 2^15 lanes: no carry into the eq half
+    counts = tl.cumsum(packed, axis=0)
+    c_gt = n_gt + (counts & 0xFFFF)
+    c_eq = n_eq + (counts >> 16)
+    take = gt | (eq & (c_eq <= need))
+    tl.store(out_row + c_gt + tl.minimum(c_eq, need) - 1, s, mask=take)
+    total = tl.sum(packed, axis=0)
+    return total & 0xFFFF, total >> 16
+
+
+@triton.jit
+def _select_tile(key_row, out_row, n, lo, hi, K, TILE: tl.constexpr, BINS: tl.constexpr,
+                 ALIGNED: tl.constexpr):
+    """The whole selection of a row of ``n <= TILE`` keys (all within [lo, hi]) in registers: one load,
+    the radix rounds on the live lanes, one store of the taken positions."""
+    s = tl.arange(0, TILE)
+    ok = s < n
+    u = _load_keys(key_row, s, n, ALIGNED)
+    tk, need = _rounds_in_registers(u, ok, lo, hi, K + tl.zeros([], tl.int32), BINS)
+    _write_chunk(out_row, s, u, ok, tk, need, 0, 0)
+
+
+@triton.jit
 def _radix_topk_kernel(
     key_ptr, scratch_ptr, rng_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
     num_seqs, row0, S, K, s_key, s_scr, s_rng, s_out,
@@ -259,6 +291,19 @@ def _radix_topk_kernel(
             tl.store(out_row + slot, tl.where(slot < n, slot, -1), mask=slot < K)
         return
 
+    if n <= BLOCK:  # the row fits one chunk: everything in registers, the keys loaded once
+        ok = offs < n
+        u = _load_keys(key_row, offs, n, ALIGNED)
+        if RANGE_GIVEN:
+            lo = lo_given
+            hi = hi_given
+        else:
+            lo = tl.min(tl.where(ok, u, 0xFFFFFFFF), axis=0)
+            hi = tl.max(tl.where(ok, u, 0), axis=0)
+        tk, need = _rounds_in_registers(u, ok, lo, hi, K + tl.zeros([], tl.int32), BINS)
+        _write_chunk(out_row, offs, u, ok, tk, need, 0, 0)
+        return
+
     # 1. the row's key range
     if RANGE_GIVEN:
         lo = lo_given
@@ -282,24 +327,14 @@ def _radix_topk_kernel(
         lo, remaining = _threshold(scratch_row, m, lo, hi, remaining, CBLOCK, BINS)
 
     # 3. positions above the threshold and the first `need` ties, in position order
-    need = remaining
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for c in range(0, n, BLOCK):
         s = c + offs
-        ok = s < n
         u = _load_keys(key_row, s, n, ALIGNED)
-        gt = ok & (u > lo)
-        eq = ok & (u == lo)
-        packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # BLOCK < 2^15: no carry into the eq half
-        counts = tl.cumsum(packed, axis=0)
-        c_gt = n_gt + (counts & 0xFFFF)
-        c_eq = n_eq + (counts >> 16)
-        take = gt | (eq & (c_eq <= need))
-        tl.store(out_row + c_gt + tl.minimum(c_eq, need) - 1, s, mask=take)
-        total = tl.sum(packed, axis=0)
-        n_gt += total & 0xFFFF
-        n_eq += total >> 16
+        gt, eq = _write_chunk(out_row, s, u, s < n, lo, remaining, n_gt, n_eq)
+        n_gt += gt
+        n_eq += eq
 
 
 # ------------------------------------------------------------------ split rows: several programs per row
@@ -341,10 +376,10 @@ def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_
 
 
 @triton.jit
-def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, K,
-                       s_key, s_rng, s_st,
+def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0,
+                       S, K, s_key, s_rng, s_st, s_out,
                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                       ALIGNED: tl.constexpr):
+                       ALIGNED: tl.constexpr, SMALL: tl.constexpr):
     r = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
@@ -353,6 +388,12 @@ def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, lens_ptr, cu_q_ptr, seq_lens_pt
     rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
     lo = tl.load(rng) ^ 0xFFFFFFFF
     hi = tl.load(rng + 1)
+    if SMALL > 0:  # a short row: selected whole by its first program, in registers; C and E skip it
+        if n <= SMALL:
+            if s0 == 0:
+                _select_tile(key_ptr + r.to(tl.int64) * s_key, out_ptr + (row0 + r).to(tl.int64) * s_out, n,
+                             lo, hi, K, SMALL, BINS, ALIGNED)
+            return
     if lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
         s = s0 + tl.arange(0, BLOCK)
@@ -368,12 +409,12 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
                           num_seqs, row0, S, K, P, s_key, s_rng, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                           BINS: tl.constexpr, BLOCK_P: tl.constexpr, CBLOCK: tl.constexpr,
-                          ALIGNED: tl.constexpr):
+                          ALIGNED: tl.constexpr, SMALL: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     s0 = p * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
-    if (n <= K) | (s0 >= n):
+    if (n <= K) | (s0 >= n) | (n <= SMALL):  # dense rows: E; short rows: done in B
         return
     rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
     lo = tl.load(rng) ^ 0xFFFFFFFF
@@ -446,7 +487,7 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
 def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
                         num_seqs, row0, S, K, P, s_key, s_rng, s_st, s_seg, s_out,
                         ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
-                        BINS: tl.constexpr, ALIGNED: tl.constexpr):
+                        BINS: tl.constexpr, ALIGNED: tl.constexpr, SMALL: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     t = row0 + r
@@ -464,7 +505,7 @@ def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu
             slot = c + offs
             tl.store(out_row + slot, tl.where(slot < n, slot, -1), mask=slot < K)
         return
-    if s0 >= n:
+    if (s0 >= n) | (n <= SMALL):  # short rows were written in B
         return
     st = _as_u32(st_row)
     seg_row = seg_ptr + r.to(tl.int64) * s_seg
@@ -474,15 +515,8 @@ def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu
     n_gt = tl.where(flat, 0, tl.load(seg_row + P + p))
     n_eq = tl.where(flat, s0, tl.load(seg_row + 2 * P + p))
     s = s0 + offs
-    ok = s < n
     u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
-    gt = ok & (u > tk)
-    eq = ok & (u == tk)
-    counts = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
-    c_gt = n_gt + (counts & 0xFFFF)
-    c_eq = n_eq + (counts >> 16)
-    take = gt | (eq & (c_eq <= need))
-    tl.store(out_row + c_gt + tl.minimum(c_eq, need) - 1, s, mask=take)
+    _write_chunk(out_row, s, u, s < n, tk, need, n_gt, n_eq)
 
 
 # ------------------------------------------------------------------ host side
@@ -527,22 +561,28 @@ def use_split(rows: int, width: int) -> bool:
 
 
 def resolve_tuning(split: bool, block: int | None = None, bins: int | None = None,
-                   num_warps: int | None = None) -> tuple[int, int, int]:
-    """(block, bins, num_warps) for a mode: given values, else the mode's module defaults.
-    Raises ValueError when block (power of two, 16..16384) or bins (power of two, 32..MAX_BINS) is out of range."""
+                   num_warps: int | None = None, small_n: int | None = None) -> tuple[int, int, int, int]:
+    """(block, bins, num_warps, small_n) for a mode: given values, else the mode's module defaults
+    (``small_n`` only means something in split mode). Raises ValueError when block (power of two,
+    16..16384), bins (power of two, 32..MAX_BINS) or small_n (0 or a power of two, 16..16384) is out of range."""
     if block is None:
         block = SPLIT_BLOCK if split else BLOCK
     if bins is None:
         bins = SPLIT_BINS if split else BINS
     if num_warps is None:
         num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
+    if small_n is None:
+        small_n = SPLIT_SMALL_N if split else 0
     pow2_ok = block & (block - 1) == 0 and bins & (bins - 1) == 0
     if not (pow2_ok and 16 <= block <= 16384 and 32 <= bins <= MAX_BINS):
         raise ValueError(f"select_rows: block {block} and bins {bins} must be powers of two in range")
-    return block, bins, num_warps
+    if not (small_n == 0 or (small_n & (small_n - 1) == 0 and 16 <= small_n <= 16384)):
+        raise ValueError(f"select_rows: small_n {small_n} must be 0 or a power of two in 16..16384")
+    return block, bins, num_warps, small_n
 
 
-def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps):
+def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps,
+                  small):
     R, S = keys.shape
     P = triton.cdiv(S, block)
     dev = keys.device
@@ -556,8 +596,9 @@ def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block
         _split_range_kernel[(R, P)](keys, rng, lens, cu_q, seq_lens, num_seqs, row0, S, keys.stride(0),
                                     rng.stride(0), **meta)
     args = (*rows, row0, S, topk)
-    _split_hist_kernel[(R, P)](keys, rng, st, *args, keys.stride(0), rng.stride(0), st.stride(0), BINS=bins,
-                               **meta)
+    meta["SMALL"] = small
+    _split_hist_kernel[(R, P)](keys, rng, st, out, *args, keys.stride(0), rng.stride(0), st.stride(0),
+                               out.stride(0), BINS=bins, **meta)
     _split_compact_kernel[(R, P)](keys, rng, st, seg, cand, *args, P, keys.stride(0), rng.stride(0),
                                   st.stride(0), seg.stride(0), cand.stride(0), BINS=bins,
                                   BLOCK_P=pow2(P, 32), CBLOCK=CAND_BLOCK, **meta)
@@ -568,7 +609,7 @@ def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
                 lengths: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                 seq_lens: torch.Tensor | None = None, split: bool | None = None, block: int | None = None,
-                bins: int | None = None, num_warps: int | None = None,
+                bins: int | None = None, num_warps: int | None = None, small_n: int | None = None,
                 row_range: torch.Tensor | None = None) -> None:
     """Top-``topk`` positions of key rows ``keys[r]`` into ``out[row0 + r]`` (contract: module doc).
 
@@ -582,12 +623,14 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     (:func:`accumulate_row_range`); zeroed again here. ``block`` (power of two, 16..16384), ``bins``
     (power of two, 32..:data:`MAX_BINS`) and ``num_warps`` tune speed (None: the mode's module defaults,
     :data:`BLOCK` / :data:`BINS` / :data:`NUM_WARPS` or :data:`SPLIT_BLOCK` / ...).
+    ``small_n`` (split mode; 0 or a power of two <= 16384; None: :data:`SPLIT_SMALL_N`): rows with at most
+    this many valid positions are selected whole by one program, in registers, in the first launch.
     Raises ValueError on non-int32 / strided keys or out-of-range tuning.
     """
     R, S = keys.shape
     if split is None:
         split = use_split(R, S)
-    block, bins, num_warps = resolve_tuning(split, block, bins, num_warps)
+    block, bins, num_warps, small_n = resolve_tuning(split, block, bins, num_warps, small_n)
     if R == 0 or topk == 0:
         if row_range is not None:
             row_range.zero_()  # nothing consumes it: keep the buffer's zero-between-calls contract
@@ -604,7 +647,8 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     rng = row_range if range_given else row_range_buffer(R, keys.device)
     rows = (lengths, cu_seqlens_q, seq_lens, seq_lens.shape[0])
     if split:
-        _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps)
+        _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps,
+                      small_n)
         return
     scratch = torch.empty((R, S), dtype=torch.int32, device=keys.device)
     _radix_topk_kernel[(R,)](
