@@ -1,38 +1,59 @@
 """DSA indexer top-k selection: our Triton radix select against the former ``torch.topk`` + ``torch.sort`` path.
 
-Both select, per row of ``[T, S]`` scores, the ``K`` largest (ties to the lowest position) and list the
-positions ascending. The old path (the indexer's selection before issue 7): int64 sort keys
-``(orderable(score) << 32) | (2^31 - 1 - s)``, ``torch.topk(sorted=False)``, then ``torch.sort`` of the
-positions. Ours: :func:`atomtool.serve.ops.triton.topk.topk_positions` on the int32 orderable keys (the
-scratch and output allocations included). Key construction is outside the timed region for both: in the
-indexer the scoring kernel writes the keys.
+Both select, per row, the ``K`` largest scores among the row's first ``n`` positions (ties to the lowest
+position) and list the positions ascending. The old path (the indexer's selection before issue 7): int64
+sort keys ``(orderable(score) << 32) | (2^31 - 1 - s)`` (positions >= n masked to the smallest key),
+``torch.topk(sorted=False)`` over the whole key width, then ``torch.sort`` of the positions. Ours:
+:func:`atomtool.serve.ops.triton.topk.topk_positions` on the int32 orderable keys (scratch and output
+allocations included). Key construction is outside the timed region for both.
 
-Per (T, S): microseconds per call, eager (CUDA events around ``--iters`` back-to-back calls, so host
+The engine's situation: CUDA-graph decode pads block tables to ``max_model_len``, so the key width S is the
+model's maximum length while a row's real length n (``--ctx``) is often far shorter; ``--width W`` makes the
+keys W wide (positions >= n hold the largest key: any read past n would show as a wrong selection).
+
+``--indexer`` times the whole :func:`atomtool.serve.ops.triton.indexer_topk` instead (DeepSeek-V3.2 indexer:
+64 heads x 128, bf16, block size 64, block tables W / 64 wide, one decode token per sequence of ``ctx``
+tokens): the scoring kernel then supplies each row's key range, as in the engine. Its ``equal`` column says
+whether the variant's selection equals the first variant's (every variant is exact, so all must agree).
+
+Per (T, ctx): microseconds per call, eager (CUDA events around ``--iters`` back-to-back calls, so host
 launch cost shows when it exceeds the GPU time) and replayed from a CUDA graph (GPU time alone, as in
-graph-captured decode), the ratio old / ours, and whether both selections are equal.
+graph-captured decode), the ratio old / ours, and whether the selections are equal.
 
-Variants of ours: ``--split off`` (one program per row), ``on`` (several programs per row, 4 launches),
-``auto`` (``select_rows``' own choice), ``both`` (off and on, the default); ``--sweep`` times a grid of
-split x block (1024, 2048, 4096) x num_warps (4, 8, 16) x bins (32, 64, 128) and prints the 10 fastest per
-(T, S), to pick the module defaults (54 variants, mostly compile time: several minutes; ``--block``,
-``--num-warps`` or ``--bins`` pin an axis).
+Variants of ours: ``--split off`` (one program per row), ``on`` (several programs per row), ``auto``
+(``select_rows``' own choice), ``both`` (off and on, the default); ``--candidates``: a short list of tunings
+of both modes (a few seconds of compiling each), after which the module constants to set are printed;
+``--sweep``: a grid of split x block x num_warps x bins (54 variants, several minutes; ``--block``,
+``--num-warps``, ``--bins`` pin an axis), the 10 fastest per (T, ctx) printed.
 
-Run: ``python -m benchmarks.topk_bench [--rows 1,8,64] [--ctx 4096,32768] [--topk 2048] [--iters 50]
-[--dist relu|ties|zeros] [--split both] [--block 2048] [--bins 64] [--num-warps 8] [--sweep] [--no-graph]``;
-``--smoke``: CPU under Triton's interpreter, tiny sizes (checks that the script runs, times mean nothing).
+Run: ``python -m benchmarks.topk_bench [--rows 1,8,64] [--ctx 4096,32768] [--width 163840] [--topk 2048]
+[--iters 50] [--dist relu|ties|zeros] [--split both] [--block B] [--bins N] [--num-warps W] [--small-n N]
+[--candidates | --sweep] [--indexer] [--no-graph]``; ``--smoke``: CPU under Triton's interpreter, tiny
+sizes (checks that the script runs, times mean nothing).
+The lead's tuning run: ``python -m benchmarks.topk_bench --indexer --candidates --rows 1,8,64
+--ctx 4096,32768 --width 163840``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
+
+#: --candidates, one program per row: (block, bins, num_warps)
+ONE_PROGRAM_CANDIDATES = ((2048, 256, 8), (4096, 256, 16), (4096, 512, 16), (4096, 128, 8), (8192, 256, 16))
+#: --candidates, split rows: (block, bins, num_warps, small_n)
+SPLIT_CANDIDATES = ((1024, 256, 4, 4096), (1024, 256, 4, 0), (512, 256, 4, 4096), (2048, 256, 8, 4096),
+                    (1024, 512, 4, 4096), (1024, 256, 8, 8192), (1024, 128, 4, 4096))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,8,64", help="comma-separated query rows T")
-    p.add_argument("--ctx", default="4096,32768", help="comma-separated context lengths S")
+    p.add_argument("--ctx", default="4096,32768", help="comma-separated row lengths n (context lengths)")
+    p.add_argument("--width", type=int, default=0,
+                   help="key width S (the block table's width x block size); 0: S = ctx")
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--dist", choices=["relu", "ties", "zeros"], default="relu",
@@ -40,10 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=None)
     p.add_argument("--bins", type=int, default=None)
     p.add_argument("--num-warps", type=int, default=None)
+    p.add_argument("--small-n", type=int, default=None, help="split mode: rows of <= this many in one program")
     p.add_argument("--split", choices=["auto", "on", "off", "both"], default="both",
                    help="one program per row (off), several per row (on), select_rows' choice (auto)")
+    p.add_argument("--candidates", action="store_true",
+                   help="time a short list of tunings of both modes and print the module defaults to set")
     p.add_argument("--sweep", action="store_true",
-                   help="time a grid of split x block x num_warps x bins; print the 10 fastest per (T, S)")
+                   help="time a grid of split x block x num_warps x bins; print the 10 fastest per (T, ctx)")
+    p.add_argument("--indexer", action="store_true", help="time indexer_topk (scoring + selection)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
     return p.parse_args(argv)
@@ -63,16 +88,21 @@ def make_scores(T: int, S: int, dist: str, device, seed: int = 0):
 
 
 def old_select(scores, K: int):
-    """The former path: int64 unique keys, torch.topk, sort of the positions; [T, K] int32, -1 padded."""
+    """The former path on whole rows: int64 unique keys, torch.topk, sort of the positions; [T, K] int32."""
+    return _old_from_keys(_old_keys(scores, scores.shape[1]), K)
+
+
+def _old_keys(scores, n: int):
+    """int64 keys of the former path: score order, then lower position first; positions >= n smallest."""
     import torch
 
     from atomtool.serve.ops.triton.topk import orderable_keys
 
-    T, S = scores.shape
+    S = scores.shape[1]
     signed = orderable_keys(scores) ^ torch.iinfo(torch.int32).min  # signed order = float order
     pos = torch.arange(S, device=scores.device)
     keys = (signed.long() << 32) | (2**31 - 1 - pos)
-    return _old_from_keys(keys, K)
+    return torch.where(pos < n, keys, torch.iinfo(torch.int64).min)
 
 
 def _old_from_keys(keys, K: int):
@@ -121,79 +151,189 @@ def _time_us(fn, iters: int, cuda: bool, graph: bool) -> float:
     return best
 
 
-def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool,
-              variants: dict[str, dict]) -> list[dict]:
-    """For one (T, S): per variant (name -> select_rows tuning) us per call of ours and of the old path
-    (eager; graph replay on CUDA when ``graph``) and whether ours equals the old selection."""
+def _selection_case(T: int, n: int, width: int, K: int, dist: str, device):
+    """Keys [T, width] (positions >= n hold the largest key), lengths [T] = n, the old path's closure and
+    its selection (the expected one)."""
     import torch
 
-    from atomtool.serve.ops.triton.topk import orderable_keys, topk_positions
+    from atomtool.serve.ops.triton.topk import orderable_keys
 
-    cuda = device.type == "cuda"
-    scores = make_scores(T, S, dist, device)
-    keys = orderable_keys(scores)
-    pos = torch.arange(S, device=device)
-    keys64 = ((keys ^ torch.iinfo(torch.int32).min).long() << 32) | (2**31 - 1 - pos)
-    lengths = torch.full((T,), S, dtype=torch.int32, device=device)
-    want = old_select(scores, K)
+    scores = make_scores(T, n, dist, device)
+    keys = torch.full((T, width), -1, dtype=torch.int32, device=device)  # -1: the largest uint32 key
+    keys[:, :n] = orderable_keys(scores)
+    wide = torch.zeros((T, width), dtype=torch.float32, device=device)
+    wide[:, :n] = scores
+    keys64 = _old_keys(wide, n)
+    lengths = torch.full((T,), n, dtype=torch.int32, device=device)
 
     def old():
         return _old_from_keys(keys64, K)
 
-    old_us = _time_us(old, iters, cuda, False)
-    old_graph_us = _time_us(old, iters, True, True) if cuda and graph else None
+    return keys, lengths, old, old()
+
+
+def _indexer_case(T: int, n: int, width: int, device, seed: int = 0):
+    """DeepSeek-V3.2 indexer inputs for T decode tokens of T sequences of n tokens, block tables of
+    ``width / 64`` columns (the first ceil(n / 64) distinct blocks, then block 0, as CUDA-graph padding)."""
+    import torch
+
+    bs, Hi, Di = 64, 64, 128
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    used = -(-n // bs)
+    cols = max(-(-width // bs), used)
+    nb = T * used + 1
+    bt = torch.zeros((T, cols), dtype=torch.int32)
+    bt[:, :used] = 1 + torch.randperm(T * used, generator=g).view(T, used).int()
+    q = torch.randn(T, Hi, Di, generator=g).to(device, torch.bfloat16)
+    w = torch.rand(T, Hi, generator=g).to(device) * Hi**-0.5
+    kc = torch.randn(nb, bs, Di, generator=g).to(device, torch.bfloat16)
+    cu = torch.arange(T + 1, dtype=torch.int32, device=device)
+    seq_lens = torch.full((T,), n, dtype=torch.int32, device=device)
+    return q, w, kc, cu, seq_lens, bt.to(device)
+
+
+def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool,
+              variants: dict[str, dict], width: int = 0, indexer: bool = False) -> list[dict]:
+    """For one (T, n = S): per variant (name -> select_rows tuning) us per call of ours and of the old path
+    (eager; graph replay on CUDA when ``graph``) and whether ours equals the old selection (``indexer``:
+    the first variant's). ``width``: key width (0: S)."""
+    import torch
+
+    from atomtool.serve.ops.triton import indexer_topk
+    from atomtool.serve.ops.triton.topk import topk_positions
+
+    cuda = device.type == "cuda"
+    width = max(width, S)
+    old_us = old_graph_us = None
+    if indexer:
+        args = _indexer_case(T, S, width, device)
+        want = None
+    else:
+        keys, lengths, old, want = _selection_case(T, S, width, K, dist, device)
+        old_us = _time_us(old, iters, cuda, False)
+        old_graph_us = _time_us(old, iters, True, True) if cuda and graph else None
     rows = []
     for name, tuning in variants.items():
-        def ours(tuning=tuning):
-            return topk_positions(keys, lengths, K, **tuning)
-
-        r = {"T": T, "S": S, "K": K, "variant": name, "equal": bool(torch.equal(ours(), want)),
-             "ours_us": _time_us(ours, iters, cuda, False), "old_us": old_us}
-        if old_graph_us is not None:
+        if indexer:
+            def ours(tuning=tuning):
+                return indexer_topk(*args, K, **tuning)
+        else:
+            def ours(tuning=tuning):
+                return topk_positions(keys, lengths, K, **tuning)
+        got = ours()
+        if want is None:
+            want = got
+        r = {"T": T, "S": S, "W": width, "K": K, "variant": name, "tuning": tuning,
+             "equal": bool(torch.equal(got, want)), "ours_us": _time_us(ours, iters, cuda, False),
+             "old_us": old_us}
+        if cuda and graph:
             r["ours_graph_us"] = _time_us(ours, iters, True, True)
             r["old_graph_us"] = old_graph_us
         rows.append(r)
     return rows
 
 
-def bench(rows, ctxs, K: int, iters: int, dist: str, device, graph: bool, variants: dict[str, dict]) -> list[dict]:
-    """:func:`bench_one` for every (T, S) of ``rows`` x ``ctxs``, results concatenated."""
-    return [r for T in rows for S in ctxs for r in bench_one(T, S, K, iters, dist, device, graph, variants)]
+def bench(rows, ctxs, K: int, iters: int, dist: str, device, graph: bool, variants: dict[str, dict],
+          width: int = 0, indexer: bool = False) -> list[dict]:
+    """:func:`bench_one` for every (T, ctx) of ``rows`` x ``ctxs``, results concatenated."""
+    return [r for T in rows for S in ctxs
+            for r in bench_one(T, S, K, iters, dist, device, graph, variants, width, indexer)]
+
+
+def _time_key(results: list[dict]) -> str:
+    return "ours_graph_us" if "ours_graph_us" in results[0] else "ours_us"
 
 
 def print_table(results: list[dict], top: int | None = None) -> None:
-    """A table of ``results``; with ``top``, per (T, S) only the ``top`` fastest variants."""
+    """A table of ``results``; with ``top``, per (T, ctx) only the ``top`` fastest variants."""
     graph = "ours_graph_us" in results[0]
     width = max(len(r["variant"]) for r in results)
-    head = f"{'T':>5} {'S':>7} {'K':>5} {'variant':<{width}} {'ours us':>9} {'old us':>9} {'ratio':>6}"
+
+    def num(x, w):
+        return f"{x:>{w}.1f}" if x is not None else f"{'-':>{w}}"
+
+    def ratio(a, b):
+        return f"{a / b:>6.2f}" if a is not None else f"{'-':>6}"
+
+    head = f"{'T':>5} {'ctx':>7} {'width':>7} {'K':>5} {'variant':<{width}} {'ours us':>9} {'old us':>9} {'ratio':>6}"
     if graph:
         head += f" {'ours graph':>11} {'old graph':>10} {'ratio':>6}"
     print(head + "  equal")
-    key = "ours_graph_us" if graph else "ours_us"
+    key = _time_key(results)
     groups: dict[tuple[int, int], list[dict]] = {}
     for r in results:
         groups.setdefault((r["T"], r["S"]), []).append(r)
     for group in groups.values():
         for r in sorted(group, key=lambda r: r[key])[:top] if top else group:
-            line = (f"{r['T']:>5} {r['S']:>7} {r['K']:>5} {r['variant']:<{width}} {r['ours_us']:>9.1f} "
-                    f"{r['old_us']:>9.1f} {r['old_us'] / r['ours_us']:>6.2f}")
+            line = (f"{r['T']:>5} {r['S']:>7} {r['W']:>7} {r['K']:>5} {r['variant']:<{width}} "
+                    f"{num(r['ours_us'], 9)} {num(r['old_us'], 9)} {ratio(r['old_us'], r['ours_us'])}")
             if graph:
-                line += (f" {r['ours_graph_us']:>11.1f} {r['old_graph_us']:>10.1f} "
-                         f"{r['old_graph_us'] / r['ours_graph_us']:>6.2f}")
+                line += (f" {num(r['ours_graph_us'], 11)} {num(r['old_graph_us'], 10)} "
+                         f"{ratio(r['old_graph_us'], r['ours_graph_us'])}")
             print(line + f"  {r['equal']}")
 
 
+def recommend(results: list[dict]) -> dict[str, int]:
+    """Module defaults of :mod:`atomtool.serve.ops.triton.topk` from timed variants of both modes.
+
+    Per mode, the tuning with the smallest geometric mean over the (T, ctx) points of its time relative to
+    the mode's best at that point (graph replay when timed). Then per T, the mode whose chosen tuning
+    takes less time summed over the ctxs: ``SPLIT_MAX_ROWS`` = the smallest T at which one program per row
+    wins (rows below it are split), twice the largest T when split always wins, 1 when it never does.
+    """
+    key = _time_key(results)
+    points = sorted({(r["T"], r["S"]) for r in results})
+    chosen: dict[bool, dict] = {}
+    for split in (False, True):
+        mine = [r for r in results if r["tuning"].get("split") is split]
+        if not mine:
+            continue
+        best = {p: min(r[key] for r in mine if (r["T"], r["S"]) == p) for p in points}
+        score: dict[str, list[float]] = {}
+        for r in mine:
+            score.setdefault(r["variant"], []).append(math.log(r[key] / best[(r["T"], r["S"])]))
+        name = min(score, key=lambda v: sum(score[v]) / len(score[v]))
+        chosen[split] = next(r["tuning"] for r in mine if r["variant"] == name)
+    out: dict[str, int] = {}
+    if False in chosen:
+        t = chosen[False]
+        out.update(BLOCK=t["block"], BINS=t["bins"], NUM_WARPS=t["num_warps"])
+    if True in chosen:
+        t = chosen[True]
+        out.update(SPLIT_BLOCK=t["block"], SPLIT_BINS=t["bins"], SPLIT_NUM_WARPS=t["num_warps"])
+        if "small_n" in t:
+            out["SPLIT_SMALL_N"] = t["small_n"]
+    if len(chosen) == 2:
+        rows = sorted({T for T, _ in points})
+        total = {(T, sp): sum(r[key] for r in results if r["T"] == T and r["tuning"] == chosen[sp])
+                 for T in rows for sp in (False, True)}
+        one_wins = [T for T in rows if total[(T, False)] <= total[(T, True)]]
+        if not one_wins:
+            out["SPLIT_MAX_ROWS"] = 2 * rows[-1]
+        else:
+            out["SPLIT_MAX_ROWS"] = one_wins[0] if one_wins[0] > rows[0] else 1
+    return out
+
+
 def make_variants(args: argparse.Namespace) -> dict[str, dict]:
-    """name -> select_rows tuning: the --split choice(s) with the given/default tuning, or the --sweep grid."""
+    """name -> select_rows tuning: the --split choice(s) with the given/default tuning, the --candidates
+    list, or the --sweep grid."""
+    if args.candidates:
+        out = {f"one block={b} bins={nb} warps={w}": {"split": False, "block": b, "bins": nb, "num_warps": w}
+               for b, nb, w in ONE_PROGRAM_CANDIDATES}
+        out.update({f"split block={b} bins={nb} warps={w} small={sm}":
+                    {"split": True, "block": b, "bins": nb, "num_warps": w, "small_n": sm}
+                    for b, nb, w, sm in SPLIT_CANDIDATES})
+        return out
     splits = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.split]
     if args.sweep:  # a given --block / --num-warps / --bins pins that axis of the grid
         grid = [(sp, b, w, nb) for sp in (False, True) for b in ([args.block] if args.block else (1024, 2048, 4096))
                 for w in ([args.num_warps] if args.num_warps else (4, 8, 16))
-                for nb in ([args.bins] if args.bins else (32, 64, 128))]
+                for nb in ([args.bins] if args.bins else (128, 256, 512))]
         return {f"split={int(sp)} block={b} warps={w} bins={nb}": {"split": sp, "block": b, "num_warps": w, "bins": nb}
                 for sp, b, w, nb in grid}
-    fixed = {k: v for k, v in (("block", args.block), ("bins", args.bins), ("num_warps", args.num_warps))
-             if v is not None}
+    fixed = {k: v for k, v in (("block", args.block), ("bins", args.bins), ("num_warps", args.num_warps),
+                               ("small_n", args.small_n)) if v is not None}
     if args.smoke:
         fixed.setdefault("block", 64)
     return {f"split={'auto' if sp is None else int(sp)}": {"split": sp, **fixed} for sp in splits}
@@ -207,15 +347,26 @@ def main(argv=None) -> int:
 
     variants = make_variants(args)
     if args.smoke:
-        device, rows, ctxs, K, iters = torch.device("cpu"), [1, 3], [300], 40, 2
+        device, rows, ctxs, K, iters, width = torch.device("cpu"), [1, 3], [300], 40, 2, args.width
+        if args.candidates:  # interpreter-sized stand-ins of the candidate list
+            variants = {"one": {"split": False, "block": 128, "bins": 64, "num_warps": 4},
+                        "one small block": {"split": False, "block": 64, "bins": 32, "num_warps": 4},
+                        "split": {"split": True, "block": 64, "bins": 64, "num_warps": 4, "small_n": 0},
+                        "split small": {"split": True, "block": 64, "bins": 64, "num_warps": 4, "small_n": 512}}
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         rows = [int(x) for x in args.rows.split(",")]
         ctxs = [int(x) for x in args.ctx.split(",")]
-        K, iters = args.topk, args.iters
-    print(f"device {device}, dist {args.dist}, {len(variants)} variant(s)")
-    results = bench(rows, ctxs, K, iters, args.dist, device, not args.no_graph, variants)
+        K, iters, width = args.topk, args.iters, args.width
+    if any(n <= K for n in ctxs):
+        raise SystemExit(f"error: every --ctx must exceed --topk {K} (shorter rows select every position)")
+    print(f"device {device}, dist {args.dist}, {len(variants)} variant(s)"
+          + (", indexer_topk (scoring + selection)" if args.indexer else ""))
+    results = bench(rows, ctxs, K, iters, args.dist, device, not args.no_graph, variants, width, args.indexer)
     print_table(results, top=10 if args.sweep else None)
+    if args.candidates or args.sweep:
+        rec = recommend(results)
+        print("set in atomtool/serve/ops/triton/topk.py: " + ", ".join(f"{k} = {v}" for k, v in rec.items()))
     return 0 if all(r["equal"] for r in results) else 1
 
 

@@ -327,6 +327,48 @@ def test_topk_bench_smoke_runs_and_both_paths_agree():
     assert sum("split=1" in line for line in lines) == 2
 
 
+def test_topk_bench_candidates_on_wide_keys_and_through_the_indexer_print_the_defaults():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for extra in ([], ["--indexer"]):
+        r = subprocess.run([sys.executable, "-m", "benchmarks.topk_bench", "--smoke", "--candidates", "--width", "700",
+                            *extra], cwd=root, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert all(line.split()[2] == "700" and line.endswith("True") for line in lines[2:-1])  # width 700
+        assert len(lines) == 2 + 2 * 4 + 1 and lines[-1].startswith("set in atomtool/serve/ops/triton/topk.py: ")
+        for name in ("BLOCK", "BINS", "NUM_WARPS", "SPLIT_BLOCK", "SPLIT_SMALL_N", "SPLIT_MAX_ROWS"):
+            assert f" {name} = " in lines[-1]
+
+
+def test_topk_bench_recommends_per_mode_tunings_and_the_split_row_limit():
+    from benchmarks.topk_bench import recommend
+
+    one_a = {"split": False, "block": 2048, "bins": 256, "num_warps": 8}
+    one_b = {"split": False, "block": 4096, "bins": 256, "num_warps": 16}
+    sp_a = {"split": True, "block": 1024, "bins": 256, "num_warps": 4, "small_n": 4096}
+    sp_b = {"split": True, "block": 512, "bins": 128, "num_warps": 4, "small_n": 0}
+    times = {  # (T, ctx) -> us of one_a, one_b, sp_a, sp_b: split wins at T = 1 and 8, one program at 64
+        (1, 4096): (9, 8, 6, 7), (1, 32768): (60, 50, 14, 12),
+        (8, 4096): (12, 11, 10, 12), (8, 32768): (70, 60, 30, 29),
+        (64, 4096): (20, 19, 40, 45), (64, 32768): (130, 120, 200, 190)}
+    results = [{"T": T, "S": n, "variant": str(v), "tuning": v, "ours_graph_us": t}
+               for (T, n), ts in times.items() for v, t in zip((one_a, one_b, sp_a, sp_b), ts, strict=True)]
+    rec = recommend(results)
+    assert rec == {"BLOCK": 4096, "BINS": 256, "NUM_WARPS": 16, "SPLIT_BLOCK": 1024, "SPLIT_BINS": 256,
+                   "SPLIT_NUM_WARPS": 4, "SPLIT_SMALL_N": 4096, "SPLIT_MAX_ROWS": 64}
+    only_one = [r for r in results if not r["tuning"]["split"]]
+    assert recommend(only_one) == {"BLOCK": 4096, "BINS": 256, "NUM_WARPS": 16}
+    split_always = [dict(r, ours_graph_us=1.0) if r["tuning"] is sp_a else r for r in results]
+    assert recommend(split_always)["SPLIT_MAX_ROWS"] == 128
+
+
+def test_topk_bench_refuses_rows_not_longer_than_topk():
+    from benchmarks.topk_bench import main
+
+    with pytest.raises(SystemExit, match="every --ctx must exceed --topk 2048"):
+        main(["--ctx", "2048", "--rows", "1"])
+
+
 def test_topk_bench_sweep_grid_and_variants():
     from benchmarks.topk_bench import make_variants, parse_args
 
