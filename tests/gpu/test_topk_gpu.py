@@ -1,12 +1,16 @@
 """The Triton radix top-k selection (DSA indexer, issue 7), compiled on a CUDA GPU, at realistic sizes.
 
 Exactness, not tolerance: the selection works on integer keys, so it must equal a stable descending sort
-(ties to the lowest position) bit for bit, for decode rows (T = 1, 8, 64 at S = 4096 and 32768, K = 2048; one program per row and split rows),
-for score distributions with heavy ties (16 levels, 90% exact zeros), and through ``indexer_topk`` on
-integer-valued bf16 inputs (every score exact) against ``torch_ref_mla.indexer_topk``, decode and a
-4096-row prefill over 8192 positions. The selection replays from a CUDA graph with new lengths.
-Timing (no assertion, recorded in the GPU report as ``topk_us``): ours vs the former torch.topk + sort at
-T = 1, S = 4096 / 32768, eager and graph-replayed.
+(ties to the lowest position) bit for bit, for decode rows (T = 1, 8, 64 at n = 4096 and 32768, K = 2048) in
+every mode (one program per row; split rows; split rows with short rows selected whole by one program),
+for score distributions with heavy ties (16 levels, 90% exact zeros), for keys as wide as a padded
+CUDA-graph block table (163,840 positions, the DeepSeek-V3.2 max length) with rows far shorter (the bytes
+past n hold the largest key, so any read there shows), and through ``indexer_topk`` on integer-valued bf16
+inputs (every score exact) against ``torch_ref_mla.indexer_topk``, decode (block tables padded to the max
+length too) and a 4096-row prefill over 8192 positions. The selection and the whole indexer replay from CUDA
+graphs with new lengths (short and long rows alternating), and the persistent accumulators (key ranges,
+split counters) are zero between calls. Timing (no assertion, recorded in the GPU report as ``topk_us``):
+ours vs the former torch.topk + sort at T = 1, n = 4096 / 32768, keys 163,840 wide, graph-replayed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from tests.kernel_inputs import cu_seqlens, random_block_tables
 
 DEV = "cuda"
 K = 2048
+WIDE = 163840  # DeepSeek-V3.2 max_position_embeddings: CUDA-graph block tables are this wide
+MODES = {"one_program": {"split": False}, "split": {"split": True, "small_n": 0},
+         "split_small_rows": {"split": True, "small_n": 4096}, "auto": {}}
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +50,21 @@ def _scores(rows: int, S: int, dist: str, seed: int) -> torch.Tensor:
     return make_scores(rows, S, dist, DEV, seed=seed)
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("S", [4096, 32768])
-@pytest.mark.parametrize("rows", [1, 8, 64])
-@pytest.mark.parametrize("dist", ["relu", "ties", "zeros"])
-def test_selection_equals_a_stable_sort_at_decode_sizes(T, rows, S, dist, split):
-    scores = _scores(rows, S, dist, seed=rows + S)
+def _wide_keys(T, scores: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Keys ``width`` wide; every position at or past a row's length holds the largest key (-1)."""
+    keys = torch.full((scores.shape[0], width), -1, dtype=torch.int32, device=DEV)
+    keys[:, :scores.shape[1]] = T.orderable_keys(scores)
+    pos = torch.arange(width, device=DEV)
+    return torch.where(pos[None, :] < lengths[:, None], keys, -1)
+
+
+def _accumulators_are_zero(T) -> bool:
+    bufs = [buf[:, :4] if name == "split" else buf for (name, _), buf in T._ZEROED.items()]
+    bufs += [buf[:, T._ST_WIDTH:] for (name, _), buf in T._ZEROED.items() if name == "split"]
+    return all(int(buf.abs().sum()) == 0 for buf in bufs)
+
+
+def _lengths(rows: int, S: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(rows)
     lengths = torch.full((rows,), S, dtype=torch.int32)
     if rows > 1:  # a mixed batch: some shorter rows, one at K, one below K
@@ -56,16 +72,46 @@ def test_selection_equals_a_stable_sort_at_decode_sizes(T, rows, S, dist, split)
         lengths[-1] = K
     if rows > 2:
         lengths[-2] = 100
-    lengths = lengths.to(DEV)
-    out = T.topk_positions(T.orderable_keys(scores), lengths, K, split=split)
+    return lengths.to(DEV)
+
+
+@pytest.mark.parametrize("mode", ["one_program", "split", "split_small_rows"])
+@pytest.mark.parametrize("S", [4096, 32768])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("dist", ["relu", "ties", "zeros"])
+def test_selection_equals_a_stable_sort_at_decode_sizes(T, rows, S, dist, mode):
+    scores = _scores(rows, S, dist, seed=rows + S)
+    lengths = _lengths(rows, S)
+    out = T.topk_positions(T.orderable_keys(scores), lengths, K, **MODES[mode])
     assert torch.equal(out, _stable_topk(scores, lengths, K))
+    assert _accumulators_are_zero(T)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("n", [2100, 4096, 5000, 32768])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_rows_far_shorter_than_a_max_length_key_width(T, rows, n, mode):
+    # the engine's decode: keys 163,840 wide (block tables padded to max_model_len), rows of n valid keys
+    scores = _scores(rows, n, "relu", seed=n + rows)
+    lengths = torch.full((rows,), n, dtype=torch.int32, device=DEV)
+    if rows > 1:
+        lengths[1] = n // 2 + 1
+        lengths[-1] = 77
+    keys = _wide_keys(T, scores, lengths, WIDE)
+    out = T.topk_positions(keys, lengths, K, **MODES[mode])
+    assert torch.equal(out, _stable_topk(scores, lengths, K))
+    assert _accumulators_are_zero(T)
 
 
 # ------------------------------------------------------------------------------ through the indexer
 
-def _indexer_inputs(q_lens, seq_lens, Hi=64, Di=128, bs=64, seed=7):
+def _indexer_inputs(q_lens, seq_lens, Hi=64, Di=128, bs=64, seed=7, width=0):
     g = torch.Generator().manual_seed(seed)
     nb, bt = random_block_tables(seq_lens, bs, 3, g)
+    if width:  # padded as CUDA-graph decode pads: max_model_len / block_size columns, pad block 0
+        wide = torch.zeros((bt.shape[0], width // bs), dtype=torch.int32)
+        wide[:, :bt.shape[1]] = bt.clamp(min=0)
+        bt = wide
     n = sum(q_lens)
     q = torch.randint(-2, 3, (n, Hi, Di), generator=g).float()
     kc = torch.randint(-2, 3, (nb, bs, Di), generator=g).float()
@@ -76,7 +122,7 @@ def _indexer_inputs(q_lens, seq_lens, Hi=64, Di=128, bs=64, seed=7):
 
 @pytest.mark.parametrize("S", [4096, 32768])
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_indexer_decode_exact(rows, S):
+def test_indexer_decode_exact(T, rows, S):
     from atomtool.serve.ops.triton import indexer_topk
 
     seq_lens = [S - 37 * i for i in range(rows)]
@@ -84,32 +130,69 @@ def test_indexer_decode_exact(rows, S):
         seq_lens[-1] = 1000  # a short sequence in the batch: fewer valid keys than K
     args = _indexer_inputs([1] * rows, seq_lens)
     assert torch.equal(indexer_topk(*args, K), torch_ref_mla.indexer_topk(*args, K))
+    assert _accumulators_are_zero(T)
 
 
-def test_indexer_prefill_4096_rows_over_8192_positions_exact():
+@pytest.mark.parametrize("rows", [1, 8])
+def test_indexer_decode_with_max_length_block_tables_exact(T, rows):
+    from atomtool.serve.ops.triton import indexer_topk
+
+    seq_lens = [4096, 30000, 2049, 9000, 1000, 4097, 16384, 5][:rows]
+    args = _indexer_inputs([1] * rows, seq_lens, width=WIDE)
+    for mode in MODES.values():
+        assert torch.equal(indexer_topk(*args, K, **mode), torch_ref_mla.indexer_topk(*args, K))
+        assert _accumulators_are_zero(T)
+
+
+def test_indexer_prefill_4096_rows_over_8192_positions_exact(T):
     from atomtool.serve.ops.triton import indexer_topk
 
     args = _indexer_inputs([4096], [8192], Hi=16)  # the selection does not depend on Hi
     assert torch.equal(indexer_topk(*args, K), torch_ref_mla.indexer_topk(*args, K))
+    assert _accumulators_are_zero(T)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_selection_replays_from_a_cuda_graph_with_new_lengths(T, split):
-    scores = _scores(4, 8192, "relu", seed=1)
-    keys = T.orderable_keys(scores)
+# ------------------------------------------------------------------------------ CUDA graphs
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_selection_replays_from_a_cuda_graph_with_new_lengths(T, mode):
+    width = 40960
     lengths = torch.tensor([8192, 5000, 2049, 17], dtype=torch.int32, device=DEV)
-    T.topk_positions(keys, lengths, K, split=split)
+    keys = _wide_keys(T, _scores(4, width, "relu", seed=1), lengths, width)
+    tuning = MODES[mode]
+    T.topk_positions(keys, lengths, K, **tuning)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = T.topk_positions(keys, lengths, K, split=split)
-    keys.copy_(T.orderable_keys(_scores(4, 8192, "ties", seed=2)))
-    lengths.copy_(torch.tensor([3000, 8192, 2048, 6000], dtype=torch.int32))
-    graph.replay()
+        out = T.topk_positions(keys, lengths, K, **tuning)
+    for i, new in enumerate(([3000, 40960, 2048, 6000], [40000, 4096, 2500, 33000], [3000, 40960, 2048, 6000])):
+        scores = _scores(4, width, ("ties", "relu", "zeros")[i], seed=2 + i)
+        lengths.copy_(torch.tensor(new, dtype=torch.int32))
+        keys.copy_(_wide_keys(T, scores, lengths, width))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _stable_topk(scores, lengths, K))
+        assert torch.equal(out, T.topk_positions(keys, lengths, K, **tuning))  # eager between replays
+        assert _accumulators_are_zero(T)
+
+
+def test_indexer_replays_from_a_cuda_graph_with_new_lengths(T):
+    # the engine's decode graph: captured with every sequence at the max length, replayed with real ones
+    from atomtool.serve.ops.triton import indexer_topk
+
+    args = _indexer_inputs([1, 1], [40000, 40000], width=WIDE)
+    q, w, kc, cu, seq_lens, bt = args
+    indexer_topk(*args, K)
     torch.cuda.synchronize()
-    want = _stable_topk(_scores(4, 8192, "ties", seed=2), lengths, K)
-    assert torch.equal(out, want)
-    assert torch.equal(out, T.topk_positions(keys, lengths, K, split=split))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_topk(*args, K)
+    for new in ([4096, 30000], [2049, 3000], [40000, 1000], [4096, 30000]):
+        seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch_ref_mla.indexer_topk(*args, K))
+        assert _accumulators_are_zero(T)
 
 
 # ------------------------------------------------------------------------------ timing (recorded only)
@@ -119,7 +202,7 @@ def test_record_selection_time_vs_torch_topk(gpu_report):
 
     variants = {"one program per row": {"split": False}, "split rows": {"split": True},
                 "auto": {"split": None}}
-    results = bench([1], [4096, 32768], K, 50, "relu", torch.device(DEV), True, variants)
+    results = bench([1], [4096, 32768], K, 50, "relu", torch.device(DEV), True, variants, width=WIDE)
     print_table(results)
-    gpu_report["topk_us"] = results
+    gpu_report["topk_us"] = [{k: v for k, v in r.items() if k != "tuning"} for r in results]
     assert all(r["equal"] for r in results)
