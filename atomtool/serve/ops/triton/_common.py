@@ -72,6 +72,22 @@ def dot_acc(a, b, acc, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_step(scores, m_i, l_i):
+    """One step of the online (streaming) softmax of FlashAttention (Dao et al. 2022), base 2.
+
+    scores: [R, N] float32 logits already scaled by log2(e) (-inf where masked); m_i / l_i: [R] running max
+    and running sum. Returns (p [R, N] = 2^(scores - m_new), alpha [R] = 2^(m_i - m_new), the new max, the new
+    sum); the caller rescales its accumulator by alpha and adds p @ V. A row with every score -inf so far
+    keeps m = -inf and contributes zeros (never NaN).
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B: tl.constexpr):
     """The sequence ``b`` owning query row ``t`` of the step (``cu_q[b] <= t < cu_q[b+1]``; needs
     BLOCK_B >= num_seqs) and the token's position ``seq_lens[b] - (cu_q[b+1] - t)`` in it.

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, pow2
+from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, online_softmax_step, pow2
 from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_merge_kernel
 
 
@@ -80,11 +80,7 @@ def _paged_attn_kernel(
         scores = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE) * qk_scale
         ok = (s[None, :] <= qpos[:, None]) & s_ok[None, :]
         scores = tl.where(ok, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
         v = tl.load(v_ptr + (blk * s_vb + off * s_vs + kvh * s_vh)[:, None] + dv[None, :],
                     mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_DTYPE)
@@ -146,11 +142,7 @@ def _paged_attn_split_kernel(
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         scores = dot_acc(q, tl.trans(k), tl.zeros([G_PAD, BLOCK_N], tl.float32), DOT_DTYPE) * qk_scale
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
         v = tl.load(v_ptr + (blk * s_vb + off * s_vs + kvh * s_vh)[:, None] + dv[None, :],
                     mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_DTYPE)

@@ -26,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
+from atomtool.serve.ops.triton._common import (
+    dot_acc,
+    dot_dtype,
+    online_softmax_step,
+    paged_rows,
+    pow2,
+    token_sequence,
+)
 from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_merge_kernel
 
 
@@ -79,11 +86,7 @@ def _mla_kernel(
         scores = dot_acc(qn, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
         scores = dot_acc(qp, tl.trans(pe), scores, DOT_DTYPE) * qk_scale
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        prob = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        prob, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
         acc = dot_acc(prob.to(c.dtype), c, acc * alpha[:, None], DOT_DTYPE)
         m_i = m_new
     out = acc / l_i[:, None]  # a token with no selected key gets NaN, like the reference's softmax
@@ -178,11 +181,7 @@ def _mla_split_kernel(
         scores = dot_acc(qn, tl.trans(ckv), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
         scores = dot_acc(qp, tl.trans(pe), scores, DOT_DTYPE) * qk_scale
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        prob = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        prob, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
         acc = dot_acc(prob.to(ckv.dtype), ckv, acc * alpha[:, None], DOT_DTYPE)
         m_i = m_new
     base = (b.to(tl.int64) * n_chunks + c) * H + h.to(tl.int64)
