@@ -28,6 +28,7 @@ of both modes (a few seconds of compiling each), after which the module constant
 
 Run: ``python -m benchmarks.topk_bench [--rows 1,8,64] [--ctx 4096,32768] [--width 163840] [--topk 2048]
 [--iters 50] [--dist relu|ties|zeros] [--split both] [--block B] [--bins N] [--num-warps W] [--small-n N]
+[--cand-bins N]
 [--candidates | --sweep] [--indexer] [--no-graph]``; ``--smoke``: CPU under Triton's interpreter, tiny
 sizes (checks that the script runs, times mean nothing).
 The lead's tuning run: ``python -m benchmarks.topk_bench --indexer --candidates --rows 1,8,64
@@ -41,11 +42,13 @@ import math
 import os
 import time
 
-#: --candidates, one program per row: (block, bins, num_warps)
-ONE_PROGRAM_CANDIDATES = ((2048, 256, 8), (4096, 256, 16), (4096, 512, 16), (4096, 128, 8), (8192, 256, 16))
-#: --candidates, split rows: (block, bins, num_warps, small_n)
-SPLIT_CANDIDATES = ((1024, 256, 4, 4096), (1024, 256, 4, 0), (512, 256, 4, 4096), (2048, 256, 8, 4096),
-                    (1024, 512, 4, 4096), (1024, 256, 8, 8192), (1024, 128, 4, 4096))
+#: --candidates, one program per row: (block, bins, num_warps, cand_bins)
+ONE_PROGRAM_CANDIDATES = ((4096, 256, 16, 128), (4096, 256, 16, 64), (4096, 256, 16, 256), (2048, 256, 8, 128),
+                          (8192, 256, 16, 128))
+#: --candidates, split rows: (block, bins, num_warps, cand_bins, small_n, small_warps)
+SPLIT_CANDIDATES = ((1024, 256, 8, 128, 4096, 16), (1024, 256, 8, 64, 4096, 16), (1024, 256, 8, 256, 4096, 16),
+                    (1024, 256, 8, 128, 0, 16), (1024, 256, 4, 128, 4096, 8), (512, 256, 8, 128, 4096, 16),
+                    (2048, 256, 8, 128, 4096, 16), (1024, 256, 8, 128, 8192, 16))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bins", type=int, default=None)
     p.add_argument("--num-warps", type=int, default=None)
     p.add_argument("--small-n", type=int, default=None, help="split mode: rows of <= this many in one program")
+    p.add_argument("--cand-bins", type=int, default=None, help="buckets of the register rounds")
     p.add_argument("--split", choices=["auto", "on", "off", "both"], default="both",
                    help="one program per row (off), several per row (on), select_rows' choice (auto)")
     p.add_argument("--candidates", action="store_true",
@@ -172,12 +176,13 @@ def _selection_case(T: int, n: int, width: int, K: int, dist: str, device):
     return keys, lengths, old, old()
 
 
-def _indexer_case(T: int, n: int, width: int, device, seed: int = 0):
-    """DeepSeek-V3.2 indexer inputs for T decode tokens of T sequences of n tokens, block tables of
-    ``width / 64`` columns (the first ceil(n / 64) distinct blocks, then block 0, as CUDA-graph padding)."""
+def _indexer_case(T: int, n: int, width: int, device, seed: int = 0, Hi: int = 64, Di: int = 128):
+    """DeepSeek-V3.2 indexer inputs (Hi heads x Di) for T decode tokens of T sequences of n tokens, block
+    tables of ``width / 64`` columns (the first ceil(n / 64) distinct blocks, then block 0, as CUDA-graph
+    padding)."""
     import torch
 
-    bs, Hi, Di = 64, 64, 128
+    bs = 64
     g = torch.Generator(device="cpu").manual_seed(seed)
     used = -(-n // bs)
     cols = max(-(-width // bs), used)
@@ -205,8 +210,9 @@ def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool
     cuda = device.type == "cuda"
     width = max(width, S)
     old_us = old_graph_us = None
-    if indexer:
-        args = _indexer_case(T, S, width, device)
+    if indexer:  # interpreter (CPU): a narrow indexer, the selection is the same
+        args = _indexer_case(T, S, width, device, Hi=64 if cuda else 4, Di=128 if cuda else 16)
+        width = args[5].shape[1] * 64  # the key width: block-table columns x block size
         want = None
     else:
         keys, lengths, old, want = _selection_case(T, S, width, K, dist, device)
@@ -301,8 +307,13 @@ def recommend(results: list[dict]) -> dict[str, int]:
     if True in chosen:
         t = chosen[True]
         out.update(SPLIT_BLOCK=t["block"], SPLIT_BINS=t["bins"], SPLIT_NUM_WARPS=t["num_warps"])
-        if "small_n" in t:
-            out["SPLIT_SMALL_N"] = t["small_n"]
+        out.update({name: t[k] for name, k in (("SPLIT_SMALL_N", "small_n"), ("SPLIT_SMALL_NUM_WARPS", "small_warps"))
+                    if k in t})
+    # one constant for both modes: the split winner's (decode latency) unless only one mode was timed
+    for sp in (True, False):
+        if sp in chosen and "cand_bins" in chosen[sp]:
+            out["CAND_BINS"] = chosen[sp]["cand_bins"]
+            break
     if len(chosen) == 2:
         rows = sorted({T for T, _ in points})
         total = {(T, sp): sum(r[key] for r in results if r["T"] == T and r["tuning"] == chosen[sp])
@@ -319,11 +330,13 @@ def make_variants(args: argparse.Namespace) -> dict[str, dict]:
     """name -> select_rows tuning: the --split choice(s) with the given/default tuning, the --candidates
     list, or the --sweep grid."""
     if args.candidates:
-        out = {f"one block={b} bins={nb} warps={w}": {"split": False, "block": b, "bins": nb, "num_warps": w}
-               for b, nb, w in ONE_PROGRAM_CANDIDATES}
-        out.update({f"split block={b} bins={nb} warps={w} small={sm}":
-                    {"split": True, "block": b, "bins": nb, "num_warps": w, "small_n": sm}
-                    for b, nb, w, sm in SPLIT_CANDIDATES})
+        out = {f"one b={b} bins={nb} w={w} cb={cb}":
+               {"split": False, "block": b, "bins": nb, "num_warps": w, "cand_bins": cb}
+               for b, nb, w, cb in ONE_PROGRAM_CANDIDATES}
+        out.update({f"split b={b} bins={nb} w={w} cb={cb} small={sm}/{sw}":
+                    {"split": True, "block": b, "bins": nb, "num_warps": w, "cand_bins": cb, "small_n": sm,
+                     "small_warps": sw}
+                    for b, nb, w, cb, sm, sw in SPLIT_CANDIDATES})
         return out
     splits = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.split]
     if args.sweep:  # a given --block / --num-warps / --bins pins that axis of the grid
@@ -333,9 +346,11 @@ def make_variants(args: argparse.Namespace) -> dict[str, dict]:
         return {f"split={int(sp)} block={b} warps={w} bins={nb}": {"split": sp, "block": b, "num_warps": w, "bins": nb}
                 for sp, b, w, nb in grid}
     fixed = {k: v for k, v in (("block", args.block), ("bins", args.bins), ("num_warps", args.num_warps),
-                               ("small_n", args.small_n)) if v is not None}
+                               ("small_n", args.small_n), ("cand_bins", args.cand_bins)) if v is not None}
     if args.smoke:
         fixed.setdefault("block", 64)
+        fixed.setdefault("cand_bins", 32)
+        fixed.setdefault("small_n", 256)
     return {f"split={'auto' if sp is None else int(sp)}": {"split": sp, **fixed} for sp in splits}
 
 
@@ -347,17 +362,24 @@ def main(argv=None) -> int:
 
     variants = make_variants(args)
     if args.smoke:
-        device, rows, ctxs, K, iters, width = torch.device("cpu"), [1, 3], [300], 40, 2, args.width
+        from atomtool.serve.ops.triton import topk
+
+        topk.CAND_BLOCK = 256  # interpreter-sized register tiles (the interpreter's cost grows with them)
+        device, rows, ctxs, K, iters, width = torch.device("cpu"), [1, 3], [300], 40, 1, args.width
         if args.candidates:  # interpreter-sized stand-ins of the candidate list
-            variants = {"one": {"split": False, "block": 128, "bins": 64, "num_warps": 4},
-                        "one small block": {"split": False, "block": 64, "bins": 32, "num_warps": 4},
-                        "split": {"split": True, "block": 64, "bins": 64, "num_warps": 4, "small_n": 0},
-                        "split small": {"split": True, "block": 64, "bins": 64, "num_warps": 4, "small_n": 512}}
+            variants = {"one": {"split": False, "block": 512, "bins": 64, "num_warps": 4, "cand_bins": 64},
+                        "one small block": {"split": False, "block": 64, "bins": 32, "num_warps": 4, "cand_bins": 32},
+                        "split": {"split": True, "block": 64, "bins": 64, "num_warps": 4, "small_n": 0,
+                                  "cand_bins": 32, "small_warps": 4},
+                        "split small": {"split": True, "block": 64, "bins": 64, "num_warps": 4, "small_n": 512,
+                                        "cand_bins": 64, "small_warps": 4}}
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         rows = [int(x) for x in args.rows.split(",")]
         ctxs = [int(x) for x in args.ctx.split(",")]
         K, iters, width = args.topk, args.iters, args.width
+        if args.candidates and args.iters == 50:  # a shorter default: 13 variants x every (T, ctx)
+            iters = 20
     if any(n <= K for n in ctxs):
         raise SystemExit(f"error: every --ctx must exceed --topk {K} (shorter rows select every position)")
     print(f"device {device}, dist {args.dist}, {len(variants)} variant(s)"

@@ -71,8 +71,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
 
     q: [T, Hi, Di]; weights: [T, Hi] float32 (all scales folded in); index_k_cache: [N, bs, Di];
     cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; topk: K.
-    ``tuning``: ``split``, ``block``, ``bins``, ``num_warps``, ``small_n`` of
-    :func:`~atomtool.serve.ops.triton.topk.select_rows` (benchmarks; default: the module's choice).
+    ``tuning``: ``split`` and the tuning of :func:`~atomtool.serve.ops.triton.topk.select_rows`
+    (benchmarks; default: the module's choice).
     Returns [T, K] int32 request-local positions in ascending order, -1 padded.
     Raises ValueError when q or index_k_cache has a strided last dim or the tuning is out of range.
     """
@@ -89,8 +89,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     rows_per_chunk = max(1, _KEY_BUDGET // (12 * S))
     split = tuning.get("split")
     # errors before any key range is accumulated (the range buffer must be consumed once filled)
-    resolve_tuning(use_split(min(T, rows_per_chunk), S) if split is None else split, tuning.get("block"),
-                   tuning.get("bins"), tuning.get("num_warps"), tuning.get("small_n"))
+    resolve_tuning(use_split(min(T, rows_per_chunk), S) if split is None else split,
+                   **{k: v for k, v in tuning.items() if k != "split"})
     for row0 in range(0, T, rows_per_chunk):
         rows = min(rows_per_chunk, T - row0)
         keys = torch.empty((rows, S), dtype=torch.int32, device=q.device)

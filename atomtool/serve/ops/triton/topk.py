@@ -41,20 +41,28 @@ import triton.language as tl
 
 from atomtool.serve.ops.triton._common import pow2, token_sequence
 
-#: one program per row: positions per chunk of a row pass, buckets per histogram round, warps (see the bench)
-BLOCK = 2048
+# Tuning (benchmarks/topk_bench.py --candidates prints the values to set). A histogram round costs each
+# thread about (log2(bins) + bins / 32 * 2 * (log2(bins) - 5)) operations per key it holds (Triton's
+# ballot-based tl.histogram), plus a fixed latency (barriers, scans); more buckets mean fewer rounds.
+#: one program per row: positions per chunk (a row of at most BLOCK is selected in registers from one load),
+#: buckets of the first histogram round, warps
+BLOCK = 4096
 BINS = 256
-NUM_WARPS = 8
-#: split rows: positions per program (one chunk each), buckets per histogram round, warps
+NUM_WARPS = 16
+#: split rows: positions per program (one chunk each), buckets of the first (parallel) round, warps
 SPLIT_BLOCK = 1024
 SPLIT_BINS = 256
-SPLIT_NUM_WARPS = 4
+SPLIT_NUM_WARPS = 8
+#: buckets of the rounds on register-resident keys (a row's single chunk, or the candidates)
+CAND_BINS = 128
 #: candidates (keys of the picked round-1 bucket) held in registers for the remaining radix rounds; more
 #: candidates than this fall back to rounds that rescan them from the scratch row, CAND_BLOCK at a time
 CAND_BLOCK = 2048
 #: split rows: a row with at most this many valid positions (0: none; else a power of two) is selected whole
 #: by one program, in registers, in the first launch; the later launches skip it
 SPLIT_SMALL_N = 4096
+#: warps of the split rows' first launch when it selects short rows whole (SPLIT_SMALL_N > 0)
+SPLIT_SMALL_NUM_WARPS = 16
 #: rows below this count and at least this wide are selected by several programs per row (select_rows)
 SPLIT_MAX_ROWS = 128
 SPLIT_MIN_WIDTH = 8192
@@ -129,6 +137,33 @@ def _as_u32(ptr):
 
 
 @triton.jit
+def _add_max(a0, a1, b0, b1):
+    return a0 + b0, tl.maximum(a1, b1)
+
+
+@triton.jit
+def _min_max(a0, a1, b0, b1):
+    return tl.minimum(a0, b0), tl.maximum(a1, b1)
+
+
+@triton.jit
+def _pick_bucket(hist, remaining):
+    """The highest bucket ``d`` of ``hist`` with at least ``remaining`` keys in buckets >= d, and how many
+    keys are still to take inside it (``remaining`` minus the keys of the buckets above). One fused
+    reduction (count, max) over the reverse cumulative sum."""
+    at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # keys in buckets >= d, non-increasing in d
+    crossing = at_or_above >= remaining
+    count, above = tl.reduce((crossing.to(tl.int32), tl.where(crossing, 0, at_or_above)), 0, _add_max)
+    return count - 1, remaining - above
+
+
+@triton.jit
+def _range_of(sel, u):
+    """(min, max) of the uint32 keys ``u`` on lanes ``sel`` (one fused reduction; (0xFFFFFFFF, 0) if none)."""
+    return tl.reduce((tl.where(sel, u, 0xFFFFFFFF), tl.where(sel, u, 0)), 0, _min_max)
+
+
+@triton.jit
 def accumulate_row_range(rng_row_ptr, keys, ok):
     """Fold int32 order ``keys`` (lanes ``ok``) into one row of a row-range buffer (:func:`row_range_buffer`):
     two relaxed atomic maxima, ``~min`` and ``max`` of the uint32 keys. For producers of keys (the indexer's
@@ -145,18 +180,12 @@ def _rounds_in_registers(cu, valid, lo, hi, remaining, BINS: tl.constexpr):
     [lo, hi] are the live ones): each round histograms ``(u - lo) >> shift`` of the live keys into BINS
     buckets, keeps the bucket holding the ``remaining``-th largest and narrows [lo, hi] to its exact key
     range, until one key is left. Returns (that key Tk, how many keys equal to Tk to take)."""
-    bins = tl.arange(0, BINS)
     while lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
         live = valid & (cu >= lo) & (cu <= hi)
         d = tl.where(live, ((cu - lo) >> shift).to(tl.int32), 0)
-        hist = tl.histogram(d, BINS, mask=live)
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1  # highest bucket crossing
-        remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
-        sel = live & (d == pick)
-        lo = tl.min(tl.where(sel, cu, 0xFFFFFFFF), axis=0)
-        hi = tl.max(tl.where(sel, cu, 0), axis=0)
+        pick, remaining = _pick_bucket(tl.histogram(d, BINS, mask=live), remaining)
+        lo, hi = _range_of(live & (d == pick), cu)
     return lo, remaining
 
 
@@ -166,7 +195,6 @@ def _rounds_chunked(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.const
     rescans them CH at a time (no compaction). The slow path: only when the first round leaves many
     candidates (heavy ties spread over a narrow key range)."""
     offs = tl.arange(0, CH)
-    bins = tl.arange(0, BINS)
     while lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
         hist = tl.zeros([BINS], tl.int32)
@@ -175,9 +203,7 @@ def _rounds_chunked(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.const
             cu = _load_fresh(cand + c + offs, ok).to(tl.uint32, bitcast=True)
             live = ok & (cu >= lo) & (cu <= hi)
             hist += tl.histogram(tl.where(live, ((cu - lo) >> shift).to(tl.int32), 0), BINS, mask=live)
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
-        remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+        pick, remaining = _pick_bucket(hist, remaining)
         lo_v = tl.full([CH], 0xFFFFFFFF, tl.uint32)
         hi_v = tl.zeros([CH], tl.uint32)
         for c in range(0, m, CH):
@@ -186,8 +212,7 @@ def _rounds_chunked(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.const
             sel = ok & (cu >= lo) & (cu <= hi) & (((cu - lo) >> shift).to(tl.int32) == pick)
             lo_v = tl.minimum(lo_v, tl.where(sel, cu, 0xFFFFFFFF))
             hi_v = tl.maximum(hi_v, tl.where(sel, cu, 0))
-        lo = tl.min(lo_v, axis=0)
-        hi = tl.max(hi_v, axis=0)
+        lo, hi = tl.reduce((lo_v, hi_v), 0, _min_max)
     return lo, remaining
 
 
@@ -212,15 +237,12 @@ def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.cons
     ``remaining``-th largest, its keys compacted to ``dst``. Returns (their min, their max, their count,
     keys still to take among them)."""
     offs = tl.arange(0, CH)
-    bins = tl.arange(0, BINS)
     shift = _bucket_shift(lo, hi, BINS)
     hist = tl.zeros([BINS], tl.int32)
     for c in range(0, m, CH):
         u = _load_keys(src, c + offs, m, ALIGNED)
         hist += tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=c + offs < m)
-    at_or_above = m - tl.cumsum(hist, axis=0) + hist  # keys in buckets >= d
-    pick = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1  # highest bucket crossing
-    remaining -= tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
+    pick, remaining = _pick_bucket(hist, remaining)
     cnt = tl.zeros([], tl.int32)
     lo_v = tl.full([CH], 0xFFFFFFFF, tl.uint32)
     hi_v = tl.zeros([CH], tl.uint32)
@@ -233,7 +255,8 @@ def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.cons
         lo_v = tl.minimum(lo_v, tl.where(sel, u, 0xFFFFFFFF))
         hi_v = tl.maximum(hi_v, tl.where(sel, u, 0))
     tl.debug_barrier()  # the compacted candidates are read by other threads next
-    return tl.min(lo_v, axis=0), tl.max(hi_v, axis=0), cnt, remaining
+    lo, hi = tl.reduce((lo_v, hi_v), 0, _min_max)
+    return lo, hi, cnt, remaining
 
 
 @triton.jit
@@ -254,14 +277,14 @@ def _write_chunk(out_row, s, u, ok, tk, need, n_gt, n_eq):
 
 
 @triton.jit
-def _select_tile(key_row, out_row, n, lo, hi, K, TILE: tl.constexpr, BINS: tl.constexpr,
+def _select_tile(key_row, out_row, n, lo, hi, K, TILE: tl.constexpr, CBINS: tl.constexpr,
                  ALIGNED: tl.constexpr):
     """The whole selection of a row of ``n <= TILE`` keys (all within [lo, hi]) in registers: one load,
     the radix rounds on the live lanes, one store of the taken positions."""
     s = tl.arange(0, TILE)
     ok = s < n
     u = _load_keys(key_row, s, n, ALIGNED)
-    tk, need = _rounds_in_registers(u, ok, lo, hi, K + tl.zeros([], tl.int32), BINS)
+    tk, need = _rounds_in_registers(u, ok, lo, hi, K + tl.zeros([], tl.int32), CBINS)
     _write_chunk(out_row, s, u, ok, tk, need, 0, 0)
 
 
@@ -270,7 +293,7 @@ def _radix_topk_kernel(
     key_ptr, scratch_ptr, rng_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
     num_seqs, row0, S, K, s_key, s_scr, s_rng, s_out,
     ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    CBLOCK: tl.constexpr, ALIGNED: tl.constexpr, RANGE_GIVEN: tl.constexpr,
+    CBLOCK: tl.constexpr, CBINS: tl.constexpr, ALIGNED: tl.constexpr, RANGE_GIVEN: tl.constexpr,
 ):
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
     t = row0 + r
@@ -298,9 +321,8 @@ def _radix_topk_kernel(
             lo = lo_given
             hi = hi_given
         else:
-            lo = tl.min(tl.where(ok, u, 0xFFFFFFFF), axis=0)
-            hi = tl.max(tl.where(ok, u, 0), axis=0)
-        tk, need = _rounds_in_registers(u, ok, lo, hi, K + tl.zeros([], tl.int32), BINS)
+            lo, hi = _range_of(ok, u)
+        tk, need = _rounds_in_registers(u, ok, lo, hi, K + tl.zeros([], tl.int32), CBINS)
         _write_chunk(out_row, offs, u, ok, tk, need, 0, 0)
         return
 
@@ -316,15 +338,14 @@ def _radix_topk_kernel(
             u = _load_keys(key_row, c + offs, n, ALIGNED)
             lo_v = tl.minimum(lo_v, tl.where(ok, u, 0xFFFFFFFF))
             hi_v = tl.maximum(hi_v, tl.where(ok, u, 0))
-        lo = tl.min(lo_v, axis=0)
-        hi = tl.max(hi_v, axis=0)
+        lo, hi = tl.reduce((lo_v, hi_v), 0, _min_max)
 
     # 2. adaptive-range radix select of the K-th largest key: round 1 over the row, then over candidates
     remaining = K + tl.zeros([], tl.int32)  # keys still to take at or below the current range
     if lo < hi:
         scratch_row = scratch_ptr + r.to(tl.int64) * s_scr
         lo, hi, m, remaining = _radix_round(key_row, n, lo, hi, remaining, scratch_row, BLOCK, BINS, ALIGNED)
-        lo, remaining = _threshold(scratch_row, m, lo, hi, remaining, CBLOCK, BINS)
+        lo, remaining = _threshold(scratch_row, m, lo, hi, remaining, CBLOCK, CBINS)
 
     # 3. positions above the threshold and the first `need` ties, in position order
     n_gt = tl.zeros([], tl.int32)
@@ -379,7 +400,7 @@ def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_
 def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0,
                        S, K, s_key, s_rng, s_st, s_out,
                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                       ALIGNED: tl.constexpr, SMALL: tl.constexpr):
+                       ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr):
     r = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
@@ -392,7 +413,7 @@ def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, out_ptr, lens_ptr, cu_q_ptr, se
         if n <= SMALL:
             if s0 == 0:
                 _select_tile(key_ptr + r.to(tl.int64) * s_key, out_ptr + (row0 + r).to(tl.int64) * s_out, n,
-                             lo, hi, K, SMALL, BINS, ALIGNED)
+                             lo, hi, K, SMALL, CBINS, ALIGNED)
             return
     if lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
@@ -409,7 +430,7 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
                           num_seqs, row0, S, K, P, s_key, s_rng, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                           BINS: tl.constexpr, BLOCK_P: tl.constexpr, CBLOCK: tl.constexpr,
-                          ALIGNED: tl.constexpr, SMALL: tl.constexpr):
+                          ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     s0 = p * BLOCK
@@ -423,11 +444,8 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
     st = _as_u32(st_row)
     seg_row = seg_ptr + r.to(tl.int64) * s_seg
     cand_row = cand_ptr + r.to(tl.int64) * s_cand
-    bins = tl.arange(0, BINS)
     nseg = tl.cdiv(n, BLOCK)
-    hist = tl.load(st_row + ST_HIST + bins)
-    at_or_above = n - tl.cumsum(hist, axis=0) + hist
-    pick = tl.sum((at_or_above >= K).to(tl.int32), axis=0) - 1
+    pick, remaining = _pick_bucket(tl.load(st_row + ST_HIST + tl.arange(0, BINS)), K)
     if lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
         s = s0 + tl.arange(0, BLOCK)
@@ -449,18 +467,17 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
             m = tl.load(st_row + ST_CNT, cache_modifier=".cg")
             clo = tl.load(st + ST_CINV_LO, cache_modifier=".cg") ^ 0xFFFFFFFF
             chi = tl.load(st + ST_CHI, cache_modifier=".cg")
-            remaining = K - tl.sum(tl.where(bins == pick, at_or_above - hist, 0), axis=0)
             segs = tl.arange(0, BLOCK_P)
             if m <= CBLOCK:  # the usual case: every candidate in registers, one load
                 coffs = tl.arange(0, CBLOCK)
                 cok = coffs < m
                 cu = _load_fresh(cand_row + coffs, cok).to(tl.uint32, bitcast=True)
                 sg = _load_fresh(cand_row + S + coffs, cok) // BLOCK
-                tk, need = _rounds_in_registers(cu, cok, clo, chi, remaining, BINS)
+                tk, need = _rounds_in_registers(cu, cok, clo, chi, remaining, CBINS)
                 above = tl.histogram(sg, BLOCK_P, mask=cok & (cu > tk))
                 ties = tl.histogram(sg, BLOCK_P, mask=cok & (cu == tk))
             else:
-                tk, need = _rounds_chunked(cand_row, m, clo, chi, remaining, CBLOCK, BINS)
+                tk, need = _rounds_chunked(cand_row, m, clo, chi, remaining, CBLOCK, CBINS)
                 coffs = tl.arange(0, CBLOCK)
                 above = tl.zeros([BLOCK_P], tl.int32)
                 ties = tl.zeros([BLOCK_P], tl.int32)
@@ -560,57 +577,62 @@ def use_split(rows: int, width: int) -> bool:
     return rows < SPLIT_MAX_ROWS and width >= SPLIT_MIN_WIDTH
 
 
-def resolve_tuning(split: bool, block: int | None = None, bins: int | None = None,
-                   num_warps: int | None = None, small_n: int | None = None) -> tuple[int, int, int, int]:
-    """(block, bins, num_warps, small_n) for a mode: given values, else the mode's module defaults
-    (``small_n`` only means something in split mode). Raises ValueError when block (power of two,
-    16..16384), bins (power of two, 32..MAX_BINS) or small_n (0 or a power of two, 16..16384) is out of range."""
-    if block is None:
-        block = SPLIT_BLOCK if split else BLOCK
-    if bins is None:
-        bins = SPLIT_BINS if split else BINS
-    if num_warps is None:
-        num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
-    if small_n is None:
-        small_n = SPLIT_SMALL_N if split else 0
-    pow2_ok = block & (block - 1) == 0 and bins & (bins - 1) == 0
-    if not (pow2_ok and 16 <= block <= 16384 and 32 <= bins <= MAX_BINS):
-        raise ValueError(f"select_rows: block {block} and bins {bins} must be powers of two in range")
-    if not (small_n == 0 or (small_n & (small_n - 1) == 0 and 16 <= small_n <= 16384)):
-        raise ValueError(f"select_rows: small_n {small_n} must be 0 or a power of two in 16..16384")
-    return block, bins, num_warps, small_n
+def resolve_tuning(split: bool, block: int | None = None, bins: int | None = None, num_warps: int | None = None,
+                   small_n: int | None = None, cand_bins: int | None = None,
+                   small_warps: int | None = None) -> dict[str, int]:
+    """The tuning of a selection mode: given values, else the mode's module defaults. Returns a dict with
+    block, bins, num_warps, small_n (0 outside split mode), cand_bins, small_warps.
+    Raises ValueError when block (power of two, 16..16384), bins or cand_bins (powers of two,
+    32..MAX_BINS) or small_n (0 or a power of two, 16..16384) is out of range."""
+    t = {"block": (SPLIT_BLOCK if split else BLOCK) if block is None else block,
+         "bins": (SPLIT_BINS if split else BINS) if bins is None else bins,
+         "num_warps": (SPLIT_NUM_WARPS if split else NUM_WARPS) if num_warps is None else num_warps,
+         "small_n": (SPLIT_SMALL_N if split else 0) if small_n is None else small_n,
+         "cand_bins": CAND_BINS if cand_bins is None else cand_bins,
+         "small_warps": SPLIT_SMALL_NUM_WARPS if small_warps is None else small_warps}
+
+    def pow2_in(x, lo, hi):
+        return x & (x - 1) == 0 and lo <= x <= hi
+
+    if not (pow2_in(t["block"], 16, 16384) and pow2_in(t["bins"], 32, MAX_BINS)
+            and pow2_in(t["cand_bins"], 32, MAX_BINS)):
+        raise ValueError(f"select_rows: block {t['block']}, bins {t['bins']} and cand_bins {t['cand_bins']} "
+                         "must be powers of two in range")
+    if not (t["small_n"] == 0 or pow2_in(t["small_n"], 16, 16384)):
+        raise ValueError(f"select_rows: small_n {t['small_n']} must be 0 or a power of two in 16..16384")
+    return t
 
 
-def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps,
-                  small):
+def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, t):
     R, S = keys.shape
+    block = t["block"]
     P = triton.cdiv(S, block)
     dev = keys.device
     st = _zeroed("split", R, _ST_WIDTH + MAX_BINS, dev)
     seg = torch.empty((R, 3 * P), dtype=torch.int32, device=dev)
     cand = torch.empty((R, 2 * S), dtype=torch.int32, device=dev)
-    meta = {"ROW_LENS": row_lens, "BLOCK_B": block_b, "BLOCK": block, "num_warps": num_warps,
+    meta = {"ROW_LENS": row_lens, "BLOCK_B": block_b, "BLOCK": block, "num_warps": t["num_warps"],
             "ALIGNED": S % 4 == 0 and keys.stride(0) % 4 == 0}
     lens, cu_q, seq_lens, num_seqs = rows
     if not range_given:
         _split_range_kernel[(R, P)](keys, rng, lens, cu_q, seq_lens, num_seqs, row0, S, keys.stride(0),
                                     rng.stride(0), **meta)
     args = (*rows, row0, S, topk)
-    meta["SMALL"] = small
+    meta.update(SMALL=t["small_n"], BINS=t["bins"])
+    hist_meta = dict(meta, num_warps=t["small_warps"]) if t["small_n"] else meta
     _split_hist_kernel[(R, P)](keys, rng, st, out, *args, keys.stride(0), rng.stride(0), st.stride(0),
-                               out.stride(0), BINS=bins, **meta)
+                               out.stride(0), CBINS=t["cand_bins"], **hist_meta)
     _split_compact_kernel[(R, P)](keys, rng, st, seg, cand, *args, P, keys.stride(0), rng.stride(0),
-                                  st.stride(0), seg.stride(0), cand.stride(0), BINS=bins,
-                                  BLOCK_P=pow2(P, 32), CBLOCK=CAND_BLOCK, **meta)
+                                  st.stride(0), seg.stride(0), cand.stride(0), BLOCK_P=pow2(P, 32),
+                                  CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], **meta)
     _split_write_kernel[(R, P)](keys, rng, st, seg, out, *args, P, keys.stride(0), rng.stride(0),
-                                st.stride(0), seg.stride(0), out.stride(0), BINS=bins, **meta)
+                                st.stride(0), seg.stride(0), out.stride(0), **meta)
 
 
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
                 lengths: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                seq_lens: torch.Tensor | None = None, split: bool | None = None, block: int | None = None,
-                bins: int | None = None, num_warps: int | None = None, small_n: int | None = None,
-                row_range: torch.Tensor | None = None) -> None:
+                seq_lens: torch.Tensor | None = None, split: bool | None = None,
+                row_range: torch.Tensor | None = None, **tuning) -> None:
     """Top-``topk`` positions of key rows ``keys[r]`` into ``out[row0 + r]`` (contract: module doc).
 
     keys: [R, S] int32 orderable keys (:func:`orderable_key`), last dim contiguous; out: [T, topk] int32,
@@ -620,17 +642,17 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     ``split``: one program per ``block`` positions of a row (3 launches; 4 without ``row_range``) instead
     of one program per row (1 launch); default :func:`use_split`. ``row_range``: [R, 2] int32 rows of
     :func:`row_range_buffer` into which the keys' producer folded each row's first n keys
-    (:func:`accumulate_row_range`); zeroed again here. ``block`` (power of two, 16..16384), ``bins``
-    (power of two, 32..:data:`MAX_BINS`) and ``num_warps`` tune speed (None: the mode's module defaults,
-    :data:`BLOCK` / :data:`BINS` / :data:`NUM_WARPS` or :data:`SPLIT_BLOCK` / ...).
-    ``small_n`` (split mode; 0 or a power of two <= 16384; None: :data:`SPLIT_SMALL_N`): rows with at most
-    this many valid positions are selected whole by one program, in registers, in the first launch.
-    Raises ValueError on non-int32 / strided keys or out-of-range tuning.
+    (:func:`accumulate_row_range`); zeroed again here. ``tuning`` (speed only; None or absent: the mode's
+    module defaults, see :func:`resolve_tuning`): ``block`` (positions per chunk / per program), ``bins``
+    (buckets of the first round), ``num_warps``, ``cand_bins`` (buckets of the register rounds), and in
+    split mode ``small_n`` (rows with at most this many valid positions are selected whole by one program,
+    in registers, in the first launch; 0: none) and ``small_warps`` (that launch's warps).
+    Raises ValueError on non-int32 / strided keys or out-of-range tuning; TypeError on unknown tuning.
     """
     R, S = keys.shape
     if split is None:
         split = use_split(R, S)
-    block, bins, num_warps, small_n = resolve_tuning(split, block, bins, num_warps, small_n)
+    t = resolve_tuning(split, **tuning)
     if R == 0 or topk == 0:
         if row_range is not None:
             row_range.zero_()  # nothing consumes it: keep the buffer's zero-between-calls contract
@@ -647,14 +669,14 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     rng = row_range if range_given else row_range_buffer(R, keys.device)
     rows = (lengths, cu_seqlens_q, seq_lens, seq_lens.shape[0])
     if split:
-        _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, block, bins, num_warps,
-                      small_n)
+        _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, t)
         return
     scratch = torch.empty((R, S), dtype=torch.int32, device=keys.device)
     _radix_topk_kernel[(R,)](
         keys, scratch, rng, out, *rows, row0, S, topk, keys.stride(0), scratch.stride(0), rng.stride(0),
-        out.stride(0), ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=block, BINS=bins, CBLOCK=CAND_BLOCK,
-        ALIGNED=S % 4 == 0 and keys.stride(0) % 4 == 0, RANGE_GIVEN=range_given, num_warps=num_warps,
+        out.stride(0), ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=t["block"], BINS=t["bins"],
+        CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], ALIGNED=S % 4 == 0 and keys.stride(0) % 4 == 0,
+        RANGE_GIVEN=range_given, num_warps=t["num_warps"],
     )
 
 
@@ -663,7 +685,7 @@ def topk_positions(keys: torch.Tensor, lengths: torch.Tensor, topk: int, **tunin
 
     keys: [T, S] int32 orderable keys (:func:`orderable_keys`); lengths: [T] int32 (clamped to [0, S]).
     Returns [T, topk] int32 positions, ascending, -1 padded; ties go to the lowest position. ``tuning``:
-    ``split``, ``block``, ``bins``, ``num_warps`` of :func:`select_rows`. Raises ValueError on non-int32 keys.
+    ``split`` and the tuning of :func:`select_rows`. Raises ValueError on non-int32 keys.
     """
     out = torch.empty((keys.shape[0], topk), dtype=torch.int32, device=keys.device)
     select_rows(keys, out, 0, topk, lengths=lengths, **tuning)
