@@ -220,11 +220,11 @@ def test_a_producers_row_range_is_used_and_zeroed_again(mode):
 def test_repeated_calls_are_identical_and_leave_no_state():
     # the accumulators are persistent (no memset launch): each call must clean up after itself
     g = torch.Generator().manual_seed(10)
-    x = torch.randn(2, 600, generator=g)
-    lengths = torch.tensor([600, 333], dtype=torch.int32)
+    x = torch.randn(2, 320, generator=g)
+    lengths = torch.tensor([320, 233], dtype=torch.int32)
     keys = T.orderable_keys(x)
     want = _stable_topk(x, lengths, 50)
-    for mode in (*MODES.values(), MODES["split"]):
+    for mode in MODES.values():
         for _ in range(2):
             assert torch.equal(T.topk_positions(keys, lengths, 50, block=64, **mode), want)
             assert _accumulators_are_zero()
@@ -288,8 +288,7 @@ def selection_mode(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("plateau", [False, True])
+@pytest.mark.parametrize("dtype,plateau", [(torch.float32, False), (torch.bfloat16, True)])
 def test_indexer_mixed_batch_matches_the_reference(dtype, plateau, selection_mode):
     # prefill from scratch crossing K, chunked prefill, decodes below / at / above K
     q_lens, seq_lens, K = [30, 6, 1, 1, 1], [30, 90, 20, 21, 150], 21
