@@ -11,23 +11,30 @@ float mapping), -0.0 first folded to +0.0; unsigned order of ``u`` is then float
 have equal keys. :func:`orderable_keys` (torch) and :func:`orderable_key` (Triton) compute it.
 
 Why our own kernel: ``torch.topk`` (a radix select of ~25 launches per call on CUDA) plus a sort of the
-positions cost ~80 us per layer at decode. Here one program per row does, in a single launch:
+positions cost ~80 us per layer at decode. The cost here is mostly latency (dependent rounds, each a pass
+or a compaction), not bytes (the keys of a row are L2-resident), so the design minimises dependent steps:
 
-1. the row's min and max key;
-2. an adaptive-range radix select: a ``BINS``-bucket histogram (``tl.histogram``) of
-   ``(u - lo) >> shift`` over the current candidates (range ``[lo, hi]``, ``shift`` the smallest with
-   ``(hi - lo) >> shift < BINS``), the bucket where the count of larger keys crosses the remaining ``k``,
-   and a stream compaction of that bucket's keys into a scratch row (ping-pong halves) together with
-   their exact min/max, until ``lo == hi``. That value is the threshold ``Tk``; ``need`` = how many keys
-   equal to ``Tk`` are taken. The first round reads the whole row in chunks of ``BLOCK``; later ones only
-   the (usually small) candidate list, in chunks of ``CAND_BLOCK``. A plateau of equal scores (ReLU
-   zeros) ends at once: its min equals its max;
+1. the row's min and max key: supplied by the keys' producer (the indexer's scoring kernel folds them into
+   a persistent per-row accumulator, :func:`accumulate_row_range`, which the selection zeroes again), or
+   computed by the selection itself;
+2. an adaptive-range radix select: a histogram (``tl.histogram``) of ``(u - lo) >> shift`` over the live
+   keys (range ``[lo, hi]``, ``shift`` the smallest with ``(hi - lo) >> shift < bins``), the bucket where
+   the count of larger keys crosses the remaining ``k``, and that bucket's exact min/max as the next range,
+   until ``lo == hi``. That value is the threshold ``Tk``; ``need`` = how many keys equal to ``Tk`` are
+   taken. A row of at most ``BLOCK`` keys is loaded once and every round runs on registers (live-lane
+   masks, no memory traffic). A longer row: round 1 (``BINS`` buckets) reads it in chunks of ``BLOCK``
+   and compacts the picked bucket's keys (the candidates) into a scratch row; the later rounds
+   (``CAND_BINS`` buckets) run on the candidates held in registers (up to ``CAND_BLOCK`` of them; more fall
+   back to chunked rescans). A plateau of equal scores (ReLU zeros) ends at once: its min equals its max;
 3. one pass in position order writes every position with ``u > Tk`` and the first ``need`` with
    ``u == Tk`` to its rank among the taken (one packed cumsum), so the output is ascending by construction.
 
 Few long rows (decode at small batch) would leave most SMs idle, so there the same algorithm runs split:
-one program per ``BLOCK`` positions of a row, four launches (see "split rows" below). ``select_rows``
-picks the mode from shapes only (rows < ``SPLIT_MAX_ROWS`` and width >= ``SPLIT_MIN_WIDTH``).
+one program per ``SPLIT_BLOCK`` positions of a row, three launches (see "split rows" below), and rows of at
+most ``SPLIT_SMALL_N`` valid keys are selected whole, in registers, by one program of the first launch.
+``select_rows`` picks the mode from shapes only (rows < ``SPLIT_MAX_ROWS`` and width >=
+``SPLIT_MIN_WIDTH``); inside a mode the work follows each row's real length n (CUDA-graph decode pads the
+key width to the model's maximum length): no pass reads a position >= n, programs past n exit at once.
 
 No host sync: ``n`` per row comes from device tensors (``cu_seqlens_q``/``seq_lens`` or explicit lengths),
 every launch size from tensor shapes, so the selection can be captured in a CUDA graph.
@@ -306,6 +313,7 @@ def _radix_topk_kernel(
         rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
         lo_given = tl.load(rng) ^ 0xFFFFFFFF
         hi_given = tl.load(rng + 1)
+        tl.debug_barrier()  # every thread has read the range before any thread zeroes it
         tl.store(rng + tl.arange(0, 2), tl.zeros([2], tl.uint32))
 
     if n <= K:  # dense row: every valid position, then -1
@@ -361,15 +369,17 @@ def _radix_topk_kernel(
 # ------------------------------------------------------------------ split rows: several programs per row
 #
 # Few long rows (decode at batch 1..64) would leave most SMs idle with one program per row, so the same
-# selection runs over segments of BLOCK positions, one program each. The grid is sized from the key width
-# S (shapes only: CUDA graphs), but a program whose segment starts at or past the row's length n returns at
-# once, so the cost follows n. Launches: [range: only when no producer supplied the key range], B) round-1
-# histogram (atomics), C) compaction of the picked bucket's (key, position) pairs; the last program of the
-# row to finish C (an acq_rel counter) completes the radix select on the candidates (in registers when
-# they fit) and stores Tk / need and every segment's first output slot; E) every segment writes its taken
-# positions, and program 0 of the row zeroes the row's accumulators (range, histogram, counters) for the
-# next call: the state is persistent and self-cleaning, so no memset launch. Ties never depend on the
-# order of the atomics: the candidates are a set, positions keep the order.
+# selection runs over segments of SPLIT_BLOCK positions, one program each. The grid is sized from the key
+# width S (shapes only: CUDA graphs), but a program whose segment starts at or past the row's length n
+# returns at once, so the cost follows n. Launches: [range: only when no producer supplied the key range],
+# B) round-1 histogram (atomics; a row of at most SPLIT_SMALL_N keys is instead selected whole by its
+# first program, in registers, and skipped by C and E), C) compaction of the picked bucket's (key,
+# position) pairs; the last program of the row to finish C (an acq_rel counter) completes the radix select
+# on the candidates (in registers when they fit) and stores Tk / need and every segment's first output
+# slot; E) every segment writes its taken positions, and program 0 of the row zeroes the row's
+# accumulators (range, histogram, counters) for the next call: the state is persistent and self-cleaning,
+# so no memset launch. Ties never depend on the order of the atomics: the candidates are a set, positions
+# keep the order.
 
 ST_CNT: tl.constexpr = tl.constexpr(0)  # candidates compacted so far
 ST_CINV_LO: tl.constexpr = tl.constexpr(1)  # ~(min candidate key)
