@@ -6,9 +6,11 @@ The scoring kernel writes, per (token, causally valid position), one int32 *orde
 equal scores have equal keys). The radix-select kernel of :mod:`~atomtool.serve.ops.triton.topk` then
 picks, per row, the top-K keys among positions ``0..pos(t)``, ties toward the lowest position, exactly
 the reference's stable sort (dsa.md §5.6, pitfall 12: ReLU plateaus of exact zeros), and writes them in
-ascending position order, -1 padded. Per row chunk: the scoring launch, then one selection launch (many
-rows) or four plus a memset (few wide rows, split across programs). No host sync: all shapes come from
-tensor shapes (the key width is ``max_blocks * block_size``), so decode can be captured in a CUDA graph.
+ascending position order, -1 padded. Per row chunk: the scoring launch (which also folds each row's key
+range into a persistent accumulator, so the selection needs no pass for it), then one selection launch (many
+rows) or three (few wide rows, split across programs; short rows still selected whole by one program). No
+host sync: all shapes come from tensor shapes (the key width is ``max_blocks * block_size``, the padded
+block table's), and the work follows each row's real length, so decode can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
