@@ -21,7 +21,7 @@ import triton.language as tl
 
 from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
 from atomtool.serve.ops.triton.topk import (
-    accumulate_row_range,
+    fold_row_range,
     orderable_key,
     resolve_tuning,
     row_range_buffer,
@@ -33,21 +33,39 @@ from atomtool.serve.ops.triton.topk import (
 _KEY_BUDGET = 1 << 30
 
 
+#: scoring programs per SM of one launch (spread over its rows); None: one program per block of positions
+INDEXER_PROGRAMS_PER_SM: int | None = 2
+_SM_COUNT: dict[str, int] = {}
+
+
+def _programs_per_row(rows: int, blocks: int, device: torch.device) -> int:
+    """Scoring programs per row: about one wave of the GPU over all rows (each program loops over the
+    blocks p, p + programs, ... of its row below the row's length, so a key width far above the real
+    context costs one wave of exiting programs, not width / BLOCK_N of them), at most ``blocks``."""
+    if INDEXER_PROGRAMS_PER_SM is None:
+        return blocks
+    if device.type != "cuda":
+        return min(blocks, 3)  # the interpreter: several blocks per program, as on a GPU at long contexts
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(blocks, INDEXER_PROGRAMS_PER_SM * _SM_COUNT[key] // rows))
+
+
 @triton.jit
 def _indexer_keys_kernel(
     q_ptr, w_ptr, k_ptr, key_ptr, rng_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
-    num_seqs, row0, Hi, Di, block_size, S,
+    num_seqs, row0, Hi, Di, block_size, S, nprog,
     s_qt, s_qh, s_wt, s_kb, s_ks, s_bt, s_key, s_rng,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     t = row0 + tl.program_id(0)
-    nb = tl.program_id(1)
     b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
-    if nb * BLOCK_N > qpos:  # the whole block lies after the query: the selection never reads it
+    n = tl.minimum(qpos + 1, S)  # causally valid positions: the selection reads no key past them
+    nblocks = tl.cdiv(n, BLOCK_N)
+    if tl.program_id(1) >= nblocks:  # every block of this program lies after the query
         return
-    s = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    s_ok = (s <= qpos) & (s < S)
     t64 = t.to(tl.int64)
     key_row = key_ptr + tl.program_id(0).to(tl.int64) * s_key
     h = tl.arange(0, BLOCK_H)
@@ -56,14 +74,22 @@ def _indexer_keys_kernel(
     q = tl.load(q_ptr + t64 * s_qt + h[:, None].to(tl.int64) * s_qh + d[None, :],
                 mask=h_ok[:, None] & (d[None, :] < Di), other=0.0)
     w = tl.load(w_ptr + t64 * s_wt + h, mask=h_ok, other=0.0).to(tl.float32)
-    row = paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_kb, s_ks)
-    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=s_ok[:, None] & (d[None, :] < Di), other=0.0)
-    logits = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
-    score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)
-    keys = orderable_key(score)
-    tl.store(key_row + s, keys, mask=s_ok)
+    inv_lo = tl.zeros([BLOCK_N], tl.uint32)  # running max of ~key: ~(min key)
+    hi = tl.zeros([BLOCK_N], tl.uint32)
+    for nb in range(tl.program_id(1), nblocks, nprog):
+        s = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        s_ok = s < n
+        row = paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_kb, s_ks)
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=s_ok[:, None] & (d[None, :] < Di), other=0.0)
+        logits = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
+        score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)
+        keys = orderable_key(score)
+        tl.store(key_row + s, keys, mask=s_ok)
+        u = keys.to(tl.uint32, bitcast=True)
+        inv_lo = tl.maximum(inv_lo, tl.where(s_ok, u ^ 0xFFFFFFFF, 0))
+        hi = tl.maximum(hi, tl.where(s_ok, u, 0))
     # the row's key range, so the selection skips a pass over the row (it zeroes the accumulator again)
-    accumulate_row_range(rng_ptr + tl.program_id(0).to(tl.int64) * s_rng, keys, s_ok)
+    fold_row_range(rng_ptr + tl.program_id(0).to(tl.int64) * s_rng, tl.max(inv_lo, axis=0), tl.max(hi, axis=0))
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
@@ -97,9 +123,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
         rows = min(rows_per_chunk, T - row0)
         keys = torch.empty((rows, S), dtype=torch.int32, device=q.device)
         rng = row_range_buffer(rows, q.device)
-        _indexer_keys_kernel[(rows, triton.cdiv(S, block_n))](
+        nprog = _programs_per_row(rows, triton.cdiv(S, block_n), q.device)
+        _indexer_keys_kernel[(rows, nprog)](
             q, weights, index_k_cache, keys, rng, cu_seqlens_q, seq_lens, block_tables,
-            B, row0, Hi, Di, block_size, S,
+            B, row0, Hi, Di, block_size, S, nprog,
             q.stride(0), q.stride(1), weights.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
             block_tables.stride(0), keys.stride(0), rng.stride(0),
             BLOCK_H=pow2(Hi, 16), BLOCK_D=pow2(Di, 16), BLOCK_N=block_n, BLOCK_B=pow2(B),

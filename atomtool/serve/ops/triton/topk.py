@@ -176,9 +176,16 @@ def accumulate_row_range(rng_row_ptr, keys, ok):
     two relaxed atomic maxima, ``~min`` and ``max`` of the uint32 keys. For producers of keys (the indexer's
     scoring kernel), so the selection skips its own pass over the row for the key range."""
     u = keys.to(tl.uint32, bitcast=True)
+    fold_row_range(rng_row_ptr, tl.max(tl.where(ok, u ^ 0xFFFFFFFF, 0), axis=0), tl.max(tl.where(ok, u, 0), axis=0))
+
+
+@triton.jit
+def fold_row_range(rng_row_ptr, inv_lo, hi):
+    """Fold a partial key range into a row of a row-range buffer: ``inv_lo`` = ~(min key) and ``hi`` = max key
+    (uint32 scalars; 0 and 0 fold nothing), two relaxed atomic maxima (:func:`accumulate_row_range`)."""
     st = _as_u32(rng_row_ptr)
-    tl.atomic_max(st, tl.max(tl.where(ok, u ^ 0xFFFFFFFF, 0), axis=0), sem="relaxed")
-    tl.atomic_max(st + 1, tl.max(tl.where(ok, u, 0), axis=0), sem="relaxed")
+    tl.atomic_max(st, inv_lo, sem="relaxed")
+    tl.atomic_max(st + 1, hi, sem="relaxed")
 
 
 @triton.jit
