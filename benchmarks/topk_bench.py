@@ -43,12 +43,11 @@ import os
 import time
 
 #: --candidates, one program per row: (block, bins, num_warps, cand_bins)
-ONE_PROGRAM_CANDIDATES = ((4096, 256, 16, 128), (4096, 256, 16, 64), (4096, 256, 16, 256), (2048, 256, 8, 128),
-                          (8192, 256, 16, 128))
+ONE_PROGRAM_CANDIDATES = ((4096, 256, 16, 128), (4096, 256, 16, 64), (2048, 256, 8, 128), (8192, 256, 16, 128))
 #: --candidates, split rows: (block, bins, num_warps, cand_bins, small_n, small_warps)
-SPLIT_CANDIDATES = ((1024, 256, 8, 128, 4096, 16), (1024, 256, 8, 64, 4096, 16), (1024, 256, 8, 256, 4096, 16),
-                    (1024, 256, 8, 128, 0, 16), (1024, 256, 4, 128, 4096, 8), (512, 256, 8, 128, 4096, 16),
-                    (2048, 256, 8, 128, 4096, 16), (1024, 256, 8, 128, 8192, 16))
+SPLIT_CANDIDATES = ((1024, 256, 8, 128, 4096, 16), (1024, 256, 8, 64, 4096, 16), (1024, 256, 8, 128, 0, 16),
+                    (1024, 256, 4, 128, 4096, 8), (512, 256, 8, 128, 4096, 16), (2048, 256, 8, 128, 4096, 16),
+                    (1024, 256, 8, 128, 8192, 16))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -183,18 +182,18 @@ def _indexer_case(T: int, n: int, width: int, device, seed: int = 0, Hi: int = 6
     import torch
 
     bs = 64
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: the cache is up to ~0.5 GB
     used = -(-n // bs)
     cols = max(-(-width // bs), used)
     nb = T * used + 1
-    bt = torch.zeros((T, cols), dtype=torch.int32)
-    bt[:, :used] = 1 + torch.randperm(T * used, generator=g).view(T, used).int()
-    q = torch.randn(T, Hi, Di, generator=g).to(device, torch.bfloat16)
-    w = torch.rand(T, Hi, generator=g).to(device) * Hi**-0.5
-    kc = torch.randn(nb, bs, Di, generator=g).to(device, torch.bfloat16)
+    bt = torch.zeros((T, cols), dtype=torch.int32, device=device)
+    bt[:, :used] = 1 + torch.randperm(T * used, generator=g, device=device).view(T, used).int()
+    q = torch.randn(T, Hi, Di, generator=g, device=device).to(torch.bfloat16)
+    w = torch.rand(T, Hi, generator=g, device=device) * Hi**-0.5
+    kc = torch.randn(nb, bs, Di, generator=g, device=device).to(torch.bfloat16)
     cu = torch.arange(T + 1, dtype=torch.int32, device=device)
     seq_lens = torch.full((T,), n, dtype=torch.int32, device=device)
-    return q, w, kc, cu, seq_lens, bt.to(device)
+    return q, w, kc, cu, seq_lens, bt
 
 
 def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool,
@@ -219,6 +218,22 @@ def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool
         old_us = _time_us(old, iters, cuda, False)
         old_graph_us = _time_us(old, iters, True, True) if cuda and graph else None
     rows = []
+    if indexer:  # the scoring launch alone (+ a memset of the range it folds): the baseline of every variant
+        from atomtool.serve.ops.triton.indexer import indexer_keys
+        from atomtool.serve.ops.triton.topk import row_range_buffer
+
+        rng = row_range_buffer(T, device)
+
+        def scoring():
+            indexer_keys(*args, 0, T, rng)
+            rng.zero_()
+
+        r = {"T": T, "S": S, "W": width, "K": K, "variant": "(scoring only)", "tuning": None, "equal": True,
+             "ours_us": _time_us(scoring, iters, cuda, False), "old_us": None}
+        if cuda and graph:
+            r["ours_graph_us"] = _time_us(scoring, iters, True, True)
+            r["old_graph_us"] = None
+        rows.append(r)
     for name, tuning in variants.items():
         if indexer:
             def ours(tuning=tuning):
@@ -261,21 +276,27 @@ def print_table(results: list[dict], top: int | None = None) -> None:
     def ratio(a, b):
         return f"{a / b:>6.2f}" if a is not None else f"{'-':>6}"
 
+    scoring = any(r["tuning"] is None for r in results)  # indexer mode: the scoring-only baseline
     head = f"{'T':>5} {'ctx':>7} {'width':>7} {'K':>5} {'variant':<{width}} {'ours us':>9} {'old us':>9} {'ratio':>6}"
     if graph:
         head += f" {'ours graph':>11} {'old graph':>10} {'ratio':>6}"
+    if scoring:
+        head += f" {'select us':>9}"
     print(head + "  equal")
     key = _time_key(results)
     groups: dict[tuple[int, int], list[dict]] = {}
     for r in results:
         groups.setdefault((r["T"], r["S"]), []).append(r)
     for group in groups.values():
+        base = next((r[key] for r in group if r["tuning"] is None), None)
         for r in sorted(group, key=lambda r: r[key])[:top] if top else group:
             line = (f"{r['T']:>5} {r['S']:>7} {r['W']:>7} {r['K']:>5} {r['variant']:<{width}} "
                     f"{num(r['ours_us'], 9)} {num(r['old_us'], 9)} {ratio(r['old_us'], r['ours_us'])}")
             if graph:
                 line += (f" {num(r['ours_graph_us'], 11)} {num(r['old_graph_us'], 10)} "
                          f"{ratio(r['old_graph_us'], r['ours_graph_us'])}")
+            if scoring:  # the selection's share: the variant minus the scoring launch alone
+                line += f" {num(r[key] - base if base is not None else None, 9)}"
             print(line + f"  {r['equal']}")
 
 
@@ -291,7 +312,7 @@ def recommend(results: list[dict]) -> dict[str, int]:
     points = sorted({(r["T"], r["S"]) for r in results})
     chosen: dict[bool, dict] = {}
     for split in (False, True):
-        mine = [r for r in results if r["tuning"].get("split") is split]
+        mine = [r for r in results if r["tuning"] is not None and r["tuning"].get("split") is split]
         if not mine:
             continue
         best = {p: min(r[key] for r in mine if (r["T"], r["S"]) == p) for p in points}
@@ -378,7 +399,7 @@ def main(argv=None) -> int:
         rows = [int(x) for x in args.rows.split(",")]
         ctxs = [int(x) for x in args.ctx.split(",")]
         K, iters, width = args.topk, args.iters, args.width
-        if args.candidates and args.iters == 50:  # a shorter default: 13 variants x every (T, ctx)
+        if args.candidates and args.iters == 50:  # a shorter default: 11 variants x every (T, ctx)
             iters = 20
     if any(n <= K for n in ctxs):
         raise SystemExit(f"error: every --ctx must exceed --topk {K} (shorter rows select every position)")

@@ -341,10 +341,12 @@ def test_topk_bench_candidates_through_the_indexer_print_the_defaults(capsys):
 
     assert main(["--smoke", "--candidates", "--width", "700", "--indexer"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "indexer_topk" in lines[0]
-    # block tables 700 / 64 wide; every variant's selection equals the first's
+    assert "indexer_topk" in lines[0] and "select us" in lines[1]
+    # block tables 700 / 64 wide; every variant's selection equals the first's; per row count a
+    # scoring-only baseline, then the 4 variants
     assert all(line.split()[2] == "704" and line.endswith("True") for line in lines[2:-1])
-    assert len(lines) == 2 + 2 * 4 + 1 and lines[-1].startswith("set in atomtool/serve/ops/triton/topk.py: ")
+    assert sum("(scoring only)" in line for line in lines) == 2
+    assert len(lines) == 2 + 2 * 5 + 1 and lines[-1].startswith("set in atomtool/serve/ops/triton/topk.py: ")
     for name in ("BLOCK", "BINS", "NUM_WARPS", "SPLIT_BLOCK", "SPLIT_SMALL_N", "CAND_BINS", "SPLIT_MAX_ROWS"):
         assert f" {name} = " in lines[-1]
 

@@ -92,6 +92,31 @@ def _indexer_keys_kernel(
     fold_row_range(rng_ptr + tl.program_id(0).to(tl.int64) * s_rng, tl.max(inv_lo, axis=0), tl.max(hi, axis=0))
 
 
+def indexer_keys(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor, row0: int, rows: int,
+                 rng: torch.Tensor) -> torch.Tensor:
+    """The scoring launch alone: int32 orderable keys [rows, S] of step rows ``row0 .. row0+rows-1`` (S = the
+    block table's width x block size; only each row's first n positions are written) and each row's key
+    range folded into ``rng`` ([rows, 2] rows of ``row_range_buffer``, which the caller must hand to
+    ``select_rows`` or zero). Inputs as :func:`indexer_topk` (contiguous last dims)."""
+    T, Hi, Di = q.shape
+    B = seq_lens.shape[0]
+    block_size = index_k_cache.shape[1]
+    S = block_tables.shape[1] * block_size
+    block_n = 64
+    keys = torch.empty((rows, S), dtype=torch.int32, device=q.device)
+    nprog = _programs_per_row(rows, triton.cdiv(S, block_n), q.device)
+    _indexer_keys_kernel[(rows, nprog)](
+        q, weights, index_k_cache, keys, rng, cu_seqlens_q, seq_lens, block_tables,
+        B, row0, Hi, Di, block_size, S, nprog,
+        q.stride(0), q.stride(1), weights.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
+        block_tables.stride(0), keys.stride(0), rng.stride(0),
+        BLOCK_H=pow2(Hi, 16), BLOCK_D=pow2(Di, 16), BLOCK_N=block_n, BLOCK_B=pow2(B),
+        DOT_DTYPE=dot_dtype(q.dtype), num_warps=4,
+    )
+    return keys
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                  topk: int, **tuning) -> torch.Tensor:
@@ -104,16 +129,14 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     Returns [T, K] int32 request-local positions in ascending order, -1 padded.
     Raises ValueError when q or index_k_cache has a strided last dim or the tuning is out of range.
     """
-    T, Hi, Di = q.shape
+    T = q.shape[0]
     B = seq_lens.shape[0]
     if T == 0 or B == 0 or topk == 0:
         return torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     if q.stride(-1) != 1 or index_k_cache.stride(-1) != 1:
         raise ValueError("indexer_topk: q and index_k_cache need a contiguous last dim")
     out = torch.empty((T, topk), dtype=torch.int32, device=q.device)  # the selection writes every slot
-    block_size = index_k_cache.shape[1]
-    S = block_tables.shape[1] * block_size  # widest possible context of this batch
-    block_n = 64
+    S = block_tables.shape[1] * index_k_cache.shape[1]  # widest possible context of this batch
     rows_per_chunk = max(1, _KEY_BUDGET // (12 * S))
     split = tuning.get("split")
     # errors before any key range is accumulated (the range buffer must be consumed once filled)
@@ -121,16 +144,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
                    **{k: v for k, v in tuning.items() if k != "split"})
     for row0 in range(0, T, rows_per_chunk):
         rows = min(rows_per_chunk, T - row0)
-        keys = torch.empty((rows, S), dtype=torch.int32, device=q.device)
         rng = row_range_buffer(rows, q.device)
-        nprog = _programs_per_row(rows, triton.cdiv(S, block_n), q.device)
-        _indexer_keys_kernel[(rows, nprog)](
-            q, weights, index_k_cache, keys, rng, cu_seqlens_q, seq_lens, block_tables,
-            B, row0, Hi, Di, block_size, S, nprog,
-            q.stride(0), q.stride(1), weights.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
-            block_tables.stride(0), keys.stride(0), rng.stride(0),
-            BLOCK_H=pow2(Hi, 16), BLOCK_D=pow2(Di, 16), BLOCK_N=block_n, BLOCK_B=pow2(B),
-            DOT_DTYPE=dot_dtype(q.dtype), num_warps=4,
-        )
+        keys = indexer_keys(q, weights, index_k_cache, cu_seqlens_q, seq_lens, block_tables, row0, rows, rng)
         select_rows(keys, out, row0, topk, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, row_range=rng, **tuning)
     return out
