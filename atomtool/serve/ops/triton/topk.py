@@ -58,12 +58,15 @@ BINS = 256
 NUM_WARPS = 16
 #: split rows: positions per program (one chunk each), buckets of the first (parallel) round, warps
 SPLIT_BLOCK = 1024
-SPLIT_BINS = 256
+SPLIT_BINS = 512
 SPLIT_NUM_WARPS = 8
 #: buckets of the rounds on register-resident keys (a row's single chunk, or the candidates)
 CAND_BINS = 128
 #: candidates (keys of the picked round-1 bucket) held in registers for the remaining radix rounds; more
 #: candidates than this fall back to rounds that rescan them from the scratch row, CAND_BLOCK at a time
+#: (slow). Round 1 over [min, max] buckets keys linearly, i.e. values logarithmically: for DeepSeek-like
+#: indexer scores (64 weighted ReLU heads) 512 buckets leave ~50-300 candidates at 4k-160k positions; a
+#: broad 8-head ReLU sum (the bench's --dist relu) ~900 at 4k, ~1900 at 32k, ~9000 at 160k
 CAND_BLOCK = 2048
 #: split rows: a row with at most this many valid positions (0: none; else a power of two) is selected whole
 #: by one program, in registers, in the first launch; the later launches skip it
