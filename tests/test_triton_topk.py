@@ -230,6 +230,18 @@ def test_repeated_calls_are_identical_and_leave_no_state():
             assert _accumulators_are_zero()
 
 
+@pytest.mark.parametrize("cand_block", [8, 2])
+def test_more_candidates_than_registers_hold(monkeypatch, cand_block):
+    # evenly spaced distinct keys, 3 copies each: every round-1 bucket holds far more keys than CAND_BLOCK,
+    # so the one-program path compacts once more (then registers, or rescans when still too many) and
+    # the split finisher rescans
+    monkeypatch.setattr(T, "CAND_BLOCK", cand_block)
+    x = (1.0 + torch.arange(600).remainder(200).float() * 2.0**-20).view(2, 300)
+    lengths = torch.tensor([300, 257], dtype=torch.int32)
+    _check(x, lengths, 37, block=64, bins=32, cand_bins=32, split=False)
+    _check(x, lengths, 37, block=64, bins=32, cand_bins=32, **MODES["split"])
+
+
 def test_random_rows_against_a_stable_sort(monkeypatch):
     monkeypatch.setattr(T, "CAND_BLOCK", 16)  # candidate rounds over several chunks too
     g = torch.Generator().manual_seed(4)

@@ -136,9 +136,15 @@ def _load_fresh(ptrs, mask):
 
 
 @triton.jit
-def _load_keys(row_ptr, s, n, ALIGNED: tl.constexpr):
-    """Keys ``row[s]`` as uint32, 0 where ``s >= n`` (up to the vectorizing bound, see _load_bound)."""
-    return tl.load(row_ptr + s, mask=s < _load_bound(n, ALIGNED), other=0).to(tl.uint32, bitcast=True)
+def _load_keys(row_ptr, s, n, ALIGNED: tl.constexpr, FRESH: tl.constexpr = False):
+    """Keys ``row[s]`` as uint32, 0 where ``s >= n`` (up to the vectorizing bound, see _load_bound); FRESH:
+    bypassing L1 (data written during this launch)."""
+    mask = s < _load_bound(n, ALIGNED)
+    if FRESH:
+        u = tl.load(row_ptr + s, mask=mask, other=0, cache_modifier=".cg")
+    else:
+        u = tl.load(row_ptr + s, mask=mask, other=0)
+    return u.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -234,9 +240,13 @@ def _rounds_chunked(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.const
 
 
 @triton.jit
-def _threshold(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.constexpr):
+def _threshold(cand, m, lo, hi, remaining, spare, CH: tl.constexpr, BINS: tl.constexpr):
     """Tk and the ties to take among the ``m`` candidate keys ``cand[:m]`` (all in [lo, hi]): in registers
-    when they fit in CH lanes (one load), else chunked."""
+    when they fit in CH lanes (one load); more first go through one compaction round into ``spare`` (room
+    for m keys), then registers, or chunked rescans if still more than CH."""
+    if (m > CH) & (lo < hi):
+        lo, hi, m, remaining = _radix_round(cand, m, lo, hi, remaining, spare, CH, BINS, False, True)
+        cand = spare
     if m <= CH:
         offs = tl.arange(0, CH)
         ok = offs < m
@@ -248,23 +258,24 @@ def _threshold(cand, m, lo, hi, remaining, CH: tl.constexpr, BINS: tl.constexpr)
 
 
 @triton.jit
-def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.constexpr, ALIGNED: tl.constexpr):
-    """The first round of the adaptive-range radix select over the ``m`` keys ``src[:m]`` (all within
-    [lo, hi], lo < hi), in chunks of CH: histogram of ``(u - lo) >> shift``, the bucket holding the
+def _radix_round(src, m, lo, hi, remaining, dst, CH: tl.constexpr, BINS: tl.constexpr, ALIGNED: tl.constexpr,
+                 FRESH: tl.constexpr):
+    """A round of the adaptive-range radix select over the ``m`` keys ``src[:m]`` (all within [lo, hi],
+    lo < hi; FRESH: written during this launch), in chunks of CH: histogram of ``(u - lo) >> shift``, the bucket holding the
     ``remaining``-th largest, its keys compacted to ``dst``. Returns (their min, their max, their count,
     keys still to take among them)."""
     offs = tl.arange(0, CH)
     shift = _bucket_shift(lo, hi, BINS)
     hist = tl.zeros([BINS], tl.int32)
     for c in range(0, m, CH):
-        u = _load_keys(src, c + offs, m, ALIGNED)
+        u = _load_keys(src, c + offs, m, ALIGNED, FRESH)
         hist += tl.histogram(((u - lo) >> shift).to(tl.int32), BINS, mask=c + offs < m)
     pick, remaining = _pick_bucket(hist, remaining)
     cnt = tl.zeros([], tl.int32)
     lo_v = tl.full([CH], 0xFFFFFFFF, tl.uint32)
     hi_v = tl.zeros([CH], tl.uint32)
     for c in range(0, m, CH):
-        u = _load_keys(src, c + offs, m, ALIGNED)
+        u = _load_keys(src, c + offs, m, ALIGNED, FRESH)
         sel = (c + offs < m) & (((u - lo) >> shift).to(tl.int32) == pick)
         idx = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(dst + idx, u.to(tl.int32, bitcast=True), mask=sel)
@@ -362,8 +373,9 @@ def _radix_topk_kernel(
     remaining = K + tl.zeros([], tl.int32)  # keys still to take at or below the current range
     if lo < hi:
         scratch_row = scratch_ptr + r.to(tl.int64) * s_scr
-        lo, hi, m, remaining = _radix_round(key_row, n, lo, hi, remaining, scratch_row, BLOCK, BINS, ALIGNED)
-        lo, remaining = _threshold(scratch_row, m, lo, hi, remaining, CBLOCK, CBINS)
+        lo, hi, m, remaining = _radix_round(key_row, n, lo, hi, remaining, scratch_row, BLOCK, BINS, ALIGNED,
+                                            False)
+        lo, remaining = _threshold(scratch_row, m, lo, hi, remaining, scratch_row + S, CBLOCK, CBINS)
 
     # 3. positions above the threshold and the first `need` ties, in position order
     n_gt = tl.zeros([], tl.int32)
@@ -691,7 +703,7 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     if split:
         _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, t)
         return
-    scratch = torch.empty((R, S), dtype=torch.int32, device=keys.device)
+    scratch = torch.empty((R, 2 * S), dtype=torch.int32, device=keys.device)  # candidates, then fewer
     _radix_topk_kernel[(R,)](
         keys, scratch, rng, out, *rows, row0, S, topk, keys.stride(0), scratch.stride(0), rng.stride(0),
         out.stride(0), ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=t["block"], BINS=t["bins"],
