@@ -46,8 +46,7 @@ import time
 ONE_PROGRAM_CANDIDATES = ((4096, 256, 16, 128), (4096, 256, 16, 64), (2048, 256, 8, 128), (8192, 256, 16, 128))
 #: --candidates, split rows: (block, bins, num_warps, cand_bins, small_n, small_warps)
 SPLIT_CANDIDATES = ((1024, 512, 8, 128, 4096, 16), (1024, 256, 8, 128, 4096, 16), (1024, 1024, 8, 128, 4096, 16),
-                    (1024, 512, 8, 64, 4096, 16), (1024, 512, 8, 128, 0, 16), (512, 512, 8, 128, 4096, 16),
-                    (2048, 512, 8, 128, 4096, 16), (1024, 512, 8, 128, 8192, 16))
+                    (1024, 512, 8, 64, 4096, 16), (1024, 512, 8, 128, 0, 16), (2048, 512, 8, 128, 4096, 16))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -399,7 +398,7 @@ def main(argv=None) -> int:
         rows = [int(x) for x in args.rows.split(",")]
         ctxs = [int(x) for x in args.ctx.split(",")]
         K, iters, width = args.topk, args.iters, args.width
-        if args.candidates and args.iters == 50:  # a shorter default: 11 variants x every (T, ctx)
+        if args.candidates and args.iters == 50:  # a shorter default: 10 variants x every (T, ctx)
             iters = 20
     if any(n <= K for n in ctxs):
         raise SystemExit(f"error: every --ctx must exceed --topk {K} (shorter rows select every position)")
