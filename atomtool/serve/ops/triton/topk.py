@@ -63,8 +63,8 @@ SPLIT_NUM_WARPS = 8
 #: buckets of the rounds on register-resident keys (a row's single chunk, or the candidates)
 CAND_BINS = 128
 #: candidates (keys of the picked round-1 bucket) held in registers for the remaining radix rounds; more
-#: candidates than this fall back to rounds that rescan them from the scratch row, CAND_BLOCK at a time
-#: (slow). Round 1 over [min, max] buckets keys linearly, i.e. values logarithmically: for DeepSeek-like
+#: go through one more compaction round first (one program per row) or are rescanned CAND_BLOCK at a time
+#: every round (the split finisher: slow). Round 1 over [min, max] buckets keys linearly, i.e. values logarithmically: for DeepSeek-like
 #: indexer scores (64 weighted ReLU heads) 512 buckets leave ~50-300 candidates at 4k-160k positions; a
 #: broad 8-head ReLU sum (the bench's --dist relu) ~900 at 4k, ~1900 at 32k, ~9000 at 160k
 CAND_BLOCK = 2048
