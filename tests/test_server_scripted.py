@@ -164,7 +164,7 @@ def test_unexpected_add_request_exception_is_a_500_for_that_request_only():
     real = engine.add_request
 
     def flaky(request_id, prompt, params):
-        if prompt == "boom":
+        if prompt == tok.encode("boom"):  # the server hands the engine token ids (it tokenizes off the loop)
             raise RuntimeError("tokenizer exploded")
         return real(request_id, prompt, params)
 

@@ -1,7 +1,16 @@
 """The OpenAI-compatible FastAPI application (``create_app``), modelled on vLLM's API server.
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``stream: true`` as server-sent events ending with ``data: [DONE]``), ``GET /metrics``.
+Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream: true`` as server-sent events ending with ``data: [DONE]``),
+``GET /metrics``.
+
+Robustness: chat-template rendering and prompt tokenization (blocking, CPU-bound, their cost chosen by
+the client) run in daemon worker threads, never on the event loop, so /health, other requests and
+shutdown signals stay responsive, and a render still running cannot keep the process alive at exit;
+template rendering is bounded (:mod:`atomtool.serve.api.chat`); request bodies above ``max_body_bytes``
+(default :data:`DEFAULT_MAX_BODY_BYTES`) get a 413; text that is not valid Unicode (a lone UTF-16
+surrogate such as ``"\\ud800"`` in the JSON) is a 400 naming the field; every response, 500s included,
+is counted in ``atomtool:http_requests_total``.
 
 Requests become one engine request per choice (``n`` x prompts, ids ``<response id>-<choice index>``)
 submitted through :class:`~atomtool.serve.api.async_engine.AsyncEngine`; every error is OpenAI's JSON
@@ -14,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +35,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
@@ -59,6 +71,9 @@ from atomtool.serve.sampling_params import SamplingParams
 logger = logging.getLogger("atomtool.serve")
 
 KNOWN_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+#: Request-body limit in bytes (``atomtool serve --max-request-bytes``): 32 MiB holds a prompt of several
+#: million tokens as text or ids, far beyond any context window; larger bodies get a 413.
+DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
 class APIError(Exception):
@@ -118,24 +133,42 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 # ------------------------------------------------------------------------------------- middleware
+class _BodyTooLarge(Exception):
+    """Raised by the size-limited ``receive`` once a request body passes the limit."""
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body too large: the limit is {limit} bytes (atomtool serve "
+                    "--max-request-bytes)", code="request_too_large")
+
+
 class _AuthAndCount:
-    """Pure-ASGI middleware: Bearer-key check on ``/v1/*`` and a response counter by status.
+    """Pure-ASGI middleware: Bearer-key check on ``/v1/*``, the request-body size limit, a response counter
+    by status, and the last-resort 500 for an unexpected exception (counted, logged once).
 
     (Pure ASGI rather than ``@app.middleware`` so streaming responses and disconnect detection pass
-    through untouched.)
+    through untouched. It sits inside Starlette's ServerErrorMiddleware, which would otherwise answer
+    the 500 after this counter and have uvicorn log the traceback a second time.)
     """
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app, self.api_key, self.metrics, self.max_body_bytes = app, api_key, metrics, max_body_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = path if path in KNOWN_ENDPOINTS else "other"
+        if path in KNOWN_ENDPOINTS:
+            endpoint = path
+        elif path.startswith("/v1/models/"):
+            endpoint = "/v1/models/{model}"
+        else:
+            endpoint = "other"
+        headers = dict(scope.get("headers") or [])
         if self.api_key is not None and path.startswith("/v1"):
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
                                                                         self.api_key.encode()):
@@ -145,12 +178,118 @@ class _AuthAndCount:
                 await err.response()(scope, receive, send)
                 return
 
+        limit = self.max_body_bytes
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            self.metrics.http_requests.labels(endpoint=endpoint, status="413").inc()
+            await _too_large(limit).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict:  # a chunked body has no Content-Length: count as it arrives
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge
+            return message
+
+        started = False
+
         async def counting_send(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, limited_receive, counting_send)
+        except _BodyTooLarge:
+            if not started:
+                await _too_large(limit).response()(scope, receive, counting_send)
+        except Exception as exc:
+            logger.exception("request %s %s failed", scope.get("method", ""), path)
+            if not started:
+                await APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                               type="server_error").response()(scope, receive, counting_send)
+
+
+async def run_blocking(fn: Any, *args: Any) -> Any:
+    """``await`` ``fn(*args)`` run in a new daemon thread (template rendering, tokenization).
+
+    Not ``asyncio.to_thread``: its executor's threads are joined at interpreter exit, so one runaway
+    render would keep a stopped server's process alive. A daemon thread dies with the process; if the
+    awaiting request is cancelled the thread finishes on its own and its result is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name="atomtool-prep", daemon=True).start()
+    return await future
+
+
+def _bad_text(value: Any, path: str) -> tuple[str, int, str] | None:
+    """The first string in a request (walking models, dicts, lists) that cannot be encoded as UTF-8 (a
+    lone surrogate), as (field path such as ``messages[0].content``, character index, the character)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start, value[exc.start]
+        return None
+    if isinstance(value, BaseModel):
+        pairs: Any = ((k, getattr(value, k)) for k in type(value).model_fields)
+    elif isinstance(value, dict):
+        for k in value:
+            found = _bad_text(k, path)
+            if found:
+                return found
+        pairs = value.items()
+    elif isinstance(value, list):
+        pairs = ((i, v) for i, v in enumerate(value) if not isinstance(v, int | float | None))
+    else:
+        return None
+    for k, v in pairs:
+        sub = f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else str(k))
+        found = _bad_text(v, sub)
+        if found:
+            return found
+    return None
+
+
+def check_unicode(req: Any) -> None:
+    """Reject a request holding text that is not valid Unicode (the tokenizer would fail with a TypeError).
+
+    Raises:
+        APIError: 400 ``invalid_request_error`` naming the field, e.g. ``prompt: the text is not valid
+            Unicode: lone surrogate \\ud800 at character 0``.
+    """
+    found = _bad_text(req, "")
+    if found is not None:
+        path, index, char = found
+        raise APIError(400, f"{path}: the text is not valid Unicode: lone surrogate \\u{ord(char):04x} at "
+                       f"character {index} (send well-formed UTF-8)", param=path.split(".")[0].split("[")[0])
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -241,7 +380,8 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
 
 # -------------------------------------------------------------------------------------------- app
 def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
-               chat_template: str | None = None, *, model_root: str | None = None) -> FastAPI:
+               chat_template: str | None = None, *, model_root: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an :class:`LLMEngine`) as ``served_model_name``.
 
     Args:
@@ -250,6 +390,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         api_key: when set, every ``/v1`` route requires ``Authorization: Bearer <api_key>``.
         chat_template: a Jinja chat template file or string replacing the tokenizer's own.
         model_root: the model path shown as ``root`` in ``/v1/models``.
+        max_body_bytes: the request-body limit in bytes; a larger body gets a 413.
 
     Raises:
         ConfigError: ``chat_template`` looks like a path that does not exist.
@@ -310,7 +451,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         logger.exception("request failed")
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
 
-    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
+    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes)
 
     # --------------------------------------------------------------------------------- shared
     def check_model(name: str | None) -> None:
@@ -319,6 +460,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     def check_request(req: Any) -> None:
         check_model(req.model)
+        check_unicode(req)
         bad = unsupported_fields(req)
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0])
@@ -491,10 +633,18 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         card = ModelCard(id=served_model_name, root=model_root, max_model_len=max_model_len)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        """OpenAI's "retrieve model": the served model's card, 404 ``model_not_found`` for any other id
+        (``:path`` so an id with a slash, such as ``org/name``, reaches here)."""
+        check_model(model)
+        card = ModelCard(id=served_model_name, root=model_root, max_model_len=max_model_len)
+        return Response(card.model_dump_json(), media_type="application/json")
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         check_request(req)
-        prompts, lengths = completion_prompts(req.prompt)
+        prompts, lengths = await run_blocking(completion_prompts, req.prompt)
         per_prompt = []
         sent_max = "max_tokens" in req.model_fields_set and req.max_tokens is not None
         requested = req.max_tokens if sent_max else COMPLETION_DEFAULT_MAX_TOKENS  # null: OpenAI's default
@@ -535,8 +685,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                   usage=usage_of(finals, req.n))
         return Response(body.model_dump_json(), media_type="application/json")
 
-    def completion_prompts(prompt: Any) -> tuple[list[Any], list[int]]:
-        """Normalise ``prompt`` to a list of engine prompts (strings or token-id lists) and their lengths."""
+    def completion_prompts(prompt: Any) -> tuple[list[list[int]], list[int]]:
+        """Normalise ``prompt`` to a list of engine prompts (token-id lists) and their lengths.
+
+        Strings are tokenized here (blocking: called in a worker thread) with the engine's own encoding
+        (``tokenizer.encode``, special tokens added), so the engine thread does not tokenize them again."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and all(isinstance(x, int) for x in prompt):
@@ -545,21 +698,17 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             items = list(prompt)
         if not items:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        lengths = []
-        for item in items:
-            if isinstance(item, str):
-                lengths.append(len(tokenizer.encode(item)))
-            else:
-                lengths.append(len(item))  # ids outside the vocabulary: the engine's add_request rejects them
-        return items, lengths
+        ids = [list(tokenizer.encode(item)) if isinstance(item, str) else list(item) for item in items]
+        # ids outside the vocabulary: the engine's add_request rejects them
+        return ids, [len(x) for x in ids]
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_request(req)
-        prompt_ids = render_chat(tokenizer, req.messages, chat_template=req.chat_template or template,
-                                 add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message,
-                                 template_kwargs=req.chat_template_kwargs)
+        prompt_ids = await run_blocking(functools.partial(
+            render_chat, tokenizer, req.messages, chat_template=req.chat_template or template,
+            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            template_kwargs=req.chat_template_kwargs))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), requested, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None

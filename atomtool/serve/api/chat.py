@@ -4,14 +4,63 @@ Rendering uses the tokenizer's own Jinja chat template through transformers'
 ``apply_chat_template`` (the same path HF ``generate`` users and vLLM take); ``--chat-template``
 or a request's ``chat_template`` replaces it. The rendered text already holds the template's special
 tokens (BOS, role markers), so it is encoded with ``add_special_tokens=False``, as vLLM does.
+
+Rendering is bounded: a chat template is code a client can send (a request's ``chat_template``), and
+Jinja's sandbox stops unsafe attribute access but not ``{% for i in range(99999) %}`` nested twice. So
+the render counts the template's executed Python lines (``sys.settrace`` on the rendering thread, only
+for frames compiled from a template, filename ``<template>``) and aborts past
+:data:`MAX_TEMPLATE_STEPS`, or when the rendered text exceeds :data:`MAX_RENDERED_CHARS`. The server
+calls :func:`render_chat` in a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from atomtool.errors import ConfigError, InvalidRequestError
+
+#: Executed template lines (loop iterations, statements) one render may take; a long real conversation
+#: with a real template (e.g. DeepSeek-V3's, 1000 messages) takes well under 100k.
+MAX_TEMPLATE_STEPS = 2_000_000
+#: Characters the rendered prompt may have (far above any context window's worth of text).
+MAX_RENDERED_CHARS = 64 << 20
+
+
+class TemplateBudgetExceeded(InvalidRequestError):
+    """A chat template ran longer than :data:`MAX_TEMPLATE_STEPS` steps (raised inside the render)."""
+
+
+def _bounded(fn: Any, max_steps: int) -> Any:
+    """Run ``fn()`` in this thread, raising :class:`TemplateBudgetExceeded` once Jinja-compiled code
+    (frames whose file is ``<template>``) has executed ``max_steps`` lines.
+
+    Python's tracing hook is the only way to interrupt a pure-Python loop from outside without killing
+    the thread; frames outside templates get no line tracer, so the rest of the work runs at full speed.
+    """
+    steps = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal steps
+        if event == "line":
+            steps += 1
+            if steps > max_steps:
+                raise TemplateBudgetExceeded(f"chat_template: rendering exceeded {max_steps} steps "
+                                             "(a loop that runs too long?)")
+        return local
+
+    def global_(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_filename == "<template>":
+            return local
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(global_)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -88,13 +137,17 @@ def _message_text(index: int, content: Any) -> str:
 
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None, max_steps: int = MAX_TEMPLATE_STEPS) -> list[int]:
     """Render chat ``messages`` (pydantic ChatMessage or dicts) to prompt token ids.
+
+    Blocking (template + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds the
+    template's work (see the module doc).
 
     Raises:
         InvalidRequestError: no chat template is available, the template rejects the conversation
-            (``raise_exception`` in the template, e.g. roles that do not alternate), or a message
-            holds a non-text part.
+            (``raise_exception`` in the template, e.g. roles that do not alternate), a message holds a
+            non-text part, or rendering exceeded ``max_steps`` steps / :data:`MAX_RENDERED_CHARS`
+            characters ("chat_template: rendering exceeded N steps").
     """
     convo = []
     for i, msg in enumerate(messages):
@@ -110,13 +163,16 @@ def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | Non
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
     try:
-        text = tokenizer.apply_chat_template(
+        text = _bounded(lambda: tokenizer.apply_chat_template(
             convo, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(template_kwargs or {}))
+            continue_final_message=continue_final_message, **(template_kwargs or {})), max_steps)
     except InvalidRequestError:
         raise
     except Exception as exc:  # jinja2 TemplateError, ValueError from transformers
         raise InvalidRequestError(f"the chat template could not render these messages: {exc}") from exc
     if not isinstance(text, str):
         raise InvalidRequestError("the chat template did not render to a string")
+    if len(text) > MAX_RENDERED_CHARS:
+        raise InvalidRequestError(f"chat_template: the rendered prompt has {len(text)} characters, more than "
+                                  f"the limit of {MAX_RENDERED_CHARS}")
     return list(tokenizer.encode(text, add_special_tokens=False))

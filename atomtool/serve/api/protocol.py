@@ -7,6 +7,11 @@ OpenAI does ("Unrecognized request argument supplied: foo"), so a typo such as `
 instead of a silent default; every field the official ``openai`` client can send for these endpoints is
 declared (tests/test_server_protocol.py checks this against ``openai.types``). Parameters we accept but
 cannot honour are rejected with a 400 by :func:`unsupported_fields` rather than silently dropped.
+
+Types are strict, as OpenAI's and vLLM's servers are: a boolean or a string is not an integer
+(``"max_tokens": true`` or ``"5"`` is a 400, so is a token-id prompt ``[true, false]``), a string is not a
+number or a boolean; an integer is accepted where a float is expected. ``null`` for an optional field
+means its default (``"stream": null`` is ``false``), as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -27,9 +32,20 @@ CONTENT_REQUIRED_ROLES = ("system", "developer", "user", "tool")
 
 
 class OpenAIModel(BaseModel):
-    """Base of every request model: unknown fields are rejected (OpenAI: "Unrecognized request argument")."""
+    """Base of every request model: unknown fields are rejected (OpenAI: "Unrecognized request argument"),
+    types are strict (no bool/str -> int coercion), and ``null`` for a field with a non-null default means
+    that default (see the module doc)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -91,6 +107,20 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a token-id list or a list of those."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """One clear message instead of pydantic's four union branches; booleans are not token ids."""
+        def is_id(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if isinstance(prompt, str) or (isinstance(prompt, list) and (
+                all(isinstance(x, str) for x in prompt) or all(is_id(x) for x in prompt)
+                or all(isinstance(x, list) and all(is_id(t) for t in x) for x in prompt))):
+            return prompt
+        raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list of "
+                         "token-id lists")
     # OpenAI's legacy default is 16; when the client leaves it out the server clamps it to the room left in
     # the context instead of failing (see app.check_length); explicit values are checked, never clamped.
     max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
