@@ -45,9 +45,13 @@ def test_every_real_config_inspects_without_error(path, tmp_path):
         assert errors == [] and res.exit_code == 0, errors
         assert obj["family"] != "unknown"
         assert obj["memory"]["kv_bytes_per_token"] > 0
-    else:  # DeepSeek inference-demo configs (`dim`, `n_layers`) are not HF configs: reported, exit 1
+    else:  # DeepSeek inference-demo configs (`dim`, `n_layers`), ModelOpt sidecars: not HF configs, exit 1
         codes = [f["code"] for f in errors]
-        assert codes[0] == "unknown-architecture" and set(codes) <= {"unknown-architecture", "config-invalid"}
+        assert codes == ["not-hf-config"], codes
+        msg = errors[0]["message"]
+        looks = "ModelOpt's hf_quant_config.json" if "hf_quant_config" in path.name else "DeepSeek's inference-demo"
+        assert "is not a Hugging Face config.json" in msg and looks in msg, msg
+        assert "unknown architecture" not in msg and obj["memory"]["kv_bytes_per_token"] is None
         assert res.exit_code == 1
     assert obj["modules"] == [] and any(f["code"] == "config-only" for f in obj["findings"])
 

@@ -25,6 +25,7 @@ from atomtool.inspect.quant import (
     logical_numel,
     parse_quant_config,
 )
+from atomtool.inspect.required import missing_tensor_findings
 from atomtool.inspect.types import DsaInfo, Finding, InspectReport, ModuleInfo, TensorInfo
 
 _INDEXER_RE = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.indexer\.")
@@ -40,6 +41,30 @@ def _architecture(config: dict[str, Any]) -> str:
     if isinstance(archs, list) and archs and isinstance(archs[0], str):
         return archs[0]
     return "unknown"
+
+
+#: keys of DeepSeek's inference-demo configs (``inference/configs/config_671B.json``: ModelArgs of its model.py)
+_DEMO_CONFIG_KEYS = ("dim", "n_layers", "n_heads", "inter_dim", "moe_inter_dim", "n_routed_experts")
+
+
+def looks_like_inference_demo_config(config: dict[str, Any]) -> bool:
+    """True for DeepSeek's inference-demo config format (``dim``, ``n_layers``, ``n_heads`` ..., from the
+    GitHub repo's ``inference/configs/``), which is not a Hugging Face config.json: no ``architectures`` /
+    ``model_type``."""
+    return ("architectures" not in config and "model_type" not in config
+            and sum(1 for k in _DEMO_CONFIG_KEYS if k in config) >= 2)
+
+
+def not_hf_config_reason(config: dict[str, Any]) -> str | None:
+    """What a config.json that is not a Hugging Face model config looks like instead (DeepSeek's
+    inference-demo config, ModelOpt's hf_quant_config.json), or None."""
+    if "architectures" in config or "model_type" in config:
+        return None
+    if looks_like_inference_demo_config(config):
+        return "DeepSeek's inference-demo config: 'dim', 'n_layers', ... keys, no 'architectures'"
+    if "producer" in config and "quantization" in config:
+        return "ModelOpt's hf_quant_config.json: 'producer' and 'quantization' keys"
+    return None
 
 
 def dsa_findings(tensors: dict[str, TensorInfo], roles: list[str]) -> list[Finding]:
@@ -167,19 +192,28 @@ def build_report(
     tc = text_config(raw)
     model_type = str(raw.get("model_type") or tc.get("model_type") or "unknown")
     fam = family_for(arch)
-    if fam is None and config is not None:
+    not_hf = not_hf_config_reason(raw) if config is not None else None
+    if not_hf is not None:
+        findings.append(Finding("not-hf-config", "error", None,
+                                f"config.json: this is not a Hugging Face config.json (looks like {not_hf}); use "
+                                f"the config.json of the Hugging Face repo"))
+    elif fam is None and config is not None:
         findings.append(Finding("unknown-architecture", "error", None,
                                 f"config.json: unknown architecture {arch!r}; inspect reports what it can, serve "
                                 f"supports: {', '.join(supported_architectures())}"))
+    elif fam is not None and not fam.servable:
+        findings.append(Finding("architecture-not-servable", "warning", None,
+                                f"{arch} ({fam.name} family) is recognised by inspect, but serve does not run it "
+                                f"yet; serve supports: {', '.join(supported_architectures())}"))
     flat: dict[str, Any] = dict(tc)
     schedule_ok = False
-    if config is not None:
+    if config is not None and not_hf is None:  # a non-HF config's fields mean something else: not read
         try:
             flat = flatten_dsa_config(raw)
             schedule_ok = True
         except ConfigError as exc:  # report what can be known; the schedule itself is unusable
             findings.append(Finding("config-invalid", "error", None, str(exc)))
-    bad_sizes = invalid_size_fields(flat) if config is not None else []  # no sizes computed from these
+    bad_sizes = invalid_size_fields(flat) if config is not None and not_hf is None else []  # no sizes computed from these
     findings.extend(bad_sizes)
     dsa = None
     roles: list[str] | None = None
@@ -188,6 +222,9 @@ def build_report(
         dsa = DsaInfo(int(flat["index_topk"]), int(flat["index_n_heads"]), int(flat["index_head_dim"]),
                       int(flat["index_rope_dim"]), bool(flat["indexer_rope_interleave"]), roles)
         findings.extend(dsa_findings(tensors, roles))
+    config_bad = any(f.code == "config-invalid" for f in findings)  # no sizes computed from this config
+    if config is not None and not config_bad:
+        findings.extend(missing_tensor_findings(tensors, flat, fam, roles))
 
     qcfg = raw.get("quantization_config") or tc.get("quantization_config")
     spec = parse_quant_config(qcfg if isinstance(qcfg, dict) else None, hf_quant_config)
@@ -224,7 +261,7 @@ def build_report(
                 totals["by_scheme"][scheme]["parameters"] -= elements
         weights_bytes = totals["bytes"]
     else:
-        est = mem.estimate_parameters(flat, roles) if config is not None and not bad_sizes else None
+        est = mem.estimate_parameters(flat, roles) if config is not None and not config_bad else None
         nbytes = est * mem.TAG_BYTES.get(model_dtype or "BF16", 2) if est is not None and spec is None else None
         totals = {"parameters": est, "bytes": nbytes, "by_dtype": {}, "by_scheme": {}, "estimated": True}
         weights_bytes = nbytes
@@ -233,22 +270,28 @@ def build_report(
                                     f"{source}: no safetensors weights; schedule and sizes come from config.json"
                                     + ("" if spec is None else " (quantized: weight bytes unknown)")))
     memory: dict[str, Any] = {"weights_bytes": weights_bytes, "kv_bytes_per_token": None}
-    if config is not None and not bad_sizes and isinstance(flat.get("num_hidden_layers"), int):
+    if config is not None and not config_bad and isinstance(flat.get("num_hidden_layers"), int):
         kv_tag = model_dtype if model_dtype in mem.TAG_BYTES else "BF16"
         memory.update(mem.kv_cache_bytes(flat, roles, mem.TAG_BYTES[kv_tag]))
         memory["kv_dtype"] = kv_tag
         if gpu_memory_gb is not None:
             memory["gpu_memory_gb"] = gpu_memory_gb
-            memory["max_context_tokens"] = (
-                mem.max_context_tokens(gpu_memory_gb, weights_bytes, memory["kv_bytes_per_token"])
-                if weights_bytes is not None else None)
+            memory["max_context_tokens"] = None
+            memory["weights_exceed_gpu_memory"] = None
+            if weights_bytes is not None:
+                memory["weights_exceed_gpu_memory"] = weights_bytes >= int(gpu_memory_gb * 1e9)
+                memory["max_context_tokens"] = mem.max_context_tokens(
+                    gpu_memory_gb, weights_bytes, memory["kv_bytes_per_token"],
+                    memory["swa_layers"] * memory["swa_bytes_per_token_per_layer"], memory["sliding_window"])
         mpe = flat.get("max_position_embeddings")
         memory["max_position_embeddings"] = mpe if isinstance(mpe, int) else None
 
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return InspectReport(
         source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",
-        servable=bool(fam and fam.servable) and not unservable and not declared_bad and not bad_sizes,
+        # any error finding (invalid config, missing tensors, broken layout, ...) means serve refuses it
+        servable=bool(fam and fam.servable) and not unservable and not declared_bad
+        and not any(f.severity == "error" for f in findings),
         config=raw, config_flat=flat,
         dsa=dsa, tensors=dict(tensors),
         modules=modules, other_tensors=other, totals=totals, memory=memory, findings=findings,
@@ -273,16 +316,24 @@ def inspect_checkpoint(source: str, revision: str | None = None, *, gpu_memory_g
     # Read locally always; remotely only for modelopt configs (keeps requests at config + index + headers).
     hf_quant = None
     extra = [Finding("source-warning", "warning", None, w) for w in getattr(src, "warnings", [])]
+    ignored = getattr(src, "ignored_weights", [])
+    if ignored:
+        listed = ", ".join(ignored[:3]) + (f" (+{len(ignored) - 3} more)" if len(ignored) > 3 else "")
+        extra.append(Finding("pickle-weights-ignored", "warning", None,
+                             f"{source}: weights in {listed} were NOT read: pickle checkpoints (torch.save / .bin / "
+                             f".pt) are not supported, only safetensors; convert them to *.safetensors first "
+                             f"(e.g. safetensors.torch.save_file); everything below comes from config.json"))
     if src.config is not None:
         q = text_config(src.config).get("quantization_config") or src.config.get("quantization_config")
         modelopt = isinstance(q, dict) and q.get("quant_method") == "modelopt"
         if src.root is not None or modelopt:
             try:
                 hf_quant = src.read_json("hf_quant_config.json")
-            except SourceError as exc:  # a Hub repo cached file by file, network down: not needed unless modelopt
+            except SourceError:  # a Hub repo cached file by file, network down: not needed unless modelopt
                 if modelopt:
                     raise
-                extra.append(Finding("source-warning", "warning", None, f"{exc}; classified without it"))
+                # whether the repo has the file at all is unknown offline (most repos never had one):
+                # say nothing about it; the stored dtypes still classify every module
     padding = None
     if src.root is not None and not src.is_remote:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from atomtool.inspect.dsa import MAX_LAYERS
 from atomtool.inspect.types import Finding
 
 #: must be integers >= 1 when present (and not null)
@@ -21,6 +22,9 @@ NONNEGATIVE_FIELDS = ("intermediate_size", "moe_intermediate_size", "kv_lora_ran
                       "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "num_experts",
                       "num_local_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
                       "num_nextn_predict_layers", "index_rope_dim")
+
+#: layer counts, bounded by :data:`atomtool.inspect.dsa.MAX_LAYERS` (real models have < 200 layers)
+LAYER_FIELDS = ("num_hidden_layers", "num_nextn_predict_layers")
 
 
 def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
@@ -41,6 +45,9 @@ def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 out.append(Finding("config-invalid", "error", None,
                                    f"config.json: {key} must be {what}, got {v!r}"))
+            elif key in LAYER_FIELDS and v > MAX_LAYERS:  # sizes, schedule and estimates would be meaningless
+                out.append(Finding("config-invalid", "error", None,
+                                   f"config.json: {key} must be at most {MAX_LAYERS}, got {v!r}"))
     for key, v in _rope_thetas(flat):
         # the rope base: inv_freq = theta ** (-2i / d) is NaN or inverted for theta <= 0
         if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:

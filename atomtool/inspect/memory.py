@@ -49,16 +49,58 @@ def is_mla(flat: dict[str, Any]) -> bool:
     return bool(flat.get("kv_lora_rank"))
 
 
-def attention_layers(flat: dict[str, Any]) -> int:
-    """Decoder layers that keep a KV cache (hybrid models: only the full-attention ones)."""
+#: ``layer_types`` entries of layers that keep no growing KV cache (recurrent / linear attention)
+LINEAR_LAYER_TYPES = ("linear_attention", "kda")
+#: ``layer_types`` entries of sliding-window attention layers (gpt-oss, Gemma, Mistral-style SWA)
+SLIDING_LAYER_TYPES = ("sliding_attention", "sliding_window_attention", "local_attention")
+
+
+def layer_attention_kinds(flat: dict[str, Any]) -> list[str]:
+    """Per decoder layer: ``full`` (global attention, KV grows with the context), ``sliding`` (KV bounded by
+    ``sliding_window``) or ``linear`` (linear attention / recurrent state: no KV cache).
+
+    Sources, as HF transformers' configs define them: an explicit ``layer_types`` list (gpt-oss, Qwen3.5,
+    Kimi-Linear ``kda``); Qwen3-Next's ``full_attention_interval`` (layer i is full iff ``(i + 1) %
+    interval == 0``, Qwen3NextConfig); Kimi-Linear's ``linear_attn_config.full_attn_layers`` (1-based layer
+    numbers). Otherwise every layer is ``full``. Empty when ``num_hidden_layers`` is unusable.
+    """
     n = _int(flat, "num_hidden_layers")
     types = flat.get("layer_types")
-    if isinstance(types, list) and any(t in ("linear_attention", "kda") for t in types):
-        return sum(1 for t in types if t not in ("linear_attention", "kda"))
+    if isinstance(types, list) and len(types) == n:
+        return ["linear" if t in LINEAR_LAYER_TYPES else "sliding" if t in SLIDING_LAYER_TYPES else "full"
+                for t in types]
+    interval = flat.get("full_attention_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1:
+        return ["full" if (i + 1) % interval == 0 else "linear" for i in range(n)]
     lac = flat.get("linear_attn_config")
     if isinstance(lac, dict) and isinstance(lac.get("full_attn_layers"), list):
-        return len(lac["full_attn_layers"])
-    return n
+        full = {x - 1 for x in lac["full_attn_layers"] if isinstance(x, int)}  # 1-based in Kimi-Linear
+        return ["full" if i in full else "linear" for i in range(n)]
+    return ["full"] * n
+
+
+def attention_layers(flat: dict[str, Any]) -> int:
+    """Decoder layers that keep a KV cache (full and sliding-window attention; hybrid linear-attention
+    layers excluded): see :func:`layer_attention_kinds`."""
+    return sum(1 for k in layer_attention_kinds(flat) if k != "linear")
+
+
+def sparse_index_layers(flat: dict[str, Any]) -> tuple[int, int]:
+    """MiniMax-M3 block-sparse attention (``sparse_attention_config``, research/dsa.md §5.5): (number of
+    sparse layers, index key dim). Each sparse layer caches one index key of ``sparse_index_dim`` values per
+    token next to its K/V (the index keys are shared by the ``sparse_num_index_heads`` query heads);
+    a layer is sparse where ``sparse_attention_freq[i] == 1`` (every layer when the list is absent).
+    (0, 0) for models without it."""
+    sac = flat.get("sparse_attention_config")
+    if not isinstance(sac, dict) or sac.get("use_sparse_attention") is False:
+        return 0, 0
+    dim = sac.get("sparse_index_dim")
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+        return 0, 0
+    n = _int(flat, "num_hidden_layers")
+    freq = sac.get("sparse_attention_freq")
+    layers = sum(1 for f in freq if f == 1) if isinstance(freq, list) and len(freq) == n else n
+    return layers, dim
 
 
 def head_dim(flat: dict[str, Any]) -> int:
@@ -76,7 +118,7 @@ def index_plane_bytes(index_head_dim: int) -> int:
 
 
 def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes: int = 2) -> dict[str, Any]:
-    """KV-cache bytes per token (all layers), MLA/DSA- or GQA-aware.
+    """KV-cache bytes per token, MLA/DSA- or GQA-aware, hybrid- and sliding-window-aware.
 
     Args:
         flat: the flattened text config (:func:`atomtool.inspect.dsa.flatten_dsa_config`).
@@ -84,28 +126,59 @@ def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes
         kv_dtype_bytes: bytes per cached element of the main KV (2 for BF16/FP16).
     Returns:
         ``{"kv_bytes_per_token", "kv_layout", "kv_layers", "kv_bytes_per_token_per_layer",
-        "index_layers", "index_bytes_per_token_per_layer"}`` (layout ``mla`` or ``gqa``).
+        "index_layers", "index_bytes_per_token_per_layer", "swa_layers", "sliding_window",
+        "swa_bytes_per_token_per_layer", "linear_layers"}`` (layout ``mla`` or ``gqa``).
+        ``kv_bytes_per_token`` is what every further token of context adds: full-attention layers
+        (``kv_layers``) plus index planes (DSA indexer keys on ``full`` layers; MiniMax-M3 sparse index keys
+        in the model dtype). Sliding-window layers (``swa_layers``) hold at most ``sliding_window`` tokens:
+        ``swa_bytes_per_token_per_layer`` each, not in ``kv_bytes_per_token``. Linear-attention layers
+        (``linear_layers``) keep a fixed-size state, no KV cache.
     """
-    layers = attention_layers(flat)
+    kinds = layer_attention_kinds(flat)
+    layers = sum(1 for k in kinds if k == "full")
+    swa = sum(1 for k in kinds if k == "sliding")
+    window = _int(flat, "sliding_window")
+    if swa and window <= 0:  # sliding layers without a window: they cache everything
+        layers, swa = layers + swa, 0
+    extra = {"swa_layers": swa, "sliding_window": window if swa else None,
+             "linear_layers": sum(1 for k in kinds if k == "linear")}
     if is_mla(flat):
         per_layer = (_int(flat, "kv_lora_rank") + _int(flat, "qk_rope_head_dim")) * kv_dtype_bytes
         full = sum(1 for r in roles or [] if r == FULL)
         idx = index_plane_bytes(_int(flat, "index_head_dim", 128)) if full else 0
         return {"kv_bytes_per_token": per_layer * layers + idx * full, "kv_layout": "mla",
                 "kv_layers": layers, "kv_bytes_per_token_per_layer": per_layer,
-                "index_layers": full, "index_bytes_per_token_per_layer": idx}
+                "index_layers": full, "index_bytes_per_token_per_layer": idx,
+                "swa_bytes_per_token_per_layer": per_layer if swa else 0, **extra}
     kv_heads = _int(flat, "num_key_value_heads") or _int(flat, "num_attention_heads")
     per_layer = 2 * kv_heads * head_dim(flat) * kv_dtype_bytes
-    return {"kv_bytes_per_token": per_layer * layers, "kv_layout": "gqa", "kv_layers": layers,
-            "kv_bytes_per_token_per_layer": per_layer, "index_layers": 0, "index_bytes_per_token_per_layer": 0}
+    idx_layers, idx_dim = sparse_index_layers(flat)
+    idx = idx_dim * kv_dtype_bytes
+    return {"kv_bytes_per_token": per_layer * layers + idx * idx_layers, "kv_layout": "gqa", "kv_layers": layers,
+            "kv_bytes_per_token_per_layer": per_layer, "index_layers": idx_layers,
+            "index_bytes_per_token_per_layer": idx, "swa_bytes_per_token_per_layer": per_layer if swa else 0,
+            **extra}
 
 
-def max_context_tokens(gpu_memory_gb: float, weights_bytes: int, kv_bytes_per_token: int) -> int:
+def max_context_tokens(gpu_memory_gb: float, weights_bytes: int, kv_bytes_per_token: int,
+                       swa_bytes_per_token: int = 0, sliding_window: int | None = None) -> int | None:
     """Longest context (tokens of KV cache) fitting ``gpu_memory_gb`` (10^9 bytes) after the weights.
-    0 when the weights alone do not fit. Activations and workspace are not counted."""
+
+    A context of T tokens costs ``T * kv_bytes_per_token + min(T, sliding_window) * swa_bytes_per_token``
+    (``swa_bytes_per_token``: all sliding-window layers together). 0 when the weights alone do not fit;
+    None when the cache does not grow with the context (no full-attention layer: unbounded).
+    Activations and workspace are not counted.
+    """
     free = int(gpu_memory_gb * 1e9) - weights_bytes
-    if free <= 0 or kv_bytes_per_token <= 0:
+    if free <= 0:
         return 0
+    window = sliding_window or 0
+    if swa_bytes_per_token and window:
+        if free < window * (kv_bytes_per_token + swa_bytes_per_token):  # shorter than one window
+            return free // (kv_bytes_per_token + swa_bytes_per_token)
+        free -= window * swa_bytes_per_token
+    if kv_bytes_per_token <= 0:
+        return None
     return free // kv_bytes_per_token
 
 

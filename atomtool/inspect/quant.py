@@ -666,6 +666,11 @@ def _natural_key(s: str) -> list[Any]:
 _LOSSLESS = {("F16", "F32"), ("BF16", "F32"), ("F32", "F64"), ("F16", "F64"), ("BF16", "F64")}
 
 
+#: 1-D normalisation parameters (RMSNorm/LayerNorm weight and bias: ``input_layernorm``, ``q_a_layernorm``,
+#: ``indexer.k_norm``, ``enorm``, ``model.norm``, ...): stored F32 on purpose by some releases
+_NORM_PARAM = re.compile(r"norm\.(weight|bias)$")
+
+
 def dtype_findings(tensors: dict[str, TensorInfo], model_dtype: str | None, fp32_keep: Iterable[str] = ()
                    ) -> list[Finding]:
     """Q10: float tensors stored in a dtype other than the model dtype, one finding per stored dtype
@@ -676,6 +681,7 @@ def dtype_findings(tensors: dict[str, TensorInfo], model_dtype: str | None, fp32
         return []
     keep = tuple(fp32_keep)
     groups: dict[str, list[str]] = defaultdict(list)
+    norms: list[str] = []
     for name, t in tensors.items():
         if t.dtype in FLOAT_DTYPES and t.dtype != model_dtype:
             split = split_role(name)
@@ -683,8 +689,17 @@ def dtype_findings(tensors: dict[str, TensorInfo], model_dtype: str | None, fp32
                 continue
             if keep and t.dtype == "F32" and any(name.endswith(k) for k in keep):
                 continue
+            if t.dtype == "F32" and len(t.shape) == 1 and _NORM_PARAM.search(name):
+                norms.append(name)
+                continue
             groups[t.dtype].append(name)
     out = []
+    if norms:  # DeepSeek-V3.2 stores every RMSNorm/LayerNorm weight F32 on purpose (its reference code does)
+        norms.sort(key=_natural_key)
+        ex = ", ".join(norms[:3]) + (f", ... (+{len(norms) - 3} more)" if len(norms) > 3 else "")
+        out.append(Finding("float-dtype-differs", "info", norms[0],
+                           f"{len(norms)} norm weight(s) stored F32 while the model dtype is {model_dtype}: kept "
+                           f"as stored by convert (--dtype auto), as the release intends, e.g. {ex}"))
     for dt, names in sorted(groups.items()):
         names.sort(key=_natural_key)
         lossy = (dt, model_dtype) not in _LOSSLESS

@@ -55,7 +55,8 @@ def to_json(report: InspectReport, *, show_tensors: bool = False) -> dict[str, A
                      for f in report.findings],
     }
     if show_tensors:
-        out["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "file": t.file}
+        out["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                           "file": t.file}
                           for t in sorted(report.tensors.values(), key=lambda t: _natural(t.name))]
     return out
 
@@ -195,10 +196,39 @@ def make_console(file: Any = None) -> Console:
     return console
 
 
+#: printed under tables that use :func:`format_ints` ranges
+LAYER_LEGEND = "layer ranges: a..b = a to b; a..b:s = a to b in steps of s (6..74:4 = 6, 10, ..., 74)"
+
+
 def layer_list(layers: list[int]) -> str:
     """Layer indices as comma-and-space separated runs (``0..2, 6..74:4``; :func:`format_ints`), so a long
     list wraps between runs in a table cell instead of being cut off."""
     return format_ints(layers).replace(",", ", ")
+
+
+#: indentation of finding messages under their code line
+INDENT = 8
+
+
+def _print_indented(console: Console, msg: str, style: str = "") -> None:
+    """One finding message, indented by :data:`INDENT`. On a terminal it wraps at word boundaries with a
+    hanging indent (rich Padding); piped (not a terminal) it is printed as one plain line: rich pads
+    Padding lines with spaces to the console width, which leaves ~200 columns of trailing blanks in a file."""
+    if console.is_terminal:
+        console.print(Padding(Text(msg, style=style), (0, 0, 0, INDENT), expand=False))
+    else:
+        console.print(Text(" " * INDENT + msg, style=style), soft_wrap=True)
+
+
+def kv_detail(m: dict[str, Any]) -> str:
+    """The breakdown of ``memory.kv_bytes_per_token``: full-attention layers x bytes per layer, plus index
+    planes (DSA indexer keys, FP8 + scale; MiniMax-M3 sparse index keys, model dtype)."""
+    detail = f"{m['kv_layers']} layers x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
+    if m.get("index_layers"):
+        what = "indexer planes" if m["kv_layout"] == "mla" else "sparse index keys"
+        how = "fp8" if m["kv_layout"] == "mla" else m["kv_dtype"]
+        detail += f" + {m['index_layers']} {what} x {m['index_bytes_per_token_per_layer']} B ({how})"
+    return detail
 
 
 def render(report: InspectReport, console: Console | None = None, *, show_tensors: bool = False) -> None:
@@ -206,7 +236,10 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
     and with ``show_tensors`` every tensor (one row each)."""
     console = console or Console()
     r = report
-    summary = Table(title=f"atomtool inspect: {r.source}", show_header=False, title_justify="left")
+    # the source on its own line, never folded mid-word to the narrow summary table's width (a table title
+    # wraps to the table); soft_wrap leaves a path longer than the terminal to the terminal
+    console.print(Text("atomtool inspect: ", style="italic") + Text(r.source), soft_wrap=True)
+    summary = Table(show_header=False)
     summary.add_column(style="bold")
     summary.add_column()
     summary.add_row("architecture", r.architecture)
@@ -235,6 +268,7 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
             if layers:
                 t.add_row(f"{role} layers ({len(layers)})", layer_list(layers))
         console.print(t)
+        console.print(Text(LAYER_LEGEND, style="dim"), soft_wrap=True)
 
     if r.modules:
         t = Table(title=f"Linear modules ({len(r.modules)})", title_justify="left")
@@ -270,14 +304,25 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         t.add_column(style="bold")
         t.add_column()
         t.add_row("weights", human_bytes(m.get("weights_bytes")))
-        detail = f"{m['kv_layers']} layers x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
-        if m.get("index_layers"):
-            detail += f" + {m['index_layers']} indexer planes x {m['index_bytes_per_token_per_layer']} B (fp8)"
-        t.add_row("KV cache / token", f"{m['kv_bytes_per_token']} B = {detail}")
+        t.add_row("KV cache / token", f"{human_bytes(m['kv_bytes_per_token'])} = {kv_detail(m)}")
+        if m.get("swa_layers"):
+            t.add_row("sliding-window KV",
+                      f"{m['swa_layers']} layers x {m['swa_bytes_per_token_per_layer']} B/token, at most "
+                      f"{m['sliding_window']:,} tokens each = "
+                      f"{human_bytes(m['swa_layers'] * m['swa_bytes_per_token_per_layer'] * m['sliding_window'])}"
+                      " (not per token)")
+        if m.get("linear_layers"):
+            t.add_row("linear-attention layers", f"{m['linear_layers']} (fixed-size state, no KV cache; not counted)")
         if "max_context_tokens" in m:
-            t.add_row(f"longest context in {m['gpu_memory_gb']} GB",
-                      "?" if m["max_context_tokens"] is None else f"{m['max_context_tokens']:,} tokens"
-                      + (f" (model max {m['max_position_embeddings']:,})" if m.get("max_position_embeddings") else ""))
+            gb = f"{m['gpu_memory_gb']:g}"
+            if m.get("weights_exceed_gpu_memory"):
+                value = f"none: weights alone ({human_bytes(m.get('weights_bytes'))}) exceed {gb} GB"
+            elif m["max_context_tokens"] is None:
+                value = "?"
+            else:
+                value = f"{m['max_context_tokens']:,} tokens" + (
+                    f" (model max {m['max_position_embeddings']:,})" if m.get("max_position_embeddings") else "")
+            t.add_row(f"longest context in {gb} GB", value)
         console.print(t)
 
     if r.findings:
@@ -289,10 +334,10 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
             console.print(head, highlight=False)
             shown = msgs if sev == "error" else msgs[:MAX_MESSAGES]  # every distinct error is shown
             for msg in shown:
-                console.print(Padding(Text(msg), (0, 0, 0, 8), expand=False))
+                _print_indented(console, msg)
             if len(shown) < len(msgs):
-                console.print(Padding(Text(f"(+{len(msgs) - len(shown)} more distinct messages; --json lists all)"),
-                                      (0, 0, 0, 8), expand=False), style="dim")
+                _print_indented(console, f"(+{len(msgs) - len(shown)} more distinct messages; --json lists all)",
+                                style="dim")
     else:
         console.print("No findings.")
 

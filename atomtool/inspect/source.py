@@ -83,6 +83,9 @@ class CheckpointSource:
     commit: str | None = None
     index_metadata: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    #: weight files found but not read (pickle checkpoints: ``model.bin``, ``*.pt``) when there are no
+    #: safetensors weights
+    ignored_weights: list[str] = field(default_factory=list)
 
     @classmethod
     def open(cls, source: str, revision: str | None = None) -> CheckpointSource:
@@ -167,12 +170,13 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
         files = [SINGLE_FILE]
     else:
         files = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+    pickles: list[str] = []
     if not files:
         if strict_weights:
             raise SourceError(f"{source}: the weights are not in the local HF cache ({root})")
+        pickles = pickle_weight_files(root)
         if config is None:
-            extra = " (found pytorch_model.bin: only safetensors is supported)" if any(
-                root.glob("pytorch_model*.bin")) else ""
+            extra = f" (found {pickles[0]}: only safetensors is supported)" if pickles else ""
             raise SourceError(f"{root}: no config.json and no *.safetensors weights{extra}")
 
     def fetch(f: str) -> tuple[bytes, int]:
@@ -190,8 +194,18 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
     return CheckpointSource(
         source=source, root=root, config=config, tensors=tensors, files=files, is_remote=is_remote,
         metadata={f: h.metadata for f, h in headers.items()}, revision=revision, commit=commit,
-        index_metadata=index_meta, warnings=warnings,
+        index_metadata=index_meta, warnings=warnings, ignored_weights=pickles,
     )
+
+
+#: weight files in PyTorch's pickle format (torch.save / pytorch_model.bin): never read (unpickling runs code)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def pickle_weight_files(root: Path) -> list[str]:
+    """Top-level files of ``root`` that look like pickle checkpoints (``model.bin``, ``model.pt``,
+    ``pytorch_model-00001-of-00002.bin``, ...), sorted; atomtool reads safetensors only."""
+    return sorted(p.name for p in root.iterdir() if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
 
 
 def _parallel(fetch: Callable[[str], Any], parse: Callable[[str, Any], Any], files: list[str]) -> dict[str, Any]:
