@@ -151,7 +151,10 @@ def serve_cmd(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
     served_model_name: Annotated[str | None, typer.Option()] = None,
-    api_key: Annotated[str | None, typer.Option(envvar="ATOMTOOL_API_KEY")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="ATOMTOOL_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 routes. Unset: no authentication. An empty key "
+             "(--api-key '' or ATOMTOOL_API_KEY set to '') is an error.")] = None,
     max_model_len: Annotated[int | None, typer.Option()] = None,
     max_num_seqs: Annotated[int, typer.Option()] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option()] = 8192,
@@ -162,16 +165,23 @@ def serve_cmd(
     enforce_eager: Annotated[bool, typer.Option(help="Disable CUDA graphs.")] = False,
     chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file or string.")] = None,
     tensor_parallel_size: Annotated[int, typer.Option()] = 1,
+    max_request_bytes: Annotated[int | None, typer.Option(
+        help="Largest request body in bytes; bigger ones get HTTP 413. Default 33554432 (32 MiB).")] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
+    import os
+
     from atomtool.serve.api.server import run_serve
+
+    if api_key is None and os.environ.get("ATOMTOOL_API_KEY") is not None:
+        api_key = os.environ["ATOMTOOL_API_KEY"]  # click ignores an empty env value; refuse it as --api-key ''
 
     raise typer.Exit(run_serve(
         model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory, dtype=dtype.value,
         device=device.value, enforce_eager=enforce_eager, chat_template=chat_template,
-        tensor_parallel_size=tensor_parallel_size))
+        tensor_parallel_size=tensor_parallel_size, max_request_bytes=max_request_bytes))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

@@ -5,7 +5,29 @@ from __future__ import annotations
 import json
 import sys
 
+from atomtool.errors import InvalidRequestError
 from atomtool.serve.sampling_params import SamplingParams
+
+
+def check_prompt_text(prompts: list[str]) -> None:
+    """Refuse prompts that are not valid text before loading the model.
+
+    Command-line arguments that are not valid UTF-8 (``$'\\xff'`` in bash) reach Python as lone
+    surrogates (``surrogateescape``), which the tokenizer cannot encode.
+
+    Raises:
+        InvalidRequestError: names the prompt, the byte and its position.
+    """
+    for i, p in enumerate(prompts):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            which = f" [{i}]" if len(prompts) > 1 else ""
+            char = p[exc.start]
+            what = (f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF
+                    else f"lone surrogate \\u{ord(char):04x}")
+            raise InvalidRequestError(f"--prompt{which} is not valid UTF-8 text: {what} at character "
+                                      f"{exc.start}") from None
 
 
 def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temperature: float = 0.0,
@@ -21,10 +43,12 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temper
 
     Raises:
         AtomtoolError subclasses (the CLI prints them, exit 1): bad model directory, unsupported architecture,
-        missing tensors, invalid sampling parameters, prompt longer than max_model_len.
+        missing tensors, invalid sampling parameters, prompt longer than max_model_len, a prompt that is not
+        valid UTF-8 text.
     """
     from atomtool.serve.llm import LLM
 
+    check_prompt_text(list(prompts))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             ignore_eos=ignore_eos).validate()
     llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory)

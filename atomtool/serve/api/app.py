@@ -133,13 +133,29 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 # ------------------------------------------------------------------------------------- middleware
-class _BodyTooLarge(Exception):
-    """Raised by the size-limited ``receive`` once a request body passes the limit."""
+def _too_large_message(limit: int) -> str:
+    return f"request body too large: the limit is {limit} bytes (atomtool serve --max-request-bytes)"
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised by the size-limited ``receive`` once a request body passes the limit (an HTTPException, so
+    FastAPI's body parsing passes it on as a 413 instead of "There was an error parsing the body")."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, _too_large_message(limit))
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body too large: the limit is {limit} bytes (atomtool serve "
-                    "--max-request-bytes)", code="request_too_large")
+    return APIError(413, _too_large_message(limit), code="request_too_large")
+
+
+class Traffic:
+    """HTTP requests the app is serving now (``in_flight``) and those cancelled mid-way (``cancelled``: a
+    forced shutdown, the second Ctrl-C, cancels every request task); ``atomtool serve`` reports them."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.cancelled = 0
 
 
 class _AuthAndCount:
@@ -152,8 +168,9 @@ class _AuthAndCount:
     """
 
     def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, traffic: Traffic | None = None) -> None:
         self.app, self.api_key, self.metrics, self.max_body_bytes = app, api_key, metrics, max_body_bytes
+        self.traffic = traffic or Traffic()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -195,7 +212,7 @@ class _AuthAndCount:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(limit)
             return message
 
         started = False
@@ -207,8 +224,12 @@ class _AuthAndCount:
                 self.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
             await send(message)
 
+        self.traffic.in_flight += 1
         try:
             await self.app(scope, limited_receive, counting_send)
+        except asyncio.CancelledError:
+            self.traffic.cancelled += 1
+            raise
         except _BodyTooLarge:
             if not started:
                 await _too_large(limit).response()(scope, receive, counting_send)
@@ -217,6 +238,8 @@ class _AuthAndCount:
             if not started:
                 await APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
                                type="server_error").response()(scope, receive, counting_send)
+        finally:
+            self.traffic.in_flight -= 1
 
 
 async def run_blocking(fn: Any, *args: Any) -> Any:
@@ -444,14 +467,17 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         return APIError(exc.status_code, str(exc.detail),
-                        type="invalid_request_error" if exc.status_code < 500 else "server_error").response()
+                        type="invalid_request_error" if exc.status_code < 500 else "server_error",
+                        code="request_too_large" if isinstance(exc, _BodyTooLarge) else None).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
         logger.exception("request failed")
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
 
-    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes)
+    app.state.traffic = Traffic()
+    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes,
+                       traffic=app.state.traffic)
 
     # --------------------------------------------------------------------------------- shared
     def check_model(name: str | None) -> None:

@@ -1,14 +1,18 @@
 """``atomtool serve``: load a model into the engine and serve it with uvicorn (vLLM's ``vllm serve`` flags).
 
 Shutdown follows vLLM/uvicorn: SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight
-requests (streams included) finish, stops the engine thread, and returns exit code 0.
+requests (streams included) finish, stops the engine thread, and returns exit code 0. A second Ctrl-C
+while draining forces the exit: the requests still in flight are cancelled, one line says how many,
+and the exit code is 130 (as for SIGINT).
 :class:`ServerThread` runs the same app in a background thread on a loopback port (tests and
 ``atomtool demo``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -21,13 +25,16 @@ from atomtool.errors import AtomtoolError, ConfigError
 
 def _check_flags(*, port: int, max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
                  max_model_len: int | None, tensor_parallel_size: int, kv_cache_memory: int | None = None,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, api_key: str | None = None,
+                 max_request_bytes: int | None = None) -> None:
     """Reject flag values that cannot work before spending time loading the model.
 
     Raises:
         AtomtoolError: ``--tensor-parallel-size`` other than 1.
-        ConfigError: an out-of-range number, a non-positive ``--kv-cache-memory`` or an empty
-            (or blank) ``--served-model-name`` (it would silently fall back to the model path).
+        ConfigError: an out-of-range number, a non-positive ``--kv-cache-memory`` or
+            ``--max-request-bytes``, an empty (or blank) ``--served-model-name`` (it would silently fall
+            back to the model path) or ``--api-key`` (an empty key would look like auth but accept
+            ``Bearer `` with nothing after it; leave the flag out to serve without auth).
     """
     if tensor_parallel_size != 1:
         raise AtomtoolError(f"--tensor-parallel-size {tensor_parallel_size} is not supported yet: atomtool "
@@ -46,6 +53,11 @@ def _check_flags(*, port: int, max_num_seqs: int, max_num_batched_tokens: int, g
         raise ConfigError(f"--kv-cache-memory must be a positive number of bytes, got {kv_cache_memory}")
     if served_model_name is not None and not served_model_name.strip():
         raise ConfigError("--served-model-name must not be empty (leave it out to serve under the model path)")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key (or ATOMTOOL_API_KEY) must not be empty; leave it unset to serve "
+                          "without authentication")
+    if max_request_bytes is not None and max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be a positive number of bytes, got {max_request_bytes}")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -126,11 +138,14 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None, dtype: str = "auto",
               device: str = "auto", enforce_eager: bool = False, chat_template: str | None = None,
-              tensor_parallel_size: int = 1) -> int:
+              tensor_parallel_size: int = 1, max_request_bytes: int | None = None) -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
-    same) or ``atomtool-demo``. Returns 0 after a graceful shutdown.
+    same) or ``atomtool-demo``. Returns 0 after a graceful shutdown, 130 after a forced one (a second
+    Ctrl-C while requests were still draining). ``api_key``: required as ``Authorization: Bearer <key>``
+    on ``/v1`` routes; None serves without auth, an empty string is refused. ``max_request_bytes``: the
+    request-body limit (default :data:`~atomtool.serve.api.app.DEFAULT_MAX_BODY_BYTES`).
 
     Raises:
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
@@ -139,7 +154,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     _check_flags(port=port, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                  tensor_parallel_size=tensor_parallel_size, kv_cache_memory=kv_cache_memory,
-                 served_model_name=served_model_name)
+                 served_model_name=served_model_name, api_key=api_key, max_request_bytes=max_request_bytes)
     from atomtool.serve.api.chat import load_chat_template
 
     template = load_chat_template(chat_template)  # fail fast, before the model loads
@@ -153,7 +168,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     name = served_model_name or model
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the load
 
-    from atomtool.serve.api.app import create_app
+    from atomtool.serve.api.app import DEFAULT_MAX_BODY_BYTES, create_app
     from atomtool.serve.engine.llm_engine import LLMEngine
 
     print(f"atomtool serve: loading {model} ...", file=sys.stderr, flush=True)
@@ -161,7 +176,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                   enforce_eager=enforce_eager)
-    app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model)
+    app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model,
+                     max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES)
     server = _uvicorn_server(app, sock, "info")
     bound_host, bound_port = sock.getsockname()[:2]
     print(f"atomtool serve: model {name!r} (max_model_len {engine.max_model_len}, "
@@ -172,14 +188,39 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    quiet = _QuietCancelled()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(quiet)
     try:
         server.run(sockets=[sock])
     finally:
+        uvicorn_log.removeFilter(quiet)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         with contextlib.suppress(OSError):
             sock.close()
     if not server.started:
         raise AtomtoolError("the API server failed to start (see the log above)")
+    if server.force_exit:
+        # uvicorn skipped the lifespan shutdown: stop the engine thread here (bounded; it is a daemon).
+        app.state.async_engine.shutdown(timeout=5.0)
+        n = app.state.traffic.cancelled
+        print(f"atomtool serve: forced shutdown (second Ctrl-C): aborted {n} in-flight "
+              f"request{'s' if n != 1 else ''}", file=sys.stderr, flush=True)
+        return 130
     print("atomtool serve: shut down cleanly", file=sys.stderr, flush=True)
     return 0
+
+
+class _QuietCancelled(logging.Filter):
+    """Drop uvicorn's tracebacks of tasks cancelled by a forced shutdown: "Exception in ASGI application"
+    for each request still in flight, and the lifespan's shutdown-failed text (Starlette's formatted
+    traceback ending in CancelledError). Cancellation is the expected end of both; run_serve reports the
+    number of aborted requests in one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            return False
+        text = str(record.msg)
+        return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
