@@ -166,7 +166,7 @@ def serve_cmd(
     chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file or string.")] = None,
     tensor_parallel_size: Annotated[int, typer.Option()] = 1,
     max_request_bytes: Annotated[int | None, typer.Option(
-        help="Largest request body in bytes; bigger ones get HTTP 413. Default 33554432 (32 MiB).")] = None,
+        help="Largest request body in bytes; bigger ones get HTTP 413. Default 16777216 (16 MiB).")] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     import os

@@ -71,9 +71,9 @@ from atomtool.serve.sampling_params import SamplingParams
 logger = logging.getLogger("atomtool.serve")
 
 KNOWN_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
-#: Request-body limit in bytes (``atomtool serve --max-request-bytes``): 32 MiB holds a prompt of several
+#: Request-body limit in bytes (``atomtool serve --max-request-bytes``): 16 MiB holds a prompt of two
 #: million tokens as text or ids, far beyond any context window; larger bodies get a 413.
-DEFAULT_MAX_BODY_BYTES = 32 << 20
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 class APIError(Exception):
