@@ -206,6 +206,13 @@ def layer_list(layers: list[int]) -> str:
     return format_ints(layers).replace(",", ", ")
 
 
+def _heading(console: Console, text: str) -> None:
+    """A table's title on its own line. Not ``Table(title=...)``: rich folds a title to the table's width
+    (a long checkpoint path broke mid-word over a narrow table) and pads it with blanks to that width;
+    soft_wrap leaves a line longer than the terminal to the terminal."""
+    console.print(Text(text, style="italic"), soft_wrap=True)
+
+
 #: indentation of finding messages under their code line
 INDENT = 8
 
@@ -236,9 +243,7 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
     and with ``show_tensors`` every tensor (one row each)."""
     console = console or Console()
     r = report
-    # the source on its own line, never folded mid-word to the narrow summary table's width (a table title
-    # wraps to the table); soft_wrap leaves a path longer than the terminal to the terminal
-    console.print(Text("atomtool inspect: ", style="italic") + Text(r.source), soft_wrap=True)
+    _heading(console, f"atomtool inspect: {r.source}")
     summary = Table(show_header=False)
     summary.add_column(style="bold")
     summary.add_column()
@@ -258,7 +263,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
 
     if r.dsa is not None:
         d = r.dsa
-        t = Table(title="DeepSeek Sparse Attention", show_header=False, title_justify="left")
+        _heading(console, "DeepSeek Sparse Attention")
+        t = Table(show_header=False)
         t.add_column(style="bold")
         t.add_column(overflow="fold")  # never '…': the full layer list is the point of this table
         t.add_row("index_topk / n_heads / head_dim / rope_dim",
@@ -271,7 +277,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         console.print(Text(LAYER_LEGEND, style="dim"), soft_wrap=True)
 
     if r.modules:
-        t = Table(title=f"Linear modules ({len(r.modules)})", title_justify="left")
+        _heading(console, f"Linear modules ({len(r.modules)})")
+        t = Table()
         items = [(m.name, (m.scheme, m.dtype, m.shape, m.declared_quantized, m.treated_as)) for m in r.modules]
         rows = group_by_pattern(items)
         widest = max(len(p) for p, _, _ in rows)
@@ -286,8 +293,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         console.print(t)
 
     tot = r.totals
-    t = Table(title="Totals" + (" (estimated from config.json)" if tot.get("estimated") else ""),
-              title_justify="left")
+    _heading(console, "Totals" + (" (estimated from config.json)" if tot.get("estimated") else ""))
+    t = Table()
     for col in ("", "parameters", "bytes"):
         t.add_column(col, justify="right" if col else "left")
     pad = f" (+{tot['padding_rows']:,} padding rows)" if tot.get("padding_rows") else ""  # atomtool layout
@@ -300,7 +307,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
 
     m = r.memory
     if m.get("kv_bytes_per_token") is not None:
-        t = Table(title="Memory", show_header=False, title_justify="left")
+        _heading(console, "Memory")
+        t = Table(show_header=False)
         t.add_column(style="bold")
         t.add_column()
         t.add_row("weights", human_bytes(m.get("weights_bytes")))
@@ -342,7 +350,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         console.print("No findings.")
 
     if show_tensors and r.tensors:
-        t = Table(title=f"Tensors ({len(r.tensors)})", title_justify="left")
+        _heading(console, f"Tensors ({len(r.tensors)})")
+        t = Table()
         for col in ("tensor", "dtype", "shape", "bytes", "file"):
             t.add_column(col, overflow="fold")
         for x in sorted(r.tensors.values(), key=lambda x: _natural(x.name)):

@@ -55,7 +55,7 @@ def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | No
     if family.name not in KNOWN_LAYOUT_FAMILIES or not n:
         return None
     mt = str(flat.get("model_type", ""))
-    experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts")
+    experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
     plain = ["model.embed_tokens.weight", "model.norm.weight"]
     modules: list[str] = []
     if not flat.get("tie_word_embeddings", False):
