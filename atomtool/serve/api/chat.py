@@ -31,6 +31,8 @@ MAX_RENDERED_CHARS = 64 << 20
 class TemplateBudgetExceeded(InvalidRequestError):
     """A chat template ran longer than :data:`MAX_TEMPLATE_STEPS` steps (raised inside the render)."""
 
+    param = "chat_template"  # the OpenAI error body's ``param``
+
 
 def _bounded(fn: Any, max_steps: int) -> Any:
     """Run ``fn()`` in this thread, raising :class:`TemplateBudgetExceeded` once Jinja-compiled code
