@@ -100,12 +100,23 @@ def convert_cmd(
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     revision: Annotated[str | None, typer.Option(help="Hub revision when SRC is a repo id.")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Convert even when the layout would not be servable (inspect reports errors, a scheme "
+                        "or architecture the engine does not run, missing tensors): warn instead of refusing.")
+    ] = False,
+    progress: Annotated[bool | None, typer.Option(
+        "--progress/--no-progress", help="Progress bar on stderr (default: only when stderr is a terminal).",
+        show_default=False)] = None,
 ) -> None:
-    """Stream a checkpoint into the atomtool layout (fused projections, stacked experts, a manifest)."""
+    """Stream a checkpoint into the atomtool layout (fused projections, stacked experts, a manifest).
+
+    Refuses (exit 1, before writing anything, with --dry-run too) a checkpoint the engine could not serve
+    after conversion unless --force is given."""
     from atomtool.convert.commands import run_convert
 
     raise typer.Exit(run_convert(src, out, dtype=dtype.value, shard_size=shard_size, overwrite=overwrite,
-                                 dry_run=dry_run, json_out=json_out, revision=revision))
+                                 dry_run=dry_run, json_out=json_out, revision=revision, force=force,
+                                 progress=progress, process_exit=_IN_PROCESS_MAIN))
 
 
 @app.command("verify", short_help="Check a layout against its manifest (and its source).")
@@ -195,8 +206,15 @@ def demo_cmd(
     raise typer.Exit(run_demo(port=port))
 
 
+#: True when the CLI runs as its own process (:func:`main`), not inside a test runner or a library caller:
+#: convert may then ignore late signals until the process exits (see run_convert's ``process_exit``)
+_IN_PROCESS_MAIN = False
+
+
 def main() -> None:
     """Console-script entry point."""
+    global _IN_PROCESS_MAIN
+    _IN_PROCESS_MAIN = True
     app()
 
 

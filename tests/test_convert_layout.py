@@ -287,7 +287,8 @@ def test_explicit_dtype_casts_with_one_warning_per_pair(ckpts, tmp_path):
 def test_fp8_checkpoint_with_explicit_dtype_keeps_quantized_tensors(ckpts, tmp_path):
     r = convert(ckpts["glm_fp8"], tmp_path / "o", "--dtype", "float32")
     assert r.exit_code == 0, r.output
-    assert "BF16 -> F32 (lossless (widening))" in r.stderr
+    assert "note: " in r.stderr and "BF16 -> F32 (lossless widening)" in r.stderr
+    assert "warning:" not in r.stderr and "((" not in r.stderr
     t = layout_tensors(tmp_path / "o")
     assert t["model.layers.0.self_attn.fused_qkv_a_proj.weight"].dtype == torch.float8_e4m3fn
     assert t["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
@@ -436,7 +437,11 @@ def test_non_concatenated_quantized_schemes_are_copied_byte_exact(ckpts, tmp_pat
     writer = {"nvfp4": write_nvfp4_checkpoint, "ct_int4": write_ct_int4_checkpoint}[scheme]
     src = writer(ckpts["qwen3"], tmp_path / "src")
     r = convert(src, tmp_path / "out", "--dtype", "bfloat16")
+    assert r.exit_code == 1 and "scheme-not-servable" in r.stderr and "pass --force" in r.stderr
+    assert not (tmp_path / "out").exists()
+    r = convert(src, tmp_path / "out", "--dtype", "bfloat16", "--force")
     assert r.exit_code == 0, r.output
+    assert "warning: --force: converting although the layout will not be servable" in r.stderr
     t, s = layout_tensors(tmp_path / "out"), load_state_dict(src)
     quantized = [n for n, v in s.items() if v.dtype in (torch.uint8, torch.int32, torch.float8_e4m3fn)]
     assert quantized

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from atomtool.convert.cast import cast_warnings, checked_cast, describe_cast, is_lossless
+from atomtool.convert.cast import cast_messages, cast_warnings, checked_cast, describe_cast, is_lossless
 from atomtool.convert.plan import build_plan
 from atomtool.errors import ConversionError
 from atomtool.inspect.dsa import flatten_dsa_config
@@ -243,9 +243,12 @@ def test_explicit_dtype_casts_plain_float_only_and_warns_once_per_pair():
     assert build_plan(report).warnings == []
 
 
-def test_widening_cast_says_lossless():
+def test_widening_cast_is_a_note_not_a_warning():
+    """A lossless widening (BF16 -> F32) loses nothing: an info note (``infos``, ``notes``), not a warning."""
     plan = build_plan(dense_report(bias=False, dtype="BF16"), "float32")
-    assert len(plan.warnings) == 1 and "BF16 -> F32 (lossless (widening))" in plan.warnings[0]
+    assert plan.warnings == []
+    assert len(plan.infos) == 1 and "BF16 -> F32 (lossless widening), e.g." in plan.infos[0]
+    assert plan.infos[0] in plan.notes
     assert plan.tensors["model.layers.0.self_attn.qkv_proj.weight"].dtype == "F32"
 
 
@@ -275,7 +278,10 @@ def test_cast_helpers():
     assert describe_cast("F32", "BF16") == "lossy: rounds to 8 significant bits"
     assert cast_warnings([("a", "F32", "BF16"), ("b", "BF16", "F32"), ("c", "F32", "BF16")]) == [
         "2 tensors cast F32 -> BF16 (lossy: rounds to 8 significant bits), e.g. a, c",
-        "1 tensor cast BF16 -> F32 (lossless (widening)), e.g. b"]
+        "1 tensor cast BF16 -> F32 (lossless widening), e.g. b"]
+    assert cast_messages([("a", "F32", "BF16"), ("b", "BF16", "F32")]) == (
+        ["1 tensor cast F32 -> BF16 (lossy: rounds to 8 significant bits), e.g. a"],
+        ["1 tensor cast BF16 -> F32 (lossless widening), e.g. b"])
     t = torch.tensor([1.0, 7e4, float("inf")], dtype=torch.bfloat16)
     with pytest.raises(ConversionError, match=r"w\.x: casting BF16 -> F16 overflows \(\|value\| up to 70144"):
         checked_cast(t, torch.float16, name="w.x")

@@ -79,7 +79,7 @@ def is_lossless(src: str, dst: str) -> bool:
 def describe_cast(src: str, dst: str) -> str:
     """Human explanation of a float cast: lossless widening, or what it loses."""
     if is_lossless(src, dst):
-        return "lossless (widening)"
+        return "lossless widening"
     parts = []
     if _MANTISSA[dst] < _MANTISSA[src]:
         parts.append(f"rounds to {_MANTISSA[dst]} significant bits")
@@ -108,25 +108,35 @@ def output_dtype(stored: str, *, target: str | None, scheme: str, keep_fp32: boo
     return target
 
 
-def cast_warnings(casts: list[tuple[str, str, str]], *, examples: int = 3) -> list[str]:
-    """One warning per (source dtype -> target dtype) pair.
+def cast_messages(casts: list[tuple[str, str, str]], *, examples: int = 3) -> tuple[list[str], list[str]]:
+    """One line per (source dtype -> target dtype) pair, split into (warnings, notes): a lossy cast is a
+    warning, a lossless widening (BF16 -> F32) only an informational note.
 
     Args:
         casts: (tensor name, source tag, target tag) for every source tensor that is cast.
     Returns:
-        messages such as ``"42 tensors cast F32 -> BF16 (lossy: rounds to 8 significant bits), e.g. a,
-        b, c (+39 more)"``, in first-seen pair order.
+        (warnings, notes), messages such as ``"42 tensors cast F32 -> BF16 (lossy: rounds to 8 significant
+        bits), e.g. a, b, c (+39 more)"`` / ``"3 tensors cast BF16 -> F32 (lossless widening), e.g. ..."``,
+        each in first-seen pair order.
     """
     by_pair: dict[tuple[str, str], list[str]] = {}
     for name, src, dst in casts:
         by_pair.setdefault((src, dst), []).append(name)
-    out = []
+    warnings: list[str] = []
+    notes: list[str] = []
     for (src, dst), names in by_pair.items():
         shown = ", ".join(names[:examples])
         more = f" (+{len(names) - examples} more)" if len(names) > examples else ""
         noun = "tensor" if len(names) == 1 else "tensors"
-        out.append(f"{len(names)} {noun} cast {src} -> {dst} ({describe_cast(src, dst)}), e.g. {shown}{more}")
-    return out
+        line = f"{len(names)} {noun} cast {src} -> {dst} ({describe_cast(src, dst)}), e.g. {shown}{more}"
+        (notes if is_lossless(src, dst) else warnings).append(line)
+    return warnings, notes
+
+
+def cast_warnings(casts: list[tuple[str, str, str]], *, examples: int = 3) -> list[str]:
+    """Every line of :func:`cast_messages`, warnings then notes (kept for callers that want them all)."""
+    warnings, notes = cast_messages(casts, examples=examples)
+    return warnings + notes
 
 
 def checked_cast(t: torch.Tensor, dtype: torch.dtype, *, name: str) -> torch.Tensor:

@@ -10,18 +10,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from atomtool.convert.layout import spec_to_entry
-from atomtool.convert.plan import build_plan
+from atomtool.convert.plan import build_plan, missing_message
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
-from atomtool.convert.writer import check_destination, human_bytes, parse_size, write_layout
+from atomtool.convert.writer import (
+    check_destination,
+    check_disk_space,
+    clean_leftover_tmp_dirs,
+    estimate_bytes,
+    hold_interrupts_until_exit,
+    human_bytes,
+    parse_size,
+    plan_shards,
+    write_layout,
+)
 from atomtool.errors import ConversionError, SourceError
-from atomtool.inspect.families import family_for
+from atomtool.inspect.families import family_for, supported_architectures
 from atomtool.inspect.source import hub_download_error, looks_like_path, quiet_hub_logs
 from atomtool.inspect.types import InspectReport
 
@@ -93,7 +105,8 @@ def _sigterm_as_interrupt():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        if signal.getsignal(signal.SIGTERM) is handler:  # keep SIG_IGN set once the layout is complete
+            signal.signal(signal.SIGTERM, old)
 
 
 def _fmt_parts(spec: OutputTensor) -> str:
@@ -134,26 +147,87 @@ def _print_plan(plan: ConversionPlan, report: InspectReport) -> None:
     console.print("dry run: nothing written", highlight=False)
 
 
-def _warn(lines: list[str]) -> None:
+def _warn(lines: list[str], prefix: str = "warning") -> None:
     for line in lines:
-        print(f"warning: {line}", file=sys.stderr)
+        print(f"{prefix}: {line}", file=sys.stderr)
+
+
+def servability_problems(report: InspectReport) -> list[str]:
+    """Why a layout converted from ``report`` would not be servable, most specific first; empty when it would.
+
+    Reuses inspect's verdicts rather than re-deriving them: every ``error`` finding of the report (e.g.
+    ``fp8-without-scale``, ``config-invalid``), then, when ``report.servable`` is false, the family the engine
+    does not run (:attr:`atomtool.inspect.families.Family.servable`) and inspect's ``scheme-not-servable``
+    findings (schemes outside :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`). Each line is
+    ``code: message`` on one line.
+    """
+    problems = [f"{f.code}: {f.message}" for f in report.findings if f.severity == "error"]
+    if not report.servable:
+        fam = family_for(report.architecture)
+        if fam is not None and not fam.servable:
+            problems.append(f"architecture-not-servable: {report.architecture} ({fam.name} family) is recognised "
+                            f"by inspect but the engine does not run it; it runs "
+                            f"{', '.join(supported_architectures())}")
+        problems += [f"{f.code}: {f.message}" for f in report.findings
+                     if f.code == "scheme-not-servable" and f.severity != "error"]
+        if len(problems) == 0:
+            problems.append(f"not-servable: inspect reports {report.source} as not servable")
+    return [" ".join(p.split()) for p in dict.fromkeys(problems)]
+
+
+def refusal_message(src: str, problems: list[str]) -> str:
+    """One line: the first problem, how many more, where to see them all, and ``--force``."""
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    return (f"{src} would not convert into a servable layout: {problems[0]}{more}; see `atomtool inspect {src}`; "
+            "pass --force to convert anyway")
+
+
+#: seconds to stay after the summary; a test hook to land a "late" signal where process exit would be
+AFTER_SUMMARY_SLEEP_ENV = "ATOMTOOL_CONVERT_TEST_SLEEP_AFTER_SUMMARY"
+#: prefix of the warnings ``--force`` turns refusals into
+FORCED = "--force: converting although the layout will not be servable"
+
+
+def _check_servable(src: str, report: InspectReport, *, force: bool) -> list[str]:
+    """Raise ConversionError (the refusal) for a checkpoint the engine could not serve after conversion, or,
+    with ``force``, return the warning lines to print instead."""
+    problems = servability_problems(report)
+    if problems and not force:
+        raise ConversionError(refusal_message(src, problems))
+    return [f"{FORCED}: {p}" for p in problems]
 
 
 def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5GB", overwrite: bool = False,
-                dry_run: bool = False, json_out: bool = False, revision: str | None = None) -> int:
+                dry_run: bool = False, json_out: bool = False, revision: str | None = None, force: bool = False,
+                progress: bool | None = None, process_exit: bool = False) -> int:
     """``atomtool convert SRC OUT``: returns the exit code (0).
 
+    Refusals come before any work, in the same order with and without ``dry_run`` (a dry run predicts the
+    real run): the destination (:func:`check_destination`), the architecture, then servability -- error
+    findings of inspect, schemes or an architecture the engine does not run (:func:`servability_problems`)
+    and source tensors the engine needs but the checkpoint lacks (:func:`atomtool.convert.plan.missing_tensors`,
+    at plan time). ``force`` turns the servability refusals into warnings. Leftover temporary directories
+    of crashed conversions into OUT are reported, and removed when stale (not with ``dry_run``).
+
+    Args:
+        progress: a tqdm bar on stderr (bytes, shard, tensor); None: only when stderr is a terminal and not
+            ``json_out``.
+        process_exit: the caller (the CLI process) exits right after: once the layout is complete and
+            reported, SIGINT/SIGTERM are ignored for good so a late signal cannot fail it.
     Raises:
-        ConversionError: a refusal (OUT in SRC, non-empty OUT, disk space, unsupported architecture,
-            no weights), an overflowing cast. SourceError / ConfigError / HeaderError: unreadable SRC.
+        ConversionError: a refusal (OUT in SRC, non-empty OUT, disk space, not servable, missing tensors, no
+            weights), an overflowing cast. UnsupportedArchitectureError: an unknown architecture.
+            SourceError / ConfigError / HeaderError: unreadable SRC.
     """
     from atomtool.inspect.classify import inspect_checkpoint
 
     size = parse_size(shard_size)
     local_src = Path(src).expanduser()
-    if not dry_run and local_src.is_dir():
-        check_destination(local_src, out, overwrite=overwrite)  # refuse before any work
-    if dry_run and not local_src.is_dir() and not local_src.exists() and not looks_like_path(src):
+    hub_id = not local_src.is_dir() and not local_src.exists() and not looks_like_path(src)
+    # refuse before any work; a Hub repo id cannot contain OUT, so only OUT itself is checked for it
+    check_destination(None if hub_id else local_src, out, overwrite=overwrite)
+    _warn(clean_leftover_tmp_dirs(out, remove=not dry_run))
+    if dry_run and hub_id:
         # a Hub repo id: the plan needs headers only, which inspect reads remotely (no weight download)
         report = inspect_checkpoint(src, revision)
         root = Path(report.root) if report.root else Path(src)
@@ -164,19 +238,33 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
         family_for(report.architecture, strict=True)  # raises UnsupportedArchitectureError with the list
     if not report.tensors:
         raise ConversionError(f"{src}: no safetensors weights to convert")
-    plan = build_plan(report, dtype)
+    forced = _check_servable(src, report, force=force)  # inspect's verdict: before planning
+    plan = build_plan(report, dtype)  # the plan names the source tensors the engine needs and lacks
+    missing = [n for n in plan.missing if not any(n in line for line in forced)]  # not said by inspect already
+    if missing:
+        if not force:
+            raise ConversionError(refusal_message(src, [missing_message(missing)]))
+        forced.append(f"{FORCED}: {missing_message(missing)}")
     if dry_run:
+        if report.root is not None and Path(report.root).is_dir():
+            check_disk_space(out, estimate_bytes(plan, plan_shards(plan, size), Path(report.root)))
         if json_out:
             print(json.dumps({"source": str(root), "architecture": report.architecture, **plan_to_json(plan)},
                              indent=1))
         else:
             _print_plan(plan, report)
+        _warn(forced)
         _warn(plan.warnings)
         return 0
+    _warn(forced)
     _warn(plan.warnings)
+    if not json_out:
+        _warn(plan.infos, "note")
     source_meta.update({"architecture": report.architecture, "family": report.family,
                         "fingerprint": source_fingerprint(report, root),
                         "files": sorted({t.file for t in report.tensors.values()})})
+    if forced:
+        source_meta["forced"] = forced  # verify repeats them: the layout was written despite these
 
     def summary(result) -> None:  # runs with SIGINT/SIGTERM deferred, right after OUT is in place
         rate = result.bytes / result.seconds if result.seconds > 0 else 0.0  # bytes/s
@@ -184,17 +272,28 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
             print(json.dumps({"out": str(result.out), "tensors": result.tensors, "shards": result.shards,
                               "bytes": result.bytes, "seconds": round(result.seconds, 3),
                               "gb_per_s": round(rate / 1e9, 3), "bytes_per_s": round(rate),
-                              "warnings": plan.warnings, "notes": plan.notes}, indent=1), flush=True)
+                              "warnings": forced + plan.warnings, "notes": plan.notes}, indent=1), flush=True)
         else:
             print(f"wrote {result.out}: {result.tensors} tensors in {result.shards} shard(s), "
                   f"{human_bytes(result.bytes)} in {result.seconds:.2f}s ({human_bytes(rate)}/s)", flush=True)
+        if process_exit:  # complete and reported: nothing may turn this into a failure any more
+            hold_interrupts_until_exit()
 
+    if progress is None:
+        progress = not json_out and sys.stderr.isatty()
     with _sigterm_as_interrupt():
         result = write_layout(plan, root, out, shard_size=size, overwrite=overwrite, source=source_meta,
-                              progress=not json_out and sys.stderr.isatty(), on_commit=summary)
+                              progress=progress, on_commit=summary)
     if result.interrupted:
         print("note: interrupted after the conversion had completed; the layout is complete", file=sys.stderr)
+    hold = float(os.environ.get(AFTER_SUMMARY_SLEEP_ENV, "0") or 0)
+    if hold:
+        time.sleep(hold)
     return 0
+
+
+#: problems ``verify`` prints one per line (the rest are counted; ``--json`` lists all)
+MAX_PROBLEMS = 20
 
 
 def run_verify(layout: str, *, source: str | None = None, json_out: bool = False) -> int:
@@ -209,12 +308,16 @@ def run_verify(layout: str, *, source: str | None = None, json_out: bool = False
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:
-        for p in report.problems:
+        _warn(report.warnings)  # written with --force: intact, but not servable
+        for p in report.problems[:MAX_PROBLEMS]:
             print(f"problem: {p}", file=sys.stderr)
+        if len(report.problems) > MAX_PROBLEMS:
+            print(f"problem: ... and {len(report.problems) - MAX_PROBLEMS} more (--json lists all)", file=sys.stderr)
         what = f"{report.tensors} tensors, {human_bytes(report.bytes)} checksummed"
         if source is not None:
             what += f"; {report.parts} parts reproduce {source}"
             if report.dequantized:
                 what += f" ({report.dequantized} FP8 parts dequantize exactly)"
-        print(("OK: " if report.ok else f"FAILED ({len(report.problems)} problems): ") + what)
+        n = len(report.problems)
+        print(("OK: " if report.ok else f"FAILED ({n} problem{'' if n == 1 else 's'}): ") + what)
     return 0 if report.ok else 1

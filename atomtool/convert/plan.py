@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from atomtool.convert.cast import FLOAT_SCHEMES, cast_warnings, output_dtype, target_tag
+from atomtool.convert.cast import FLOAT_SCHEMES, cast_messages, output_dtype, target_tag
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor, PartSpec
 from atomtool.errors import ConversionError
 from atomtool.inspect.families import FAMILIES, Family, family_for
@@ -307,9 +307,11 @@ class _Planner:
                 raise ConversionError(f"two output tensors are named {o.name} (a source tensor already has "
                                       "the name of a fused module)")
             tensors[o.name] = o
+        warnings, cast_notes = cast_messages(self.casts)
         return ConversionPlan(
             tensors=tensors, config=output_config(self.report, self.target), dtype_policy=self.dtype_policy,
-            warnings=cast_warnings(self.casts), sources=dict(self.report.tensors), notes=self.notes)
+            warnings=warnings, sources=dict(self.report.tensors), notes=cast_notes + self.notes,
+            infos=cast_notes)
 
 
 def _why_uniform(mods: Sequence[ModuleInfo], what: str) -> str | None:
@@ -341,7 +343,70 @@ def output_config(report: InspectReport, target: str | None = None) -> dict:
     return cfg
 
 
-def build_plan(report: InspectReport, dtype: str = "auto") -> ConversionPlan:
+def _module_of(rest: str) -> str:
+    """Module path of a tensor path relative to its layer, expert indices masked (``mlp.experts.#.down_proj``)."""
+    return _EXPERT_RE.sub(r"\1#", rest.rsplit(".", 1)[0])
+
+
+_EXPERT_RE = re.compile(r"((?:^|\.)experts\.)\d+")
+
+
+def missing_tensors(report: InspectReport) -> list[str]:
+    """Source tensors the engine needs that the checkpoint lacks, by name (natural order); empty when complete.
+
+    Judged from the checkpoint itself, not from a per-architecture name list: the decoder layers of one
+    kind hold the same modules (a layer's kind: dense or MoE, i.e. it has ``mlp.experts`` or not, and its
+    DSA schedule role from ``report.dsa``), so a module one layer of a kind has and another lacks is missing
+    from the latter (its tensors are named after the roles the other layer stores: ``weight``,
+    ``weight_scale_inv``, ...); layers at index >= ``num_hidden_layers`` (MTP) are not compared. At model
+    level the engine (Llama/Qwen and DeepSeek/GLM modules alike) needs ``embed_tokens.weight`` and
+    ``norm.weight`` next to ``layers``, and ``lm_head.weight`` unless ``tie_word_embeddings``. Which tensors
+    each *fused* output needs is the plan's own business: a fusion whose parts are only partly present is
+    listed here too. Only for families the engine serves (others are refused as unservable anyway).
+    """
+    fam = _family(report)
+    if fam is None or not fam.servable or not report.tensors:
+        return []
+    n = report.config_flat.get("num_hidden_layers")
+    roles = list(report.dsa.roles) if report.dsa is not None else None
+    layers: dict[int, tuple[str, dict[str, set[str]]]] = {}  # idx -> (layer prefix, module -> tensor roles)
+    for name in report.tensors:
+        m = _LAYER_RE.match(name)
+        if not m:
+            continue
+        idx = int(m.group("idx"))
+        if isinstance(n, int) and idx >= n:
+            continue
+        rest = m.group("rest")
+        prefix, mods = layers.setdefault(idx, (m.group("layer"), {}))
+        mods.setdefault(_module_of(rest), set()).add(rest.rsplit(".", 1)[-1])
+    kinds: dict[tuple, list[int]] = {}
+    for idx, (_, mods) in layers.items():
+        moe = any(".experts.#" in mod or mod.startswith("experts.#") for mod in mods)
+        role = roles[idx] if roles is not None and idx < len(roles) else None
+        kinds.setdefault((moe, role), []).append(idx)
+    missing: list[str] = []
+    for idxs in kinds.values():
+        union: dict[str, set[str]] = {}
+        for idx in idxs:
+            for mod, rs in layers[idx][1].items():
+                union.setdefault(mod, set()).update(rs)
+        for idx in idxs:
+            prefix, mods = layers[idx]
+            for mod in sorted(set(union) - set(mods)):
+                shown = mod.replace("#", "*")  # every expert lacks it
+                missing.extend(f"{prefix}.{shown}.{r}" for r in sorted(union[mod]))
+    # model level: next to the layers (``model.`` or ``model.language_model.``)
+    bases = {layers[i][0].rsplit("layers.", 1)[0] for i in layers}
+    base = bases.pop() if len(bases) == 1 else "model."
+    needed = [f"{base}embed_tokens.weight", f"{base}norm.weight"]
+    if not report.config_flat.get("tie_word_embeddings", False):
+        needed.append("lm_head.weight")
+    missing.extend(t for t in needed if t not in report.tensors)
+    return sorted(set(missing), key=natural_key)
+
+
+def build_plan(report: InspectReport, dtype: str = "auto", *, require_complete: bool = False) -> ConversionPlan:
     """Plan the conversion of the checkpoint described by ``report`` into the atomtool layout. Pure.
 
     Output names are the engine's module names: dense ``self_attn.qkv_proj`` / ``mlp.gate_up_proj``; MLA
@@ -354,9 +419,31 @@ def build_plan(report: InspectReport, dtype: str = "auto") -> ConversionPlan:
     Args:
         report: the inspect result (modules with storage schemes, tensors, DSA schedule, configs).
         dtype: ``auto`` | ``bfloat16`` | ``float16`` | ``float32`` (see :mod:`atomtool.convert.cast`).
+        require_complete: refuse a checkpoint that lacks tensors the engine needs (:func:`missing_tensors`);
+            ``convert`` sets it (a layout that cannot load is not written), serve's in-memory load does not
+            (its loader names missing parameters itself).
     Returns:
-        the plan; its ``warnings`` hold one line per (source dtype -> target dtype) cast.
+        the plan; its ``warnings`` hold one line per lossy (source dtype -> target dtype) cast (lossless
+        widenings go to ``infos`` and ``notes``), its ``missing`` the
+        names :func:`missing_tensors` found.
     Raises:
-        ConversionError: unknown dtype, incomplete MoE experts, an output name clash.
+        ConversionError: unknown dtype, incomplete MoE experts, an output name clash, missing tensors (with
+            ``require_complete``: ``missing N required tensor(s): a, b, ...``).
     """
-    return _Planner(report, dtype).build()
+    missing = missing_tensors(report)
+    if missing and require_complete:
+        raise ConversionError(missing_message(missing))
+    plan = _Planner(report, dtype).build()
+    plan.missing = missing
+    return plan
+
+
+#: missing tensor names listed in :func:`missing_message` (the rest are counted)
+MAX_LISTED = 5
+
+
+def missing_message(missing: list[str]) -> str:
+    """``checkpoint lacks N tensor(s) the engine needs: a, b, ... (and K more)`` (one line)."""
+    shown = ", ".join(missing[:MAX_LISTED]) + (f" (and {len(missing) - MAX_LISTED} more)"
+                                               if len(missing) > MAX_LISTED else "")
+    return f"checkpoint lacks {len(missing)} tensor(s) the engine needs: {shown}"

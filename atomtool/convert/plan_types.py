@@ -53,7 +53,7 @@ class ConversionPlan:
     config: the output config.json dict (source config + flattened index_* fields + indexer_types).
     sources: source tensor name -> TensorInfo (file, dtype, shape, offsets) for every part's source, so the
     plan can be materialized without re-inspecting. notes: how each fusion was decided (e.g. why the
-    indexer parts stayed separate), recorded in the manifest.
+    indexer parts stayed separate), recorded in the manifest. missing: see the field.
     """
 
     tensors: dict[str, OutputTensor]
@@ -62,3 +62,8 @@ class ConversionPlan:
     warnings: list[str] = field(default_factory=list)
     sources: dict[str, TensorInfo] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: one-line facts the CLI prints as ``note:`` (lossless widening casts); also in ``notes``
+    infos: list[str] = field(default_factory=list)
+    #: source tensors the engine needs that the checkpoint lacks (:func:`atomtool.convert.plan.missing_tensors`);
+    #: convert refuses such a checkpoint unless ``--force``
+    missing: list[str] = field(default_factory=list)

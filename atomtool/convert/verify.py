@@ -28,7 +28,7 @@ from safetensors import safe_open
 from atomtool.convert.cast import TAG_OF_TORCH, checked_cast, torch_dtype
 from atomtool.convert.layout import entry_to_spec, read_manifest, read_safetensors_header, tensor_files
 from atomtool.convert.plan_types import OutputTensor
-from atomtool.errors import AtomtoolError, LayoutError
+from atomtool.errors import AtomtoolError, LayoutError, SourceError
 
 _CHUNK = 64 << 20
 
@@ -44,6 +44,8 @@ class VerifyReport:
     parts: int = 0
     dequantized: int = 0
     problems: list[str] = field(default_factory=list)
+    #: not problems of the layout's integrity: it was written with ``convert --force`` despite these
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -52,7 +54,7 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "source": self.source, "ok": self.ok, "tensors": self.tensors,
                 "bytes": self.bytes, "parts": self.parts, "dequantized_parts": self.dequantized,
-                "problems": self.problems}
+                "problems": self.problems, "warnings": self.warnings}
 
 
 def _sha256_range(path: Path, start: int, length: int) -> str:
@@ -204,6 +206,7 @@ def _check_source(root: Path, manifest: dict[str, Any], source: str, report: Ver
     if src.root is None:
         report.problems.append(f"{source}: not available locally")
         return
+    check_is_source(manifest, source, src.tensors, str(root))
     src_files = {n: t.file for n, t in src.tensors.items()}
     out_files = {n: f for n, f in tensor_files(root).items() if f not in bad_files}
     out = _Tensors(root, out_files)
@@ -211,6 +214,60 @@ def _check_source(root: Path, manifest: dict[str, Any], source: str, report: Ver
     copies = _CopyHasher(src.root, src.tensors, digests)
     with out.stack, srct.stack:
         _compare_parts(manifest, src_files, out, srct, report, copies)
+
+
+#: fraction of the manifest's source tensors a directory must hold to be compared part by part; below it the
+#: directory is obviously another checkpoint and verify says so once instead of one problem per tensor
+MIN_SOURCE_OVERLAP = 0.5
+
+
+def check_is_source(manifest: dict[str, Any], source: str, tensors: dict[str, Any], layout: str) -> None:
+    """Refuse, in one line, a ``--source`` that obviously is not the checkpoint the layout was converted from.
+
+    Compared first, before any tensor is read: the manifest's source fingerprint (sha256 of config.json and
+    every header entry, :func:`atomtool.convert.commands.source_fingerprint`) -- equal means it is the
+    source; otherwise the source tensor names the manifest's parts record: a directory holding no weights,
+    or fewer than :data:`MIN_SOURCE_OVERLAP` of those names, is another checkpoint. A copy with the same
+    tensors (re-saved, re-sharded) passes and is then checked part by part.
+
+    Raises:
+        SourceError: ``SRC is not the source of LAYOUT: ...`` naming a few of the tensors it lacks.
+    """
+    recorded = {p["source"] for e in manifest["tensors"].values() for p in e.get("parts", [])
+                if isinstance(p, dict) and "source" in p}
+    if not recorded:
+        return
+    if not tensors:
+        raise SourceError(f"{source} is not the source of {layout}: it holds no safetensors weights "
+                          f"(the layout was converted from {len(recorded)} source tensors"
+                          + _recorded_from(manifest) + ")")
+    fingerprint = (manifest.get("source") or {}).get("fingerprint")
+    if fingerprint and _fingerprint(source) == fingerprint:
+        return
+    common = recorded & set(tensors)
+    if len(common) < MIN_SOURCE_OVERLAP * len(recorded):
+        lacking = sorted(recorded - common)
+        raise SourceError(f"{source} is not the source of {layout}: it holds {len(common)} of the {len(recorded)} "
+                          f"source tensors the manifest records (lacks e.g. {', '.join(lacking[:3])})"
+                          + _recorded_from(manifest, "; converted from "))
+
+
+def _recorded_from(manifest: dict[str, Any], lead: str = ", from ") -> str:
+    src = manifest.get("source") or {}
+    where = src.get("repo_id") or src.get("path")
+    return f"{lead}{where}" if where else ""
+
+
+def _fingerprint(source: str) -> str | None:
+    """The source fingerprint of ``source`` as convert records it; None when it cannot be computed."""
+    from atomtool.convert.commands import source_fingerprint
+    from atomtool.inspect.classify import inspect_checkpoint
+
+    try:
+        report = inspect_checkpoint(source)
+    except AtomtoolError:
+        return None
+    return source_fingerprint(report, Path(report.root or source))
 
 
 class _CopyHasher:
@@ -345,12 +402,20 @@ def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport
     Returns:
         a :class:`VerifyReport`; ``report.problems`` lists every mismatch (empty = verified).
     Raises:
-        LayoutError: the manifest is missing or malformed (nothing else can be checked).
-        SourceError: the source cannot be opened.
+        LayoutError: no such directory, or the manifest is missing or malformed (nothing else can be checked).
+        SourceError: the source cannot be opened, or obviously is not the layout's source
+            (:func:`check_is_source`).
     """
     root = Path(layout)
+    if not root.exists():
+        raise LayoutError(f"{layout}: no such directory")
+    if not root.is_dir():
+        raise LayoutError(f"{layout}: is a file; pass the layout directory (holding atomtool.json)")
     manifest = read_manifest(root)
     report = VerifyReport(layout=str(layout), source=source)
+    forced = (manifest.get("source") or {}).get("forced")
+    if isinstance(forced, list):
+        report.warnings = [str(w) for w in forced]
     for name, entry in manifest["tensors"].items():
         _check_tiling(entry_to_spec(name, entry), report.problems)
     digests: dict[str, str] = {}

@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import datetime as _dt
 import errno
+import glob
 import hashlib
 import json
 import mmap
@@ -38,7 +39,9 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -93,15 +96,17 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def check_destination(src: str | Path, out: str | Path, *, overwrite: bool) -> None:
-    """Refuse destinations that would touch SRC or lose data.
+def check_destination(src: str | Path | None, out: str | Path, *, overwrite: bool) -> None:
+    """Refuse destinations that would touch SRC or lose data (``src`` None: a Hub repo id not downloaded
+    yet, only OUT itself is checked).
 
     Raises:
         ConversionError: OUT equals or is inside SRC; OUT is a file; OUT is non-empty without ``overwrite``;
             ``overwrite`` of a directory that is not an atomtool layout or that contains SRC.
     """
-    src_r, out_r = Path(src).resolve(), Path(out).resolve()
-    if out_r == src_r or src_r in out_r.parents:
+    out_r = Path(out).resolve()
+    src_r = Path(src).resolve() if src is not None else None
+    if src_r is not None and (out_r == src_r or src_r in out_r.parents):
         raise ConversionError(f"OUT {out} is inside the source checkpoint {src}; choose a directory outside SRC "
                               "(the source is never modified)")
     if out_r.exists() and not out_r.is_dir():
@@ -109,11 +114,131 @@ def check_destination(src: str | Path, out: str | Path, *, overwrite: bool) -> N
     if out_r.is_dir() and any(out_r.iterdir()):
         if not overwrite:
             raise ConversionError(f"OUT {out} is not empty; pass --overwrite to replace it")
-        if out_r in src_r.parents:
+        if src_r is not None and out_r in src_r.parents:
             raise ConversionError(f"refusing to --overwrite {out}: it contains the source checkpoint {src}")
         if not is_layout(out_r):
             raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
                                   f"(no {MANIFEST_NAME}); remove it yourself if it should go")
+
+
+#: file inside a temporary ``.OUT.tmp-XXXX`` naming the convert that owns it (removed before the final rename)
+OWNER_NAME = ".atomtool-owner.json"
+#: seconds after which a temporary directory without an owner file (older atomtool, or a kill in the
+#: microseconds between removing the owner file and the rename) counts as stale
+UNOWNED_STALE_S = 600.0
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), to tell a reused PID
+    from the original process; None where /proc is unavailable or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _pid_alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    except OSError:
+        return False
+    now = _process_start(pid)
+    return start is None or now is None or now == start  # a reused PID has another start time
+
+
+def _write_owner(tmp: Path) -> None:
+    pid = os.getpid()
+    (tmp / OWNER_NAME).write_text(json.dumps({"pid": pid, "host": socket.gethostname(),
+                                              "start": _process_start(pid)}))
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes the files under ``path`` occupy on disk (``st_blocks``; apparent size where unknown)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, f))
+                total += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+    return total
+
+
+@dataclass
+class LeftoverTmp:
+    """A temporary directory ``.OUT.tmp-XXXX`` left next to OUT: its owner and whether it is stale."""
+
+    path: Path
+    bytes: int
+    pid: int | None
+    host: str | None
+    stale: bool
+
+    def describe(self) -> str:
+        owner = f"PID {self.pid}" if self.pid is not None else "no owner recorded"
+        if self.host is not None and self.host != socket.gethostname():
+            owner += f" on host {self.host}"
+        return f"{self.path.name} ({human_bytes(self.bytes)}, {owner})"
+
+
+def leftover_tmp_dirs(out: str | Path) -> list[LeftoverTmp]:
+    """Temporary directories of earlier conversions into ``out`` (``.OUT.tmp-XXXX`` siblings), each judged
+    stale (its convert is gone: the recorded PID does not run on this host, or runs with another start time,
+    i.e. was reused; or no owner was recorded and it is older than :data:`UNOWNED_STALE_S`) or live (a
+    conversion is writing it now, or it belongs to another host and cannot be judged)."""
+    out_abs = Path(out).resolve()
+    parent = out_abs.parent
+    if not parent.is_dir():
+        return []
+    found = []
+    for d in sorted(parent.glob(f".{glob.escape(out_abs.name)}.tmp-*")):
+        if not d.is_dir() or d.is_symlink():
+            continue
+        pid = host = start = None
+        try:
+            owner = json.loads((d / OWNER_NAME).read_text())
+            pid, start = int(owner["pid"]), owner.get("start")
+            host = None if owner.get("host") is None else str(owner["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if pid is None:
+            try:
+                stale = time.time() - d.stat().st_mtime > UNOWNED_STALE_S
+            except OSError:
+                continue
+        elif host is not None and host != socket.gethostname():
+            stale = False  # cannot see another host's processes
+        else:
+            stale = not _pid_alive(pid, start)
+        found.append(LeftoverTmp(d, _tree_bytes(d), pid, host, stale))
+    return found
+
+
+def clean_leftover_tmp_dirs(out: str | Path, *, remove: bool = True) -> list[str]:
+    """Find the temporary directories that crashed conversions (SIGKILL, power loss) left next to ``out``,
+    remove the stale ones (with ``remove``) and return one warning line per directory: the bytes reclaimed,
+    or why it was left alone (its conversion still runs)."""
+    lines = []
+    for t in leftover_tmp_dirs(out):
+        if not t.stale:
+            lines.append(f"{t.describe()} is the temporary directory of a conversion that may still be running; "
+                         "left alone (remove it yourself if none is)")
+        elif remove:
+            shutil.rmtree(t.path, ignore_errors=True)
+            if t.path.exists():
+                lines.append(f"could not remove the stale temporary directory {t.describe()} of an interrupted "
+                             "conversion; remove it yourself")
+            else:
+                lines.append(f"removed the stale temporary directory {t.describe()} of an interrupted conversion: "
+                             f"{human_bytes(t.bytes)} reclaimed")
+        else:
+            lines.append(f"the stale temporary directory {t.describe()} of an interrupted conversion will be "
+                         f"removed ({human_bytes(t.bytes)})")
+    return lines
 
 
 def check_disk_space(out: str | Path, needed: int) -> None:
@@ -254,6 +379,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: seconds between progress-bar redraws (tqdm's default)
+PROGRESS_INTERVAL_S = 0.1
 #: bytes of the zero-padding buffer and of the fallback copy's scratch buffer
 CHUNK_BYTES = 16 << 20
 #: bytes per copy_file_range + hash step of the streaming path
@@ -468,17 +595,22 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
     w = _AsyncWriter()
     pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="atomtool-sha256")
     stop = threading.Event()
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
-              leave=False) as bar:
+    # bytes written (shard headers and tensor data), the shard in the description and the tensor being
+    # written after the rate; on stderr, left on screen only until the summary line replaces it
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert shard 1/{len(shards)}",
+              disable=not progress, leave=False, file=sys.stderr, dynamic_ncols=True,
+              mininterval=PROGRESS_INTERVAL_S) as bar:
         abandon = True
         try:
-            for shard in shards:
+            for i, shard in enumerate(shards):
+                bar.set_description(f"convert shard {i + 1}/{len(shards)}", refresh=False)
                 path = tmp / shard.file
                 with open(path, "wb", buffering=0) as f:
                     w.write(f, memoryview(struct.pack("<Q", len(shard.header)) + shard.header))
                     bar.update(8 + len(shard.header))
                     for name in shard.names:
                         spec = plan.tensors[name]
+                        bar.set_postfix_str(name, refresh=False)
                         b0, b1 = shard.offsets[name]
                         segments = byte_segments(spec, reader)
                         if segments is not None:
@@ -571,6 +703,7 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
     tmp = out_abs.parent / f".{out_abs.name}.tmp-{token}"
     created = _make_tmp_dir(tmp)  # first: an unwritable OUT says so, not "0 B free"
     try:
+        _write_owner(tmp)  # a later convert tells a crashed one's leftovers from a running one's
         check_disk_space(out, estimate_bytes(plan, shards, src))
     except BaseException:
         _remove_created(tmp, created)
@@ -586,6 +719,7 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2))
         for f in side_files(src):
             shutil.copy2(f, tmp / f.name)
+        (tmp / OWNER_NAME).unlink()  # not part of the layout
         for f in tmp.iterdir():  # shards are fsynced as written; make the small files durable too
             _fsync_file(f)
         manifest = build_manifest(plan, written, source or {"path": str(src)})
@@ -653,7 +787,8 @@ def _remove_created(tmp: Path, created: list[Path]) -> None:
 def deferred_interrupts():
     """Record SIGINT/SIGTERM instead of raising them while inside; yields the list of received signal
     numbers. Used around the final rename and the summary: past the rename the conversion is complete.
-    Outside the main thread (signals cannot be handled there) nothing is deferred."""
+    Outside the main thread (signals cannot be handled there) nothing is deferred. A handler installed
+    inside (e.g. ``SIG_IGN`` by a CLI about to exit, :func:`hold_interrupts_until_exit`) is kept."""
     received: list[int] = []
 
     def handler(signum, frame):  # noqa: ARG001
@@ -669,7 +804,17 @@ def deferred_interrupts():
         yield received
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, old)
+
+
+def hold_interrupts_until_exit() -> None:
+    """Ignore SIGINT/SIGTERM for the rest of the process: called by the ``atomtool convert`` process once
+    the layout is complete and reported, so a late Ctrl-C (during interpreter shutdown) cannot turn the
+    success into exit 130. Never called in-process by library users (tests, the demo)."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 #: renameat2(2) flags (linux/fs.h)
