@@ -81,6 +81,16 @@ def test_gpt_oss_sliding_layers_are_bounded_by_the_window(tmp_path):
     assert "24.00 KiB" in next(line for line in res.stdout.splitlines() if "KV cache / token" in line)
 
 
+def test_gpt_oss_longest_context_in_the_report():
+    cfg = _cfg("openai__gpt-oss-20b.json")
+    cfg.pop("quantization_config")  # BF16 weights: their size is estimated from the config
+    r = build_report("gpt-oss", cfg, {}, gpu_memory_gb=80)
+    m = r.memory
+    free = 80 * 10**9 - m["weights_bytes"]
+    # 12 full layers x 2048 B per token; 12 sliding layers x 2048 B for at most 128 tokens
+    assert m["max_context_tokens"] == (free - 128 * 12 * 2048) // (12 * 2048)
+
+
 def test_minimax_m3_counts_sparse_index_keys(tmp_path):
     obj, _ = _json(str(_config_dir(tmp_path, _cfg("MiniMaxAI__MiniMax-M3.json"))))
     m = obj["memory"]
@@ -110,6 +120,17 @@ def _copy_without(src: Path, dst: Path, drop: set[str]) -> Path:
 
 def test_intact_qwen3_has_no_missing_tensor_finding(qwen3):
     obj, code = _json(str(qwen3))
+    assert code == 0 and obj["servable"] is True
+    assert not [f for f in obj["findings"] if f["code"].startswith("missing-")]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v32"])
+def test_converted_layout_has_no_missing_tensor_finding(tmp_path, arch):
+    """atomtool layouts store fused modules (qkv_proj, fused_qkv_a_proj) and stacked experts (w13/w2):
+    the parts they hold count as present."""
+    src = write_hf_checkpoint(tmp_path / "src", arch, seed=2, tokenizer=False)
+    assert CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out")]).exit_code == 0
+    obj, code = _json(str(tmp_path / "out"))
     assert code == 0 and obj["servable"] is True
     assert not [f for f in obj["findings"] if f["code"].startswith("missing-")]
 
