@@ -415,59 +415,64 @@ _ST_WIDTH = 16
 
 
 @triton.jit
-def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S,
+def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, NP,
                         s_key, s_rng, ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                         ALIGNED: tl.constexpr):
     r = tl.program_id(0)
-    s0 = tl.program_id(1) * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
-    if s0 >= n:
+    if tl.program_id(1) * BLOCK >= n:
         return
-    s = s0 + tl.arange(0, BLOCK)
-    u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
-    accumulate_row_range(rng_ptr + r.to(tl.int64) * s_rng, u.to(tl.int32, bitcast=True), s < n)
+    key_row = key_ptr + r.to(tl.int64) * s_key
+    inv_lo = tl.zeros([BLOCK], tl.uint32)
+    hi = tl.zeros([BLOCK], tl.uint32)
+    for seg in range(tl.program_id(1), tl.cdiv(n, BLOCK), NP):
+        s = seg * BLOCK + tl.arange(0, BLOCK)
+        u = _load_keys(key_row, s, n, ALIGNED)
+        inv_lo = tl.maximum(inv_lo, tl.where(s < n, u ^ 0xFFFFFFFF, 0))
+        hi = tl.maximum(hi, tl.where(s < n, u, 0))
+    fold_row_range(rng_ptr + r.to(tl.int64) * s_rng, tl.max(inv_lo, axis=0), tl.max(hi, axis=0))
 
 
 @triton.jit
 def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0,
-                       S, K, s_key, s_rng, s_st, s_out,
+                       S, K, NP, s_key, s_rng, s_st, s_out,
                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
                        ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr):
     r = tl.program_id(0)
-    s0 = tl.program_id(1) * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
-    if (n <= K) | (s0 >= n):
+    if (n <= K) | (tl.program_id(1) * BLOCK >= n):
         return
     rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
     lo = tl.load(rng) ^ 0xFFFFFFFF
     hi = tl.load(rng + 1)
+    key_row = key_ptr + r.to(tl.int64) * s_key
     if SMALL > 0:  # a short row: selected whole by its first program, in registers; C and E skip it
         if n <= SMALL:
-            if s0 == 0:
-                _select_tile(key_ptr + r.to(tl.int64) * s_key, out_ptr + (row0 + r).to(tl.int64) * s_out, n,
-                             lo, hi, K, SMALL, CBINS, ALIGNED)
+            if tl.program_id(1) == 0:
+                _select_tile(key_row, out_ptr + (row0 + r).to(tl.int64) * s_out, n, lo, hi, K, SMALL, CBINS,
+                             ALIGNED)
             return
     if lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
-        s = s0 + tl.arange(0, BLOCK)
-        ok = s < n
-        u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
-        hist = tl.histogram(tl.where(ok, ((u - lo) >> shift).to(tl.int32), 0), BINS, mask=ok)
+        hist = tl.zeros([BINS], tl.int32)
+        for seg in range(tl.program_id(1), tl.cdiv(n, BLOCK), NP):
+            s = seg * BLOCK + tl.arange(0, BLOCK)
+            ok = s < n
+            u = _load_keys(key_row, s, n, ALIGNED)
+            hist += tl.histogram(tl.where(ok, ((u - lo) >> shift).to(tl.int32), 0), BINS, mask=ok)
         tl.atomic_add(st_ptr + r.to(tl.int64) * s_st + ST_HIST + tl.arange(0, BINS), hist, mask=hist > 0,
                       sem="relaxed")
 
 
 @triton.jit
 def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
-                          num_seqs, row0, S, K, P, s_key, s_rng, s_st, s_seg, s_cand,
+                          num_seqs, row0, S, K, P, NP, s_key, s_rng, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                           BINS: tl.constexpr, BLOCK_P: tl.constexpr, CBLOCK: tl.constexpr,
                           ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr):
     r = tl.program_id(0)
-    p = tl.program_id(1)
-    s0 = p * BLOCK
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
-    if (n <= K) | (s0 >= n) | (n <= SMALL):  # dense rows: E; short rows: done in B
+    if (n <= K) | (tl.program_id(1) * BLOCK >= n) | (n <= SMALL):  # dense rows: E; short rows: done in B
         return
     rng = _as_u32(rng_ptr + r.to(tl.int64) * s_rng)
     lo = tl.load(rng) ^ 0xFFFFFFFF
@@ -476,24 +481,30 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
     st = _as_u32(st_row)
     seg_row = seg_ptr + r.to(tl.int64) * s_seg
     cand_row = cand_ptr + r.to(tl.int64) * s_cand
+    key_row = key_ptr + r.to(tl.int64) * s_key
     nseg = tl.cdiv(n, BLOCK)
     pick, remaining = _pick_bucket(tl.load(st_row + ST_HIST + tl.arange(0, BINS)), K)
     if lo < hi:
         shift = _bucket_shift(lo, hi, BINS)
-        s = s0 + tl.arange(0, BLOCK)
-        ok = s < n
-        u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
-        d = ((u - lo) >> shift).to(tl.int32)
-        sel = ok & (d == pick)
-        tl.store(seg_row + p, tl.sum((ok & (d > pick)).to(tl.int32), axis=0))  # round-1 keys above
-        base = tl.atomic_add(st_row + ST_CNT, tl.sum(sel.to(tl.int32), axis=0), sem="relaxed")
-        idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(cand_row + idx, u.to(tl.int32, bitcast=True), mask=sel)
-        tl.store(cand_row + S + idx, s, mask=sel)
-        tl.atomic_max(st + ST_CINV_LO, tl.max(tl.where(sel, u ^ 0xFFFFFFFF, 0), axis=0), sem="relaxed")
-        tl.atomic_max(st + ST_CHI, tl.max(tl.where(sel, u, 0), axis=0), sem="relaxed")
+        inv_lo_v = tl.zeros([BLOCK], tl.uint32)
+        hi_v = tl.zeros([BLOCK], tl.uint32)
+        for seg in range(tl.program_id(1), nseg, NP):
+            s = seg * BLOCK + tl.arange(0, BLOCK)
+            ok = s < n
+            u = _load_keys(key_row, s, n, ALIGNED)
+            d = ((u - lo) >> shift).to(tl.int32)
+            sel = ok & (d == pick)
+            tl.store(seg_row + seg, tl.sum((ok & (d > pick)).to(tl.int32), axis=0))  # round-1 keys above
+            base = tl.atomic_add(st_row + ST_CNT, tl.sum(sel.to(tl.int32), axis=0), sem="relaxed")
+            idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(cand_row + idx, u.to(tl.int32, bitcast=True), mask=sel)
+            tl.store(cand_row + S + idx, s, mask=sel)
+            inv_lo_v = tl.maximum(inv_lo_v, tl.where(sel, u ^ 0xFFFFFFFF, 0))
+            hi_v = tl.maximum(hi_v, tl.where(sel, u, 0))
+        fold_row_range(st + ST_CINV_LO, tl.max(inv_lo_v, axis=0), tl.max(hi_v, axis=0))  # ST_CHI follows
     tl.debug_barrier()  # every thread's candidate stores precede the release below
-    if tl.atomic_add(st_row + ST_DONE, 1) == nseg - 1:  # acq_rel: every other segment's stores are seen
+    # acq_rel: the last program of the row (of min(NP, nseg) with segments) sees every other one's stores
+    if tl.atomic_add(st_row + ST_DONE, 1) == tl.minimum(NP, nseg) - 1:
         if lo < hi:
             # plain L2 reads, ordered after the acquire above (independent: issued together)
             m = tl.load(st_row + ST_CNT, cache_modifier=".cg")
@@ -534,13 +545,12 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
 
 @triton.jit
 def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
-                        num_seqs, row0, S, K, P, s_key, s_rng, s_st, s_seg, s_out,
+                        num_seqs, row0, S, K, P, NP, s_key, s_rng, s_st, s_seg, s_out,
                         ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                         BINS: tl.constexpr, ALIGNED: tl.constexpr, SMALL: tl.constexpr):
     r = tl.program_id(0)
     p = tl.program_id(1)
     t = row0 + r
-    s0 = p * BLOCK
     n = _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
     st_row = st_ptr + r.to(tl.int64) * s_st
     if p == 0:  # the accumulators of this row are read by no later launch: zero them for the next call
@@ -550,22 +560,25 @@ def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu
     out_row = out_ptr + t.to(tl.int64) * s_out
     offs = tl.arange(0, BLOCK)
     if n <= K:  # dense row: the programs of the row share the K slots
-        for c in range(s0, K, P * BLOCK):
+        for c in range(p * BLOCK, K, NP * BLOCK):
             slot = c + offs
             tl.store(out_row + slot, tl.where(slot < n, slot, -1), mask=slot < K)
         return
-    if (s0 >= n) | (n <= SMALL):  # short rows were written in B
+    if (p * BLOCK >= n) | (n <= SMALL):  # short rows were written in B
         return
     st = _as_u32(st_row)
     seg_row = seg_ptr + r.to(tl.int64) * s_seg
+    key_row = key_ptr + r.to(tl.int64) * s_key
     flat = tl.load(st_row + ST_FLAT) != 0
     tk = tl.load(st + ST_TK)
     need = tl.load(st_row + ST_NEED)
-    n_gt = tl.where(flat, 0, tl.load(seg_row + P + p))
-    n_eq = tl.where(flat, s0, tl.load(seg_row + 2 * P + p))
-    s = s0 + offs
-    u = _load_keys(key_ptr + r.to(tl.int64) * s_key, s, n, ALIGNED)
-    _write_chunk(out_row, s, u, s < n, tk, need, n_gt, n_eq)
+    for seg in range(p, tl.cdiv(n, BLOCK), NP):
+        s0 = seg * BLOCK
+        n_gt = tl.where(flat, 0, tl.load(seg_row + P + seg))
+        n_eq = tl.where(flat, s0, tl.load(seg_row + 2 * P + seg))
+        s = s0 + offs
+        u = _load_keys(key_row, s, n, ALIGNED)
+        _write_chunk(out_row, s, u, s < n, tk, need, n_gt, n_eq)
 
 
 # ------------------------------------------------------------------ host side
@@ -635,10 +648,31 @@ def resolve_tuning(split: bool, block: int | None = None, bins: int | None = Non
     return t
 
 
+#: split rows: programs per SM of one launch, spread over its rows (None: one program per segment). Each
+#: program loops over the segments p, p + NP, ... of its row below the row's length, so a key width far
+#: above the real lengths (CUDA-graph decode) costs about one wave of exiting programs, not S / SPLIT_BLOCK
+#: per row
+SPLIT_PROGRAMS_PER_SM: int | None = 2
+_SM_COUNT: dict[str, int] = {}
+
+
+def _split_programs(rows: int, segments: int, device: torch.device) -> int:
+    """Programs per row of the split launches (NP): about SPLIT_PROGRAMS_PER_SM waves over all rows."""
+    if SPLIT_PROGRAMS_PER_SM is None:
+        return segments
+    if device.type != "cuda":
+        return min(segments, 3)  # the interpreter: several segments per program, as on a GPU at long rows
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(segments, SPLIT_PROGRAMS_PER_SM * _SM_COUNT[key] // rows))
+
+
 def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, t):
     R, S = keys.shape
     block = t["block"]
     P = triton.cdiv(S, block)
+    NP = _split_programs(R, P, keys.device)
     dev = keys.device
     st = _zeroed("split", R, _ST_WIDTH + MAX_BINS, dev)
     seg = torch.empty((R, 3 * P), dtype=torch.int32, device=dev)
@@ -647,18 +681,18 @@ def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block
             "ALIGNED": S % 4 == 0 and keys.stride(0) % 4 == 0}
     lens, cu_q, seq_lens, num_seqs = rows
     if not range_given:
-        _split_range_kernel[(R, P)](keys, rng, lens, cu_q, seq_lens, num_seqs, row0, S, keys.stride(0),
-                                    rng.stride(0), **meta)
+        _split_range_kernel[(R, NP)](keys, rng, lens, cu_q, seq_lens, num_seqs, row0, S, NP, keys.stride(0),
+                                     rng.stride(0), **meta)
     args = (*rows, row0, S, topk)
     meta.update(SMALL=t["small_n"], BINS=t["bins"])
     hist_meta = dict(meta, num_warps=t["small_warps"]) if t["small_n"] else meta
-    _split_hist_kernel[(R, P)](keys, rng, st, out, *args, keys.stride(0), rng.stride(0), st.stride(0),
-                               out.stride(0), CBINS=t["cand_bins"], **hist_meta)
-    _split_compact_kernel[(R, P)](keys, rng, st, seg, cand, *args, P, keys.stride(0), rng.stride(0),
-                                  st.stride(0), seg.stride(0), cand.stride(0), BLOCK_P=pow2(P, 32),
-                                  CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], **meta)
-    _split_write_kernel[(R, P)](keys, rng, st, seg, out, *args, P, keys.stride(0), rng.stride(0),
-                                st.stride(0), seg.stride(0), out.stride(0), **meta)
+    _split_hist_kernel[(R, NP)](keys, rng, st, out, *args, NP, keys.stride(0), rng.stride(0), st.stride(0),
+                                out.stride(0), CBINS=t["cand_bins"], **hist_meta)
+    _split_compact_kernel[(R, NP)](keys, rng, st, seg, cand, *args, P, NP, keys.stride(0), rng.stride(0),
+                                   st.stride(0), seg.stride(0), cand.stride(0), BLOCK_P=pow2(P, 32),
+                                   CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], **meta)
+    _split_write_kernel[(R, NP)](keys, rng, st, seg, out, *args, P, NP, keys.stride(0), rng.stride(0),
+                                 st.stride(0), seg.stride(0), out.stride(0), **meta)
 
 
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
