@@ -294,8 +294,9 @@ def test_verify_against_another_checkpoint_is_one_error(ckpts, tmp_path):
     assert r.stderr.strip().startswith(f"error: {empty} is not the source of {out}: it holds no safetensors weights")
     r = run("verify", out, "--source", ckpts["qwen3"])
     assert r.exit_code == 1 and "problem:" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert re.search(rf"error: {ckpts['qwen3']} is not the source of {out}: it holds \d+ of the \d+ source "
-                     r"tensors the manifest records \(lacks e\.g\. ", r.stderr)
+    assert re.search(rf"error: {ckpts['qwen3']} is not the source of {out}: only \d+ of the \d+ source "
+                     r"tensors the manifest records are there with the recorded dtype and shape \(lacks e\.g\. "
+                     rf".*\); converted from {ckpts['glm']}$", r.stderr.strip()), r.stderr
     assert run("verify", out, "--source", ckpts["glm"]).exit_code == 0  # the real source still verifies
 
 

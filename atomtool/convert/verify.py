@@ -226,15 +226,16 @@ def check_is_source(manifest: dict[str, Any], source: str, tensors: dict[str, An
 
     Compared first, before any tensor is read: the manifest's source fingerprint (sha256 of config.json and
     every header entry, :func:`atomtool.convert.commands.source_fingerprint`) -- equal means it is the
-    source; otherwise the source tensor names the manifest's parts record: a directory holding no weights,
-    or fewer than :data:`MIN_SOURCE_OVERLAP` of those names, is another checkpoint. A copy with the same
-    tensors (re-saved, re-sharded) passes and is then checked part by part.
+    source; otherwise the source tensors the manifest's parts record (name, and dtype and shape where
+    recorded): a directory holding no weights, or fewer than :data:`MIN_SOURCE_OVERLAP` of those tensors
+    (e.g. the BF16 original of an FP8 checkpoint: other dtypes, no scales), is another checkpoint. A copy
+    with the same tensors (re-saved, re-sharded) passes and is then checked part by part.
 
     Raises:
         SourceError: ``SRC is not the source of LAYOUT: ...`` naming a few of the tensors it lacks.
     """
-    recorded = {p["source"] for e in manifest["tensors"].values() for p in e.get("parts", [])
-                if isinstance(p, dict) and "source" in p}
+    recorded: dict[str, dict[str, Any]] = {p["source"]: p for e in manifest["tensors"].values()
+                                           for p in e.get("parts", []) if isinstance(p, dict) and "source" in p}
     if not recorded:
         return
     if not tensors:
@@ -244,12 +245,22 @@ def check_is_source(manifest: dict[str, Any], source: str, tensors: dict[str, An
     fingerprint = (manifest.get("source") or {}).get("fingerprint")
     if fingerprint and _fingerprint(source) == fingerprint:
         return
-    common = recorded & set(tensors)
-    if len(common) < MIN_SOURCE_OVERLAP * len(recorded):
-        lacking = sorted(recorded - common)
-        raise SourceError(f"{source} is not the source of {layout}: it holds {len(common)} of the {len(recorded)} "
-                          f"source tensors the manifest records (lacks e.g. {', '.join(lacking[:3])})"
-                          + _recorded_from(manifest, "; converted from "))
+    lacking, differing = [], []
+    for name, part in recorded.items():
+        info = tensors.get(name)
+        if info is None:
+            lacking.append(name)
+        elif (part.get("source_dtype") not in (None, info.dtype)
+              or part.get("source_shape") not in (None, list(info.shape))):
+            differing.append(f"{name} is {info.dtype} {list(info.shape)} there, {part.get('source_dtype')} "
+                             f"{part.get('source_shape')} in the manifest")
+    matched = len(recorded) - len(lacking) - len(differing)
+    if matched < MIN_SOURCE_OVERLAP * len(recorded):
+        eg = ([f"lacks e.g. {', '.join(sorted(lacking)[:3])}"] if lacking else []) + \
+             ([f"e.g. {differing[0]}"] if differing else [])
+        raise SourceError(f"{source} is not the source of {layout}: only {matched} of the {len(recorded)} source "
+                          f"tensors the manifest records are there with the recorded dtype and shape "
+                          f"({'; '.join(eg)})" + _recorded_from(manifest, "; converted from "))
 
 
 def _recorded_from(manifest: dict[str, Any], lead: str = ", from ") -> str:
