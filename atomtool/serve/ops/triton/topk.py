@@ -30,8 +30,9 @@ or a compaction), not bytes (the keys of a row are L2-resident), so the design m
    ``u == Tk`` to its rank among the taken (one packed cumsum), so the output is ascending by construction.
 
 Few long rows (decode at small batch) would leave most SMs idle, so there the same algorithm runs split:
-one program per ``SPLIT_BLOCK`` positions of a row, three launches (see "split rows" below), and rows of at
-most ``SPLIT_SMALL_N`` valid keys are selected whole, in registers, by one program of the first launch.
+segments of ``SPLIT_BLOCK`` positions spread over several programs per row, three launches (see "split
+rows" below), and rows of at most ``SPLIT_SMALL_N`` valid keys are selected whole, in registers, by one
+program of the first launch.
 ``select_rows`` picks the mode from shapes only (rows < ``SPLIT_MAX_ROWS`` and width >=
 ``SPLIT_MIN_WIDTH``); inside a mode the work follows each row's real length n (CUDA-graph decode pads the
 key width to the model's maximum length): no pass reads a position >= n, programs past n exit at once.
@@ -391,17 +392,18 @@ def _radix_topk_kernel(
 # ------------------------------------------------------------------ split rows: several programs per row
 #
 # Few long rows (decode at batch 1..64) would leave most SMs idle with one program per row, so the same
-# selection runs over segments of SPLIT_BLOCK positions, one program each. The grid is sized from the key
-# width S (shapes only: CUDA graphs), but a program whose segment starts at or past the row's length n
-# returns at once, so the cost follows n. Launches: [range: only when no producer supplied the key range],
-# B) round-1 histogram (atomics; a row of at most SPLIT_SMALL_N keys is instead selected whole by its
-# first program, in registers, and skipped by C and E), C) compaction of the picked bucket's (key,
-# position) pairs; the last program of the row to finish C (an acq_rel counter) completes the radix select
-# on the candidates (in registers when they fit) and stores Tk / need and every segment's first output
-# slot; E) every segment writes its taken positions, and program 0 of the row zeroes the row's
-# accumulators (range, histogram, counters) for the next call: the state is persistent and self-cleaning,
-# so no memset launch. Ties never depend on the order of the atomics: the candidates are a set, positions
-# keep the order.
+# selection runs over segments of SPLIT_BLOCK positions: NP programs per row (about two waves of the GPU
+# over all rows, SPLIT_PROGRAMS_PER_SM), program p taking segments p, p + NP, ... below the row's length n.
+# The grid comes from shapes only (CUDA graphs); a program with no segment below n returns at once, so the
+# cost follows n, not the key width S. Launches: [range: only when no producer supplied the key range],
+# B) round-1 histogram (one atomic add per program; a row of at most SPLIT_SMALL_N keys is instead
+# selected whole by its first program, in registers, and skipped by C and E), C) compaction of the picked
+# bucket's (key, position) pairs; the last program of the row to finish C (an acq_rel counter) completes
+# the radix select on the candidates (in registers when they fit) and stores Tk / need and every
+# segment's first output slot; E) every segment writes its taken positions, and program 0 of the row
+# zeroes the row's accumulators (range, histogram, counters) for the next call: the state is persistent
+# and self-cleaning, so no memset launch. Ties never depend on the order of the atomics: the candidates
+# are a set, positions keep the order.
 
 ST_CNT: tl.constexpr = tl.constexpr(0)  # candidates compacted so far
 ST_CINV_LO: tl.constexpr = tl.constexpr(1)  # ~(min candidate key)
