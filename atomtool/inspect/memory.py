@@ -5,7 +5,9 @@ KV layout facts: research/dsa.md §6. MLA caches one latent ``[c_kv (kv_lora_ran
 (qk_rope_head_dim)]`` per token per layer (shared layers included); DSA adds an indexer key plane of
 ``index_head_dim`` FP8 values + one FP32 scale per 128 dims, only on layers whose schedule role is
 ``full`` (:func:`atomtool.inspect.dsa.layer_roles`). Dense GQA caches K and V: ``2 * num_key_value_heads *
-head_dim`` per attention layer.
+head_dim`` per attention layer; MiniMax-M3 adds one sparse index key per sparse layer. Hybrid models:
+linear-attention layers cache nothing (Qwen3-Next ``full_attention_interval``, ``layer_types``), and
+sliding-window layers (gpt-oss) hold at most ``sliding_window`` tokens (see :func:`kv_cache_bytes`).
 """
 
 from __future__ import annotations

@@ -238,6 +238,11 @@ def kv_detail(m: dict[str, Any]) -> str:
     return detail
 
 
+def _module_patterns(r: InspectReport) -> list[str]:
+    items = [(m.name, (m.scheme, m.dtype, m.shape, m.declared_quantized, m.treated_as)) for m in r.modules]
+    return [p for p, _, _ in group_by_pattern(items)]
+
+
 def render(report: InspectReport, console: Console | None = None, *, show_tensors: bool = False) -> None:
     """Print the report as rich tables: summary, DSA schedule, modules (collapsed), totals, memory, findings,
     and with ``show_tensors`` every tensor (one row each)."""
@@ -274,7 +279,6 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
             if layers:
                 t.add_row(f"{role} layers ({len(layers)})", layer_list(layers))
         console.print(t)
-        console.print(Text(LAYER_LEGEND, style="dim"), soft_wrap=True)
 
     if r.modules:
         _heading(console, f"Linear modules ({len(r.modules)})")
@@ -291,6 +295,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         for pattern, n, (scheme, dtype, shape, declared, treated) in rows:
             t.add_row(pattern, str(n), scheme, dtype, _shape(shape), "quant" if declared else "-", treated)
         console.print(t)
+    if r.dsa is not None or any(".." in m for m in _module_patterns(r)):
+        console.print(Text(LAYER_LEGEND, style="dim"), soft_wrap=True)
 
     tot = r.totals
     _heading(console, "Totals" + (" (estimated from config.json)" if tot.get("estimated") else ""))
