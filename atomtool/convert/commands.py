@@ -3,7 +3,10 @@
 ``run_convert``: resolve SRC (a local directory, or a Hub repo id downloaded first with
 ``huggingface_hub.snapshot_download`` and its progress bar), inspect it, build the plan, then either print
 it (``--dry-run``: a rich table or ``--json``; nothing is written) or stream it into OUT atomically.
-Warnings (dtype casts) go to stderr, one line each.
+A checkpoint the engine could not serve after conversion (inspect's error findings or ``servable: false``,
+source tensors the engine needs that are missing) is refused before any work, dry run or not, unless
+``--force``. Warnings (lossy dtype casts, ``--force``) go to stderr, one line each; lossless widenings are
+``note:`` lines.
 """
 
 from __future__ import annotations

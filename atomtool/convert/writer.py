@@ -13,7 +13,10 @@
 - Atomic: everything goes to a hidden sibling ``.OUT.tmp-XXXX`` and is renamed to ``OUT`` only when the
   manifest, the last file, is written and every file is fsynced; an exception or Ctrl-C removes the
   temporary directory, and a hard kill leaves at most that hidden directory (never an ``OUT`` that looks
-  valid). ``--overwrite`` swaps the old layout out only after the new one is complete (an atomic
+  valid). The temporary directory records its owner (PID, host, process start time) in
+  ``.atomtool-owner.json`` until the rename, so the next conversion into the same OUT tells a crashed
+  conversion's leftovers (removed, with the bytes reclaimed) from a running one's (left alone), see
+  :func:`clean_leftover_tmp_dirs`. ``--overwrite`` swaps the old layout out only after the new one is complete (an atomic
   ``renameat2(RENAME_EXCHANGE)`` where available). The final rename never replaces an OUT that another
   process completed meanwhile unless ``--overwrite`` was given (:func:`_commit`), and SIGINT/SIGTERM are
   deferred from the rename on: a complete conversion is not failed by a late Ctrl-C.
