@@ -353,3 +353,25 @@ def test_signal_after_the_summary_exits_0(ckpts, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "interrupted" not in err and is_layout(out)
+
+
+def test_hub_repo_refused_from_remote_headers_before_download(ckpts, tmp_path, monkeypatch):
+    """An unservable Hub repo is refused from its remote headers: no weight is downloaded first."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from tests.fake_hub import FakeHub, set_endpoint
+
+    src = write_nvfp4_checkpoint(ckpts["qwen3"], tmp_path / "nvfp4")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: pytest.fail("downloaded before refusing"))
+    with FakeHub({"org/nvfp4": src}) as server:
+        set_endpoint(monkeypatch, server.endpoint)
+        r = run("convert", "org/nvfp4", tmp_path / "out")
+    assert r.exit_code == 1 and r.stderr.startswith("error: org/nvfp4 would not convert into a servable layout: "
+                                                    "scheme-not-servable: "), r.output
+    assert not (tmp_path / "out").exists()

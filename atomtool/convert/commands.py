@@ -35,7 +35,7 @@ from atomtool.convert.writer import (
     plan_shards,
     write_layout,
 )
-from atomtool.errors import ConversionError, SourceError
+from atomtool.errors import AtomtoolError, ConversionError, SourceError
 from atomtool.inspect.families import family_for, supported_architectures
 from atomtool.inspect.source import hub_download_error, looks_like_path, quiet_hub_logs
 from atomtool.inspect.types import InspectReport
@@ -200,6 +200,24 @@ def _check_servable(src: str, report: InspectReport, *, force: bool) -> list[str
     return [f"{FORCED}: {p}" for p in problems]
 
 
+def _vet(src: str, report: InspectReport, dtype: str, *, force: bool) -> tuple[ConversionPlan, list[str]]:
+    """The refusals that depend on the checkpoint, in order: unknown architecture, no weights, servability
+    (:func:`servability_problems`), missing tensors (the plan's). Returns the plan and, with ``force``, the
+    warnings that replace the servability refusals."""
+    if family_for(report.architecture) is None:
+        family_for(report.architecture, strict=True)  # raises UnsupportedArchitectureError with the list
+    if not report.tensors:
+        raise ConversionError(f"{src}: no safetensors weights to convert")
+    forced = _check_servable(src, report, force=force)  # inspect's verdict: before planning
+    plan = build_plan(report, dtype)  # the plan names the source tensors the engine needs and lacks
+    missing = [n for n in plan.missing if not any(n in line for line in forced)]  # not said by inspect already
+    if missing:
+        if not force:
+            raise ConversionError(refusal_message(src, [missing_message(missing)]))
+        forced.append(f"{FORCED}: {missing_message(missing)}")
+    return plan, forced
+
+
 def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5GB", overwrite: bool = False,
                 dry_run: bool = False, json_out: bool = False, revision: str | None = None, force: bool = False,
                 progress: bool | None = None, process_exit: bool = False) -> int:
@@ -230,6 +248,15 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     # refuse before any work; a Hub repo id cannot contain OUT, so only OUT itself is checked for it
     check_destination(None if hub_id else local_src, out, overwrite=overwrite)
     _warn(clean_leftover_tmp_dirs(out, remove=not dry_run))
+    if hub_id and not dry_run and not force:
+        # vet the repo from its remote headers before downloading it (a 700 GB download must not precede a
+        # refusal); if the remote read fails (offline, cache only), the download path below says why
+        try:
+            remote = inspect_checkpoint(src, revision)
+        except AtomtoolError:
+            remote = None
+        if remote is not None:
+            _vet(src, remote, dtype, force=False)
     if dry_run and hub_id:
         # a Hub repo id: the plan needs headers only, which inspect reads remotely (no weight download)
         report = inspect_checkpoint(src, revision)
@@ -237,17 +264,7 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     else:
         root, source_meta = resolve_source(src, revision)
         report = inspect_checkpoint(str(root))
-    if family_for(report.architecture) is None:
-        family_for(report.architecture, strict=True)  # raises UnsupportedArchitectureError with the list
-    if not report.tensors:
-        raise ConversionError(f"{src}: no safetensors weights to convert")
-    forced = _check_servable(src, report, force=force)  # inspect's verdict: before planning
-    plan = build_plan(report, dtype)  # the plan names the source tensors the engine needs and lacks
-    missing = [n for n in plan.missing if not any(n in line for line in forced)]  # not said by inspect already
-    if missing:
-        if not force:
-            raise ConversionError(refusal_message(src, [missing_message(missing)]))
-        forced.append(f"{FORCED}: {missing_message(missing)}")
+    plan, forced = _vet(src, report, dtype, force=force)
     if dry_run:
         if report.root is not None and Path(report.root).is_dir():
             check_disk_space(out, estimate_bytes(plan, plan_shards(plan, size), Path(report.root)))
