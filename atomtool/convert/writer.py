@@ -706,7 +706,10 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
     tmp = out_abs.parent / f".{out_abs.name}.tmp-{token}"
     created = _make_tmp_dir(tmp)  # first: an unwritable OUT says so, not "0 B free"
     try:
-        _write_owner(tmp)  # a later convert tells a crashed one's leftovers from a running one's
+        try:
+            _write_owner(tmp)  # a later convert tells a crashed one's leftovers from a running one's
+        except OSError as exc:
+            raise ConversionError(f"cannot write to {tmp.parent}: {exc.strerror or exc}") from None
         check_disk_space(out, estimate_bytes(plan, shards, src))
     except BaseException:
         _remove_created(tmp, created)
