@@ -104,7 +104,8 @@ SPLIT_CHUNKS_DENSE = 32
 
 @dataclass(frozen=True)
 class MlaDecodeConfig:
-    """Launch options of the split-KV decode kernel for wide latents (kv_lora_rank >= 256, e.g. DeepSeek's 512).
+    """Launch options of the split-KV decode kernel for wide bf16/fp16 latents (kv_lora_rank >= 256, e.g.
+    DeepSeek's 512); float32 inputs use 16 x 32 tiles (the H200's 227 KB of shared memory).
 
     block_h: query heads per program; block_n: keys per inner step; num_warps / num_stages: Triton options.
     None of them changes a row's chunking, so a row's bits do not depend on them beyond the dot's tile shape,
@@ -239,7 +240,12 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     n_chunks = max(1, triton.cdiv(K, SPLIT_CHUNK_SPARSE)) if sparse else SPLIT_CHUNKS_DENSE
     ws_acc = torch.empty((B, n_chunks, H, R), dtype=torch.float32, device=out.device)
     ws_ml = torch.empty((B, n_chunks, H, 2), dtype=torch.float32, device=out.device)
-    cfg = MLA_DECODE_CONFIG if r_pad >= 256 else MlaDecodeConfig(block_h=32, block_n=64)
+    if r_pad < 256:
+        cfg = MlaDecodeConfig(block_h=32, block_n=64, num_warps=4)
+    elif q_nope_absorbed.element_size() > 2:  # float32: the bf16-tuned 64 x 64 tiles need 311 KB of shared memory
+        cfg = MlaDecodeConfig(block_h=16, block_n=32, num_warps=4)
+    else:
+        cfg = MLA_DECODE_CONFIG
     block_h = min(pow2(H, 16), cfg.block_h)
     _mla_split_kernel[(B, triton.cdiv(H, block_h), n_chunks)](
         q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables, tk,
