@@ -143,7 +143,8 @@ class Fp8LinearConfig:
     split_target: programs the split-K plan aims for (a constant, so a given weight's split is the same on
     every call and device); num_warps / num_stages: Triton launch options; swap_ab: compute the transposed
     tile (see the kernel); fused_sum: the last split of each tile sums the partials (no second launch; same
-    bits as the separate sum kernel). H200 sweep at M = 1 over one DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms
+    bits as the separate sum kernel). Off by default: in the H200 decode profile (batch 1, DeepSeek-V3.2 shape)
+    the fused form cost 1.51 ms per step against 1.31 + 0.14 ms for the GEMM and the separate sum kernel. H200 sweep at M = 1 over one DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms
     (59% of the copy bandwidth), swap_ab 1.48 ms, block_n 32 1.52 ms, block_n 128 >= 1.93 ms. Tuned on an H200 at M = 1 with
     ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
     """
@@ -154,7 +155,7 @@ class Fp8LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
-    fused_sum: bool = True
+    fused_sum: bool = False
 
 
 #: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
