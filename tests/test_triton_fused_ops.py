@@ -11,14 +11,11 @@ tests/test_triton_ops.py), and the shape errors.
 
 from __future__ import annotations
 
-import os
-import sys
+from tests.triton_interp import harness, setup_interpreter  # noqa: E402  (imports neither torch nor triton)
 
-_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-os.environ["TRITON_INTERPRET"] = "1"
+_TRITON_PREIMPORTED = setup_interpreter()
 
 import inspect  # noqa: E402
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -35,18 +32,7 @@ if not _TRITON_PREIMPORTED:
     from atomtool.serve.ops.triton import fused_rope as tri  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _in_process_only_with_an_interpreted_triton(request):
-    if _TRITON_PREIMPORTED and request.node.name != "test_suite_in_a_fresh_process":
-        pytest.skip("triton was imported compiled earlier in this session: covered by test_suite_in_a_fresh_process")
-
-
-@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="triton is interpreted in this process: tests run here")
-def test_suite_in_a_fresh_process():
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+_interpreted_only, test_suite_in_a_fresh_process = harness(__file__, _TRITON_PREIMPORTED)
 
 
 def test_registered_with_the_reference_signatures():

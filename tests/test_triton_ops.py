@@ -8,17 +8,16 @@ in bf16 on a GPU in tests/gpu/test_kernels_gpu.py.
 
 from __future__ import annotations
 
-import os
 import sys
 
 # Triton decides at import time whether @triton.jit means "interpret" (its own tl.sum & co. included), so
 # the variable must be set before triton is first imported. When another test module of the same session
 # imported triton earlier, these tests rerun in a fresh interpreter (test_suite_in_a_fresh_process).
-_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interp import harness, setup_interpreter  # noqa: E402  (imports neither torch nor triton)
+
+_TRITON_PREIMPORTED = setup_interpreter()
 
 import inspect  # noqa: E402
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -35,21 +34,7 @@ if not _TRITON_PREIMPORTED:
     import atomtool.serve.ops.triton as tri  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _in_process_only_with_an_interpreted_triton(request):
-    if _TRITON_PREIMPORTED and request.node.name != "test_suite_in_a_fresh_process":
-        pytest.skip("triton was imported compiled earlier in this session: covered by test_suite_in_a_fresh_process")
-
-
-@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="triton is interpreted in this process: tests run here")
-def test_suite_in_a_fresh_process():
-    if os.environ.get("ATOMTOOL_TRITON_TEST_CHILD"):
-        pytest.fail("triton is imported before this module even in a fresh process (by a conftest?)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    env["ATOMTOOL_TRITON_TEST_CHILD"] = "1"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+_interpreted_only, test_suite_in_a_fresh_process = harness(__file__, _TRITON_PREIMPORTED)
 
 
 # ---------------------------------------------------------------- registration and signatures
@@ -359,7 +344,6 @@ def test_fp8_block_linear_small_m_split_k(N, K, block, monkeypatch):
     """Every M takes the split-K path: K cut into several splits (13, 2 and 1 here), fp32 partials summed in
     split order; every row equals the dequantized reference, and is bitwise the same alone as in a batch of
     any size (also one cut into several SPLIT_ROWS launches)."""
-    import sys
 
     from atomtool.serve.ops.triton.linear import split_k_plan
 
@@ -505,7 +489,6 @@ def test_fp8_linear_and_moe_launch_variants(swap_ab, block_n, fused_sum, monkeyp
     with and without split-K and bias; rows stay batch-invariant; the fused and the two-kernel sums agree
     bitwise and the tile counters are left at zero."""
     import dataclasses
-    import sys
 
     lin = sys.modules["atomtool.serve.ops.triton.linear"]
     moe = sys.modules["atomtool.serve.ops.triton.moe"]

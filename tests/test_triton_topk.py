@@ -14,8 +14,9 @@ import sys
 
 # same scheme as tests/test_triton_ops.py: triton must be imported after TRITON_INTERPRET is set; when
 # another module of the session imported it compiled first, this file reruns in a fresh interpreter
-_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interp import harness, setup_interpreter  # noqa: E402  (imports neither torch nor triton)
+
+_TRITON_PREIMPORTED = setup_interpreter()
 
 import subprocess  # noqa: E402
 
@@ -42,10 +43,7 @@ if not _TRITON_PREIMPORTED:
         tl.store(k_ptr + offs, T.orderable_key(x), mask=offs < n)
 
 
-@pytest.fixture(autouse=True)
-def _in_process_only_with_an_interpreted_triton(request):
-    if _TRITON_PREIMPORTED and request.node.name != "test_suite_in_a_fresh_process":
-        pytest.skip("triton was imported compiled earlier in this session: covered by test_suite_in_a_fresh_process")
+_interpreted_only, test_suite_in_a_fresh_process = harness(__file__, _TRITON_PREIMPORTED)
 
 
 @pytest.fixture(autouse=True)
@@ -56,17 +54,6 @@ def _interpreter_sized_defaults(monkeypatch):
         monkeypatch.setattr(T, "BLOCK", 256)
         monkeypatch.setattr(T, "CAND_BLOCK", 256)
         monkeypatch.setattr(T, "SPLIT_SMALL_N", 256)
-
-
-@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="triton is interpreted in this process: tests run here")
-def test_suite_in_a_fresh_process():
-    if os.environ.get("ATOMTOOL_TRITON_TEST_CHILD"):
-        pytest.fail("triton is imported before this module even in a fresh process (by a conftest?)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    env["ATOMTOOL_TRITON_TEST_CHILD"] = "1"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- helpers
