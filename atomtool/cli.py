@@ -56,6 +56,11 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+_DTYPE_HELP = ("Activation / float-weight dtype. auto: float32 on CPU; on GPU the checkpoint's float16, "
+               "else bfloat16.")
+_DEVICE_HELP = "Where to run: auto = CUDA/ROCm GPU when available, else CPU."
+
+
 def _user_errors(fn):
     """Turn AtomtoolError into a one-line message and exit code, never a traceback."""
 
@@ -124,7 +129,8 @@ def convert_cmd(
 def verify_cmd(
     layout: Annotated[str, typer.Argument(help="An atomtool layout directory.")],
     source: Annotated[str | None, typer.Option("--source", help="Check every part reproduces this source.")] = None,
-    json_out: Annotated[bool, typer.Option("--json")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object (every "
+                                                            "problem listed) instead of text.")] = False,
 ) -> None:
     """Re-read a layout and check it against its manifest (and, with --source, against the source)."""
     from atomtool.convert.commands import run_verify
@@ -137,15 +143,21 @@ def verify_cmd(
 def generate_cmd(
     model: Annotated[str, typer.Argument(help="atomtool layout, raw HF checkpoint directory, or Hub repo id.")],
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch.")],
-    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    top_k: Annotated[int, typer.Option()] = 0,
-    seed: Annotated[int | None, typer.Option()] = None,
-    ignore_eos: Annotated[bool, typer.Option()] = False,
-    dtype: Annotated[DType, typer.Option()] = DType.auto,
-    device: Annotated[Device, typer.Option()] = Device.auto,
-    json_out: Annotated[bool, typer.Option("--json")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt (fewer at EOS or at the "
+                                                 "context limit).")] = 32,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy (argmax).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens whose "
+                                              "probability sums to at least this; 1 = off.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sample among the K most likely tokens; 0 or -1 = off (all "
+                                            "tokens).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Random seed for sampling (reproducible output); default: "
+                                                  "unseeded.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Keep generating past the end-of-sequence token, up to "
+                                                  "--max-tokens.")] = False,
+    dtype: Annotated[DType, typer.Option(help=_DTYPE_HELP)] = DType.auto,
+    device: Annotated[Device, typer.Option(help=_DEVICE_HELP)] = Device.auto,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of {prompt, text, token_ids, "
+                                                            "finish_reason} instead of text.")] = False,
 ) -> None:
     """Generate completions for one batch of prompts with the engine (offline, no server)."""
     from atomtool.serve.commands import run_generate
@@ -158,24 +170,41 @@ def generate_cmd(
 @app.command("serve", short_help="Serve a model over an OpenAI-compatible HTTP API.")
 @_user_errors
 def serve_cmd(
-    model: Annotated[str | None, typer.Argument(help="Layout or raw HF checkpoint; default: the built-in demo model.")] = None,
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
-    served_model_name: Annotated[str | None, typer.Option()] = None,
+    model: Annotated[str | None, typer.Argument(
+        help="atomtool layout, raw HF checkpoint directory, or Hub repo id; default: the built-in demo "
+             "model.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port to listen on (0 = any free port; the startup line "
+                                           "shows it).")] = 8000,
+    served_model_name: Annotated[str | None, typer.Option(
+        help="Model name clients pass as 'model' and /v1/models lists; default: MODEL as given "
+             "(atomtool-demo for the demo model).")] = None,
     api_key: Annotated[str | None, typer.Option(
         envvar="ATOMTOOL_API_KEY",
         help="Require 'Authorization: Bearer KEY' on /v1 routes. Unset: no authentication. An empty key "
              "(--api-key '' or ATOMTOOL_API_KEY set to '') is an error.")] = None,
-    max_model_len: Annotated[int | None, typer.Option()] = None,
-    max_num_seqs: Annotated[int, typer.Option()] = 256,
-    max_num_batched_tokens: Annotated[int, typer.Option()] = 8192,
-    gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
-    kv_cache_memory: Annotated[int | None, typer.Option(help="KV cache bytes (CPU, or to override the GPU budget).")] = None,
-    dtype: Annotated[DType, typer.Option()] = DType.auto,
-    device: Annotated[Device, typer.Option()] = Device.auto,
-    enforce_eager: Annotated[bool, typer.Option(help="Disable CUDA graphs.")] = False,
-    chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file or string.")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option()] = 1,
+    max_model_len: Annotated[int | None, typer.Option(
+        help="Context length in tokens (prompt + output). Default: the model's max_position_embeddings, "
+             "lowered (with a warning) to what the KV cache holds; an explicit value the cache cannot hold "
+             "is an error.")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences running in one batch.")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        help="Most tokens (prefill chunks + decodes) in one engine step; longer prompts are prefilled in "
+             "chunks.")] = 8192,
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        help="Fraction of the GPU's memory (0-1] atomtool may use; the KV cache gets what is left after "
+             "weights and activations. Ignored on CPU and with --kv-cache-memory.")] = 0.9,
+    kv_cache_memory: Annotated[int | None, typer.Option(
+        help="KV cache size in bytes; overrides the GPU budget. Default on CPU: 1073741824 (1 GiB).")] = None,
+    dtype: Annotated[DType, typer.Option(help=_DTYPE_HELP)] = DType.auto,
+    device: Annotated[Device, typer.Option(help=_DEVICE_HELP)] = Device.auto,
+    enforce_eager: Annotated[bool, typer.Option(help="Disable CUDA graphs (run every decode step "
+                                                     "eagerly).")] = False,
+    chat_template: Annotated[str | None, typer.Option(
+        help="Jinja chat template (file path or the template text) for /v1/chat/completions; default: "
+             "the tokenizer's.")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(help="GPUs to shard the model over; only 1 is "
+                                                           "supported yet.")] = 1,
     max_request_bytes: Annotated[int | None, typer.Option(
         help="Largest request body in bytes; bigger ones get HTTP 413. Default 16777216 (16 MiB).")] = None,
 ) -> None:

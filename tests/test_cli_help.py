@@ -62,3 +62,24 @@ def test_bad_choice_exit_2_names_the_problem():
     res = _invoke("convert", "a", "b", "--dtype", "int8")
     assert res.exit_code == 2
     assert "--dtype" in res.output and "'int8' is not one of" in res.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_and_argument_has_help(command):
+    """A new user reads what each flag means (units, defaults, 0/-1 conventions) in ``--help``."""
+    cmd = typer.main.get_command(app).commands[command]
+    assert (cmd.help or "").strip(), command
+    missing = [p.name for p in cmd.params if not (getattr(p, "help", None) or "").strip()]
+    assert not missing, f"{command}: no help text for {missing}"
+
+
+@pytest.mark.parametrize("command, phrases", [
+    ("serve", ["Hub repo id", "0 = any free port", "float32 on CPU", "in bytes", "Most sequences",
+               "/v1/models"]),
+    ("generate", ["Hub repo id", "0 or -1 = off", "float32 on CPU", "0 = greedy"]),
+    ("verify", ["JSON object"]),
+])
+def test_help_explains_conventions(command, phrases):
+    out = " ".join(_invoke(command, "--help").output.split())  # unwrap click's line breaks
+    for phrase in phrases:
+        assert phrase in out, (command, phrase)

@@ -9,6 +9,34 @@ from atomtool.errors import InvalidRequestError
 from atomtool.serve.sampling_params import SamplingParams
 
 
+def format_bytes(n: int) -> str:
+    """Binary-prefixed size with one decimal: ``512 B``, ``16.0 KiB``, ``1.2 MiB``, ``3.5 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def engine_summary(engine) -> str:
+    """What a loaded :class:`~atomtool.serve.engine.llm_engine.LLMEngine` runs, for the startup line:
+    ``LlamaForCausalLM, float32 on cpu, max_model_len 32, KV cache 2 blocks x 16 tokens = 16.0 KiB``
+    (architecture from config.json, activation dtype, device with its index on CUDA, KV pool bytes)."""
+    import torch
+
+    archs = engine.config.get("architectures") or [type(engine.model).__name__]
+    dtype = str(getattr(engine.model, "dtype", "")).replace("torch.", "") or "unknown dtype"
+    device = engine.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    pool = engine.kv_pool
+    return (f"{archs[0]}, {dtype} on {device}, max_model_len {engine.max_model_len}, KV cache "
+            f"{pool.num_blocks} blocks x {pool.block_size} tokens = {format_bytes(pool.nbytes)}")
+
+
 def check_prompt_text(prompts: list[str]) -> None:
     """Refuse prompts that are not valid text before loading the model.
 
@@ -52,6 +80,8 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temper
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             ignore_eos=ignore_eos).validate()
     llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory)
+    if llm.engine.max_model_len_note:  # stderr: stdout holds only the completions
+        print(f"warning: {llm.engine.max_model_len_note}", file=sys.stderr)
     outputs = llm.generate(list(prompts), params)
     if json_out:
         print(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}

@@ -169,6 +169,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the load
 
     from atomtool.serve.api.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from atomtool.serve.commands import engine_summary
     from atomtool.serve.engine.llm_engine import LLMEngine
 
     print(f"atomtool serve: loading {model} ...", file=sys.stderr, flush=True)
@@ -180,8 +181,10 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
                      max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES)
     server = _uvicorn_server(app, sock, "info")
     bound_host, bound_port = sock.getsockname()[:2]
-    print(f"atomtool serve: model {name!r} (max_model_len {engine.max_model_len}, "
-          f"{engine.num_total_blocks()} KV blocks) on http://{bound_host}:{bound_port}", file=sys.stderr, flush=True)
+    if engine.max_model_len_note:
+        print(f"atomtool serve: warning: {engine.max_model_len_note}", file=sys.stderr, flush=True)
+    print(f"atomtool serve: model {name!r} ({engine_summary(engine)}) on http://{bound_host}:{bound_port}",
+          file=sys.stderr, flush=True)
 
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default handlers
     # that would kill the process (exit -15) after a clean drain. Make the re-raise a no-op instead.

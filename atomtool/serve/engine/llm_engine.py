@@ -98,8 +98,16 @@ class LLMEngine:
             raise EngineError(f"the KV cache budget ({budget} bytes) cannot hold one block of {block_size} tokens "
                               f"({bytes_per_block(planes, block_size)} bytes); raise --kv-cache-memory / "
                               "--gpu-memory-utilization")
+        #: why max_model_len is below the model's limit when the caller did not choose it (None: it is not);
+        #: the CLI prints it as a warning, as vLLM does
+        self.max_model_len_note: str | None = None
         if max_model_len is None:
             max_model_len = min(limit, capacity)
+            if capacity < limit:
+                self.max_model_len_note = (
+                    f"max_model_len {limit} -> {max_model_len}: the KV cache holds {capacity} tokens ({num_blocks} "
+                    f"blocks of {block_size}); raise --kv-cache-memory/--gpu-memory-utilization or pass "
+                    "--max-model-len")
         if capacity < max_model_len:
             raise EngineError(f"the KV cache budget ({budget} bytes) holds {capacity} tokens, fewer than "
                               f"max_model_len {max_model_len}; raise the KV budget or lower max_model_len")
