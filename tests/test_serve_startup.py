@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import atomtool.serve.api.server as server_mod
 from atomtool.cli import app
-from atomtool.serve.commands import format_bytes, run_generate
+from atomtool.serve.commands import run_generate
 from tests.checkpoints import write_hf_checkpoint
 
 BLOCK = 16  # the engine's default block size (tokens per KV block)
@@ -71,7 +71,7 @@ def test_reduced_context_is_a_warning_and_the_startup_line_says_what_runs(ckpt, 
     kib = 2 * per_block / 1024
     line = startup_line(err)
     assert line.startswith(f"atomtool serve: model '{ckpt}' ({cfg['architectures'][0]}, float32 on cpu, "
-                           f"max_model_len {2 * BLOCK}, KV cache 2 blocks x {BLOCK} tokens = {kib:.1f} KiB) "
+                           f"max_model_len {2 * BLOCK}, KV cache 2 blocks x {BLOCK} tokens = {kib:.2f} KiB) "
                            "on http://127.0.0.1:"), line
     assert err.index(warning) < err.index(line)
     assert out == ""
@@ -85,7 +85,7 @@ def test_explicit_dtype_and_name_show_in_the_startup_line(ckpt, cfg, monkeypatch
     assert code == 0, err
     assert "warning" not in err  # the user chose max_model_len: nothing was lowered behind their back
     assert (f"model 'zen' ({cfg['architectures'][0]}, bfloat16 on cpu, max_model_len 64, KV cache 5 blocks x "
-            f"{BLOCK} tokens = {5 * per_block / 1024:.1f} KiB)") in startup_line(err)
+            f"{BLOCK} tokens = {5 * per_block / 1024:.2f} KiB)") in startup_line(err)
 
 
 def test_no_warning_when_the_cache_holds_the_whole_context(ckpt, cfg, monkeypatch):
@@ -110,9 +110,3 @@ def test_generate_warns_on_stderr_and_keeps_stdout_for_completions(ckpt, cfg, ca
     assert (f"warning: max_model_len {cfg['max_position_embeddings']} -> {2 * BLOCK}: the KV cache holds "
             f"{2 * BLOCK} tokens (2 blocks of {BLOCK})") in captured.err
     assert "warning" not in captured.out and captured.out.startswith("ab")
-
-
-@pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (16384, "16.0 KiB"),
-                                     (1258291, "1.2 MiB"), (3 << 30, "3.0 GiB")])
-def test_format_bytes(n, text):
-    assert format_bytes(n) == text

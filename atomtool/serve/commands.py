@@ -6,24 +6,13 @@ import json
 import sys
 
 from atomtool.errors import InvalidRequestError
+from atomtool.inspect.report import human_bytes
 from atomtool.serve.sampling_params import SamplingParams
-
-
-def format_bytes(n: int) -> str:
-    """Binary-prefixed size with one decimal: ``512 B``, ``16.0 KiB``, ``1.2 MiB``, ``3.5 GiB``."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def engine_summary(engine) -> str:
     """What a loaded :class:`~atomtool.serve.engine.llm_engine.LLMEngine` runs, for the startup line:
-    ``LlamaForCausalLM, float32 on cpu, max_model_len 32, KV cache 2 blocks x 16 tokens = 16.0 KiB``
+    ``LlamaForCausalLM, float32 on cpu, max_model_len 32, KV cache 2 blocks x 16 tokens = 16.00 KiB``
     (architecture from config.json, activation dtype, device with its index on CUDA, KV pool bytes)."""
     import torch
 
@@ -34,7 +23,7 @@ def engine_summary(engine) -> str:
         device = torch.device("cuda", torch.cuda.current_device())
     pool = engine.kv_pool
     return (f"{archs[0]}, {dtype} on {device}, max_model_len {engine.max_model_len}, KV cache "
-            f"{pool.num_blocks} blocks x {pool.block_size} tokens = {format_bytes(pool.nbytes)}")
+            f"{pool.num_blocks} blocks x {pool.block_size} tokens = {human_bytes(pool.nbytes)}")
 
 
 def check_prompt_text(prompts: list[str]) -> None:
