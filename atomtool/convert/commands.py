@@ -21,6 +21,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from atomtool.convert.extra_files import (
+    OTHER_WEIGHT_SUFFIXES,
+    PICKLE_WEIGHT_SUFFIXES,
+    carried_note,
+    not_carried_note,
+)
 from atomtool.convert.layout import spec_to_entry
 from atomtool.convert.plan import build_plan, missing_message
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
@@ -40,12 +46,13 @@ from atomtool.inspect.families import family_for, supported_architectures
 from atomtool.inspect.source import hub_download_error, looks_like_path, quiet_hub_logs
 from atomtool.inspect.types import InspectReport
 
-#: files a conversion needs from a Hub repo (weights, configs, tokenizer and templates, and Python files for
-#: tokenizer remote code such as Kimi-K2's tokenization_kimi.py and the modules it imports; the writer copies
-#: only those, see :func:`atomtool.convert.writer.side_files`)
-HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py", "LICENSE*"]
-#: never downloaded: remote model code (we do not run it)
-HUB_IGNORE = ["modeling_*.py"]
+#: files a conversion fetches from a Hub repo: everything but weights in other formats (the trailing "*"
+#: matches any path; the named patterns are the files convert itself reads). The writer carries every
+#: downloaded non-weight file into the layout, see :mod:`atomtool.convert.extra_files`.
+HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py", "LICENSE*", "*"]
+#: never downloaded: pickle weights and other frameworks' weights (the layout's weights come from the
+#: safetensors), git metadata
+HUB_IGNORE = [f"*{s}" for s in PICKLE_WEIGHT_SUFFIXES + OTHER_WEIGHT_SUFFIXES] + [".gitattributes"]
 
 
 def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[str, Any]]:
@@ -292,8 +299,12 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
             print(json.dumps({"out": str(result.out), "tensors": result.tensors, "shards": result.shards,
                               "bytes": result.bytes, "seconds": round(result.seconds, 3),
                               "gb_per_s": round(rate / 1e9, 3), "bytes_per_s": round(rate),
-                              "warnings": forced + plan.warnings, "notes": plan.notes}, indent=1), flush=True)
+                              "warnings": forced + plan.warnings, "notes": plan.notes,
+                              "carried_files": [e["path"] for e in result.manifest["carried_files"]],
+                              "not_carried": result.manifest["not_carried"]}, indent=1), flush=True)
         else:
+            _warn([n for n in (carried_note(result.manifest["carried_files"]),
+                               not_carried_note(result.manifest["not_carried"])) if n], "note")
             print(f"wrote {result.out}: {result.tensors} tensors in {result.shards} shard(s), "
                   f"{human_bytes(result.bytes)} in {result.seconds:.2f}s ({human_bytes(rate)}/s)", flush=True)
         if process_exit:  # complete and reported: nothing may turn this into a failure any more

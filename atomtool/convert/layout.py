@@ -6,6 +6,7 @@ Schema (docs/LAYOUT.md has the full description)::
      "tool": {"name": "atomtool", "version": "0.1.0"}, "created": "2026-11-30T08:00:00Z",
      "source": {"path", "repo_id", "revision", "architecture", "family", "fingerprint", "files"},
      "dtype_policy": "auto", "warnings": [...], "notes": [...], "indexer_types": [...] | null,
+     "carried_files": [{"path", "size", "sha256"}], "not_carried": [{"path", "reason"}],
      "tensors": {"<output name>": {"dtype", "shape", "scheme", "op", "block_size", "file", "sha256",
                                    "parts": [{"source", "source_dtype", "source_shape",
                                               "rows", "stack_index", "pad_rows"}]}}}

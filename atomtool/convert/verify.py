@@ -26,7 +26,13 @@ import torch
 from safetensors import safe_open
 
 from atomtool.convert.cast import TAG_OF_TORCH, checked_cast, torch_dtype
-from atomtool.convert.layout import entry_to_spec, read_manifest, read_safetensors_header, tensor_files
+from atomtool.convert.layout import (
+    MANIFEST_NAME,
+    entry_to_spec,
+    read_manifest,
+    read_safetensors_header,
+    tensor_files,
+)
 from atomtool.convert.plan_types import OutputTensor
 from atomtool.errors import AtomtoolError, LayoutError, SourceError
 
@@ -185,6 +191,25 @@ def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyRepo
         if path.name not in referenced:
             report.problems.append(f"{path.name}: a safetensors file the index does not reference (not part of "
                                    "this layout; loaders that read every *.safetensors would pick it up)")
+
+
+def _check_carried_files(root: Path, manifest: dict[str, Any], report: VerifyReport) -> None:
+    """Each of the manifest's ``carried_files`` (non-weight files copied from the source: tokenizer, remote
+    code, ``encoding/``, ...) is in the layout with its recorded size and sha256. Manifests written before
+    the field existed have none to check."""
+    for e in manifest.get("carried_files") or []:
+        if not isinstance(e, dict) or not isinstance(e.get("path"), str):
+            report.problems.append(f"{MANIFEST_NAME}: malformed carried_files entry {e!r}")
+            continue
+        path = root / e["path"]
+        if not path.is_file():
+            report.problems.append(f"{e['path']}: carried file listed in the manifest is missing")
+            continue
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if digest != e.get("sha256"):
+            report.problems.append(f"{e['path']}: carried file's sha256 {digest[:16]}... != manifest "
+                                   f"{str(e.get('sha256'))[:16]}... (edited after convert?)")
 
 
 def _truncation(path: Path, header: dict[str, Any], data_start: int) -> str | None:
@@ -432,6 +457,7 @@ def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport
     digests: dict[str, str] = {}
     bad_files: set[str] = set()
     _check_layout_files(root, manifest, report, digests, bad_files)
+    _check_carried_files(root, manifest, report)
     if source is not None:
         _check_source(root, manifest, source, report, digests, bad_files)
     return report

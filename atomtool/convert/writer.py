@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 
 import atomtool
 from atomtool.convert.cast import torch_dtype
+from atomtool.convert.extra_files import copy_extra_files, extra_files
 from atomtool.convert.layout import FORMAT, INDEX_NAME, MANIFEST_NAME, VERSION, is_layout, spec_to_entry
 from atomtool.convert.materialize import SourceReader, _bytes, byte_segments, materialize
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
@@ -64,17 +65,6 @@ from atomtool.errors import ConversionError
 from atomtool.inspect.report import human_bytes
 from atomtool.inspect.safetensors_header import DTYPE_BITS
 
-#: side files copied unchanged (tokenizer, generation config, chat templates); matched on the file name.
-#: Tokenizer remote code (``tokenization_*.py``, loaded by ``AutoTokenizer`` with ``trust_remote_code``, e.g.
-#: Kimi-K2's TikTokenTokenizer with its ``tiktoken.model``) is copied too, with the modules it imports
-#: relatively (:func:`side_files`); model code (``modeling_*.py``) never is: we do not run remote model code.
-SIDE_FILE_PATTERNS = (
-    r"tokenizer.*", r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\..*", r"merges\.txt",
-    r".*\.tiktoken", r"tiktoken\.model", r"spiece\.model", r"tokenization_.*\.py",
-    r"generation_config\.json", r"chat_template.*", r"preprocessor_config\.json", r"LICENSE.*", r"README\.md",
-)
-#: ``from .mod import x`` / ``from . import mod`` in tokenizer code: the sibling modules it needs
-_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w*)\s+import\s+\(?\s*([\w\s,]+)", re.M)
 #: seconds to sleep after each shard; a test hook to kill a conversion mid-write deterministically
 SLEEP_ENV = "ATOMTOOL_CONVERT_TEST_SLEEP_PER_SHARD"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -259,31 +249,6 @@ def check_disk_space(out: str | Path, needed: int) -> None:
                               f"{human_bytes(free)} free on {probe}")
 
 
-def side_files(src: str | Path) -> list[Path]:
-    """Tokenizer, generation and chat-template files of a checkpoint directory (copied unchanged).
-
-    Includes tokenizer remote code (``tokenization_*.py``) and, transitively, the sibling ``.py`` modules
-    it imports relatively (Kimi-K2's ``tokenization_kimi.py`` imports ``tool_declaration_ts``), except
-    ``modeling_*.py``.
-    """
-    root = Path(src)
-    pats = [re.compile(p) for p in SIDE_FILE_PATTERNS]
-    files = {f for f in root.iterdir() if f.is_file() and any(p.fullmatch(f.name) for p in pats)}
-    todo = [f for f in files if f.suffix == ".py"]
-    while todo:
-        try:
-            code = todo.pop().read_text(errors="replace")
-        except OSError:
-            continue
-        for module, names in _RELATIVE_IMPORT.findall(code):
-            for mod in [module] if module else re.findall(r"\w+", names):
-                dep = root / f"{mod}.py"
-                if not mod.startswith("modeling_") and dep.is_file() and dep not in files:
-                    files.add(dep)
-                    todo.append(dep)
-    return sorted(files)
-
-
 def tensor_nbytes(spec: OutputTensor) -> int:
     """Bytes of one output tensor (sub-byte dtypes such as F4 count logical elements in ``shape``)."""
     n = DTYPE_BITS[spec.dtype]
@@ -340,9 +305,10 @@ def plan_shards(plan: ConversionPlan, shard_size: int) -> list[Shard]:
 
 
 def estimate_bytes(plan: ConversionPlan, shards: list[Shard], src: Path) -> int:
-    """Bytes the layout will take: shards, copied side files, config/manifest/index (generous)."""
-    meta = 4096 + 1024 * len(plan.tensors)
-    return sum(s.size for s in shards) + sum(f.stat().st_size for f in side_files(src)) + meta
+    """Bytes the layout will take: shards, carried non-weight files, config/manifest/index (generous)."""
+    found = extra_files(src)
+    meta = 4096 + 1024 * len(plan.tensors) + 256 * (len(found.carried) + len(found.not_carried))
+    return sum(s.size for s in shards) + found.nbytes + meta
 
 
 @dataclass
@@ -657,9 +623,13 @@ def _write_all(f, view: memoryview) -> None:
         view = view[n:]
 
 
-def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], source: dict[str, Any]
-                   ) -> dict[str, Any]:
-    """The ``atomtool.json`` document (schema in :mod:`atomtool.convert.layout` and docs/LAYOUT.md)."""
+def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], source: dict[str, Any], *,
+                   carried: list[dict[str, Any]] | None = None,
+                   not_carried: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The ``atomtool.json`` document (schema in :mod:`atomtool.convert.layout` and docs/LAYOUT.md).
+
+    carried / not_carried: the ``carried_files`` / ``not_carried`` entries of
+    :mod:`atomtool.convert.extra_files` (empty lists when None)."""
     text = plan.config.get("text_config") if isinstance(plan.config.get("text_config"), dict) else plan.config
     tensors = {}
     for name, spec in plan.tensors.items():
@@ -673,6 +643,7 @@ def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], sou
         "source": source, "dtype_policy": plan.dtype_policy,
         "warnings": list(plan.warnings), "notes": list(plan.notes),
         "indexer_types": text.get("indexer_types"),
+        "carried_files": list(carried or []), "not_carried": list(not_carried or []),
         "tensors": tensors,
     }
 
@@ -723,12 +694,16 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2))
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2))
-        for f in side_files(src):
-            shutil.copy2(f, tmp / f.name)
+        found = extra_files(src)  # every non-weight file, subfolders included (extra_files.py)
+        carried = copy_extra_files(found, tmp)
         (tmp / OWNER_NAME).unlink()  # not part of the layout
-        for f in tmp.iterdir():  # shards are fsynced as written; make the small files durable too
-            _fsync_file(f)
-        manifest = build_manifest(plan, written, source or {"path": str(src)})
+        for f in sorted(tmp.rglob("*"), reverse=True):  # shards are fsynced as written; the rest now
+            if f.is_dir():
+                _fsync_dir(f)
+            else:
+                _fsync_file(f)
+        manifest = build_manifest(plan, written, source or {"path": str(src)}, carried=carried,
+                                  not_carried=found.not_carried)
         with open(tmp / MANIFEST_NAME, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
