@@ -208,7 +208,9 @@ class TikTokenTokenizer(PreTrainedTokenizer):
 """
 
 
-def test_tokenizer_remote_code_files_are_copied_but_not_model_code(llama, tmp_path):
+def test_tokenizer_and_model_remote_code_files_are_copied(llama, tmp_path):
+    """Every non-weight file travels with the layout (config.json's auto_map keeps working with
+    trust_remote_code); copied code is never executed by convert (modeling_kimi.py exits if imported)."""
     src = tmp_path / "kimi"
     shutil.copytree(llama, src)
     files = {
@@ -219,18 +221,19 @@ def test_tokenizer_remote_code_files_are_copied_but_not_model_code(llama, tmp_pa
     }
     for name, data in files.items():
         (src / name).write_bytes(data)
-    (src / "modeling_kimi.py").write_text("raise SystemExit('remote model code must not be copied')\n")
+    (src / "modeling_kimi.py").write_text("raise SystemExit('convert must not import remote model code')\n")
     (src / "configuration_kimi.py").write_text("x = 1\n")
     out = tmp_path / "out"
     r = run("convert", src, out)
     assert r.exit_code == 0, r.output
     for name, data in files.items():
         assert (out / name).read_bytes() == data, name
-    assert not (out / "modeling_kimi.py").exists() and not (out / "configuration_kimi.py").exists()
+    for name in ("modeling_kimi.py", "configuration_kimi.py"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
     assert run("verify", out, "--source", src).exit_code == 0
 
 
-def test_hub_download_includes_tokenizer_code_and_excludes_model_code(llama, tmp_path, monkeypatch):
+def test_hub_download_includes_code_and_excludes_pickle_weights(llama, tmp_path, monkeypatch):
     from fnmatch import fnmatch
 
     import huggingface_hub
@@ -251,7 +254,7 @@ def test_hub_download_includes_tokenizer_code_and_excludes_model_code(llama, tmp
     for name in ("tiktoken.model", "tokenization_kimi.py", "tool_declaration_ts.py", "a.tiktoken",
                  "model-00001-of-00002.safetensors", "tokenizer_config.json"):
         assert fetched(name), name
-    assert not fetched("modeling_deepseek.py")
+    assert fetched("modeling_deepseek.py") and not fetched("pytorch_model.bin")
 
 
 # ------------------------------------------------------------------------------- 5. human-readable sizes
