@@ -57,6 +57,24 @@ if interpreting():
     _patch_interpreter_index()
 
 
+_SM_COUNT: dict[str, int] = {}
+
+
+def programs_per_row(rows: int, units: int, device: torch.device, per_sm: int | None) -> int:
+    """Programs per row for a launch over ``rows`` rows of ``units`` work units each (positions blocks,
+    segments), each program looping over the units p, p + programs, ... of its row: about ``per_sm`` programs
+    per SM over all rows, at least 1, at most ``units``. ``per_sm`` None: one program per unit. Under the
+    interpreter (not CUDA) 3, so a program still loops over several units as on a GPU at long rows."""
+    if per_sm is None:
+        return units
+    if device.type != "cuda":
+        return min(units, 3)
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(units, per_sm * _SM_COUNT[key] // rows))
+
+
 def pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(triton.next_power_of_2(max(int(n), 1)), minimum)

@@ -19,7 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, paged_rows, pow2, token_sequence
+from atomtool.serve.ops.triton._common import (
+    dot_acc,
+    dot_dtype,
+    paged_rows,
+    pow2,
+    programs_per_row,
+    token_sequence,
+)
 from atomtool.serve.ops.triton.topk import (
     fold_row_range,
     orderable_key,
@@ -35,21 +42,6 @@ _KEY_BUDGET = 1 << 30
 
 #: scoring programs per SM of one launch (spread over its rows); None: one program per block of positions
 INDEXER_PROGRAMS_PER_SM: int | None = 2
-_SM_COUNT: dict[str, int] = {}
-
-
-def _programs_per_row(rows: int, blocks: int, device: torch.device) -> int:
-    """Scoring programs per row: about one wave of the GPU over all rows (each program loops over the
-    blocks p, p + programs, ... of its row below the row's length, so a key width far above the real
-    context costs one wave of exiting programs, not width / BLOCK_N of them), at most ``blocks``."""
-    if INDEXER_PROGRAMS_PER_SM is None:
-        return blocks
-    if device.type != "cuda":
-        return min(blocks, 3)  # the interpreter: several blocks per program, as on a GPU at long contexts
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(blocks, INDEXER_PROGRAMS_PER_SM * _SM_COUNT[key] // rows))
 
 
 @triton.jit
@@ -105,7 +97,9 @@ def indexer_keys(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     S = block_tables.shape[1] * block_size
     block_n = 64
     keys = torch.empty((rows, S), dtype=torch.int32, device=q.device)
-    nprog = _programs_per_row(rows, triton.cdiv(S, block_n), q.device)
+    # scoring programs per row: about one wave over all rows, each looping over its row's blocks below the
+    # row's length, so a key width far above the real context costs one wave of exiting programs
+    nprog = programs_per_row(rows, triton.cdiv(S, block_n), q.device, INDEXER_PROGRAMS_PER_SM)
     _indexer_keys_kernel[(rows, nprog)](
         q, weights, index_k_cache, keys, rng, cu_seqlens_q, seq_lens, block_tables,
         B, row0, Hi, Di, block_size, S, nprog,

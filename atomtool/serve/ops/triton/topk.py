@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import pow2, token_sequence
+from atomtool.serve.ops.triton._common import pow2, programs_per_row, token_sequence
 
 # Tuning (benchmarks/topk_bench.py --candidates prints the values to set). A histogram round costs each
 # thread about (log2(bins) + bins / 32 * 2 * (log2(bins) - 5)) operations per key it holds (Triton's
@@ -655,26 +655,13 @@ def resolve_tuning(split: bool, block: int | None = None, bins: int | None = Non
 #: above the real lengths (CUDA-graph decode) costs about one wave of exiting programs, not S / SPLIT_BLOCK
 #: per row
 SPLIT_PROGRAMS_PER_SM: int | None = 2
-_SM_COUNT: dict[str, int] = {}
-
-
-def _split_programs(rows: int, segments: int, device: torch.device) -> int:
-    """Programs per row of the split launches (NP): about SPLIT_PROGRAMS_PER_SM waves over all rows."""
-    if SPLIT_PROGRAMS_PER_SM is None:
-        return segments
-    if device.type != "cuda":
-        return min(segments, 3)  # the interpreter: several segments per program, as on a GPU at long rows
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(segments, SPLIT_PROGRAMS_PER_SM * _SM_COUNT[key] // rows))
 
 
 def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, t):
     R, S = keys.shape
     block = t["block"]
     P = triton.cdiv(S, block)
-    NP = _split_programs(R, P, keys.device)
+    NP = programs_per_row(R, P, keys.device, SPLIT_PROGRAMS_PER_SM)  # ~SPLIT_PROGRAMS_PER_SM waves
     dev = keys.device
     st = _zeroed("split", R, _ST_WIDTH + MAX_BINS, dev)
     seg = torch.empty((R, 3 * P), dtype=torch.int32, device=dev)
