@@ -64,6 +64,7 @@ from atomtool.serve.api.protocol import (
     ModelCard,
     ModelList,
     UsageInfo,
+    tool_message_problem,
     unsupported_fields,
 )
 from atomtool.serve.sampling_params import SamplingParams
@@ -618,6 +619,18 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
         return usage
 
+    async def final_response(raw: Request, group: RequestGroup, response_cls: Any, response_id: str,
+                             created: int, n: int, make_choice: Any) -> Response:
+        """Non-streaming body shared by both endpoints: wait for every choice (cancelled if the client
+        disconnects), then ``response_cls`` with ``make_choice(index, final output, log-prob entries)`` for
+        each choice in index order and the usage of all of them."""
+        finals, lps = await _unless_disconnected(raw, collect(group))
+        choices = [make_choice(choice_index(rid), out, lps[rid])
+                   for rid, out in sorted(finals.items(), key=lambda kv: choice_index(kv[0]))]
+        body = response_cls(id=response_id, created=created, model=served_model_name, choices=choices,
+                            usage=usage_of(finals, n))
+        return Response(body.model_dump_json(), media_type="application/json")
+
     async def stream_events(group: RequestGroup, make_chunks: Any, usage_chunk: Any) -> AsyncIterator[str]:
         """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``."""
         sent: dict[str, int] = {rid: 0 for rid in group.request_ids}
@@ -701,15 +714,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             usage = usage_chunk_builder(req, CompletionResponse, response_id, created)
             return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
-        finals, lps = await _unless_disconnected(raw, collect(group))
-        choices = []
-        for rid, out in sorted(finals.items(), key=lambda kv: choice_index(kv[0])):
-            choices.append(CompletionChoice(
-                index=choice_index(rid), text=out.text, finish_reason=out.finish_reason,
-                logprobs=completion_logprobs(lps[rid], 0) if want_lp else None))
-        body = CompletionResponse(id=response_id, created=created, model=served_model_name, choices=choices,
-                                  usage=usage_of(finals, req.n))
-        return Response(body.model_dump_json(), media_type="application/json")
+        def make_choice(index: int, out: Any, entries: list[dict]) -> CompletionChoice:
+            return CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason,
+                                    logprobs=completion_logprobs(entries, 0) if want_lp else None)
+
+        return await final_response(raw, group, CompletionResponse, response_id, created, req.n, make_choice)
 
     def completion_prompts(prompt: Any) -> tuple[list[list[int]], list[int]]:
         """Normalise ``prompt`` to a list of engine prompts (token-id lists) and their lengths.
@@ -731,10 +740,13 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_request(req)
+        problem = tool_message_problem(req.messages)
+        if problem is not None:
+            raise APIError(400, problem, param="messages")
         prompt_ids = await run_blocking(functools.partial(
             render_chat, tokenizer, req.messages, chat_template=req.chat_template or template,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs))
+            template_kwargs=req.chat_template_kwargs, tools=req.tools))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), requested, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -766,15 +778,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             usage = usage_chunk_builder(req, ChatCompletionChunk, response_id, created)
             return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
-        finals, lps = await _unless_disconnected(raw, collect(group))
-        choices = []
-        for rid, out in sorted(finals.items(), key=lambda kv: choice_index(kv[0])):
-            choices.append(ChatCompletionChoice(
-                index=choice_index(rid), message=ChatResponseMessage(content=out.text),
-                finish_reason=out.finish_reason,
-                logprobs=chat_logprobs(lps[rid], top_n) if top_n is not None else None))
-        body = ChatCompletionResponse(id=response_id, created=created, model=served_model_name, choices=choices,
-                                      usage=usage_of(finals, req.n))
-        return Response(body.model_dump_json(), media_type="application/json")
+        def make_choice(index: int, out: Any, entries: list[dict]) -> ChatCompletionChoice:
+            return ChatCompletionChoice(index=index, message=ChatResponseMessage(content=out.text),
+                                        finish_reason=out.finish_reason,
+                                        logprobs=chat_logprobs(entries, top_n) if top_n is not None else None)
+
+        return await final_response(raw, group, ChatCompletionResponse, response_id, created, req.n, make_choice)
 
     return app

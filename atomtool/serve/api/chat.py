@@ -5,6 +5,15 @@ Rendering uses the tokenizer's own Jinja chat template through transformers'
 or a request's ``chat_template`` replaces it. The rendered text already holds the template's special
 tokens (BOS, role markers), so it is encoded with ``add_special_tokens=False``, as vLLM does.
 
+Tool calling (input side) is handed to the template in the format transformers documents for tool-use
+templates (https://huggingface.co/docs/transformers/chat_extras): the request's ``tools`` as
+``apply_chat_template(tools=[{"type": "function", "function": {...}}])``; an assistant message's
+``tool_calls`` as ``[{"id", "type": "function", "function": {"name", "arguments"}}]`` with ``arguments``
+decoded from OpenAI's JSON string to a dict (an empty string is ``{}``; text that is not a JSON object
+stays the string the client sent, so the model sees exactly what was written, and a template that needs
+a mapping fails with a 400 instead of the server guessing); a ``tool`` message keeps ``tool_call_id``. When
+the tokenizer ships several named templates, transformers picks its ``tool_use`` one when tools are given.
+
 Rendering is bounded: a chat template is code a client can send (a request's ``chat_template``), and
 Jinja's sandbox stops unsafe attribute access but not ``{% for i in range(99999) %}`` nested twice. So
 the render counts the template's executed Python lines (``sys.settrace`` on the rendering thread, only
@@ -15,6 +24,7 @@ calls :func:`render_chat` in a worker thread, never on the event loop.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -137,37 +147,96 @@ def _message_text(index: int, content: Any) -> str:
     return "".join(parts)
 
 
+def _invalid(message: str, param: str) -> InvalidRequestError:
+    """An InvalidRequestError whose OpenAI error body names ``param``."""
+    exc = InvalidRequestError(message)
+    exc.param = param  # type: ignore[attr-defined]  # read by the server's error handler
+    return exc
+
+
+def template_arguments(arguments: Any) -> Any:
+    """A tool call's ``arguments`` as the chat template gets them (see the module doc).
+
+    ``arguments``: OpenAI's JSON text (str). Returns a dict when the text is a JSON object (``""`` is
+    ``{}``, as vLLM treats it), else the text unchanged; a value that is already not a string is returned
+    as is (the server's request model only lets strings through).
+    """
+    if not isinstance(arguments, str):
+        return arguments
+    if not arguments.strip():
+        return {}
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:  # not JSON (e.g. cut off): the model sees the text it wrote
+        return arguments
+    return decoded if isinstance(decoded, dict) else arguments
+
+
+def template_message(index: int, message: Any) -> dict[str, Any]:
+    """One OpenAI chat message (pydantic ``ChatMessage`` or a dict) as the dict the chat template renders:
+    ``role``, ``content`` (text; ``""`` when absent), and when present ``name``, ``tool_calls`` (arguments
+    decoded by :func:`template_arguments`) and ``tool_call_id``.
+
+    Raises:
+        InvalidRequestError: the content holds a non-text part.
+    """
+    m = message if isinstance(message, dict) else message.model_dump(exclude_none=True)
+    item: dict[str, Any] = {"role": m["role"], "content": _message_text(index, m.get("content"))}
+    if m.get("name"):
+        item["name"] = m["name"]
+    if m.get("tool_calls"):  # an empty list is no call: the template takes its plain assistant path
+        item["tool_calls"] = [
+            {"id": call.get("id"), "type": call.get("type", "function"),
+             "function": {"name": call["function"]["name"],
+                          "arguments": template_arguments(call["function"].get("arguments"))}}
+            for call in m["tool_calls"]]
+    if m.get("tool_call_id") is not None:
+        item["tool_call_id"] = m["tool_call_id"]
+    return item
+
+
+#: apply_chat_template arguments render_chat sets itself; chat_template_kwargs may not repeat them.
+_OWN_TEMPLATE_ARGS = ("conversation", "chat_template", "tools", "tokenize", "add_generation_prompt",
+                      "continue_final_message")
+
+
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None, max_steps: int = MAX_TEMPLATE_STEPS) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None, tools: list[Any] | None = None,
+                max_steps: int = MAX_TEMPLATE_STEPS) -> list[int]:
     """Render chat ``messages`` (pydantic ChatMessage or dicts) to prompt token ids.
 
-    Blocking (template + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds the
-    template's work (see the module doc).
+    ``chat_template``: a template replacing the tokenizer's own (None: the tokenizer's; when it has several
+    named ones, transformers picks ``tool_use`` if ``tools`` are given, else ``default``). ``tools``: the
+    request's function tools (pydantic ``ToolDefinition`` or JSON-schema dicts), passed to the template as
+    ``tools``. Blocking (template + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds
+    the template's work (see the module doc).
 
     Raises:
         InvalidRequestError: no chat template is available, the template rejects the conversation
             (``raise_exception`` in the template, e.g. roles that do not alternate), a message holds a
-            non-text part, or rendering exceeded ``max_steps`` steps / :data:`MAX_RENDERED_CHARS`
+            non-text part, ``template_kwargs`` repeats an argument the request sets itself (e.g.
+            ``tools``), or rendering exceeded ``max_steps`` steps / :data:`MAX_RENDERED_CHARS`
             characters ("chat_template: rendering exceeded N steps").
     """
-    convo = []
-    for i, msg in enumerate(messages):
-        m = msg if isinstance(msg, dict) else msg.model_dump(exclude_none=True)
-        item = {"role": m["role"], "content": _message_text(i, m.get("content"))}
-        if m.get("name"):
-            item["name"] = m["name"]
-        convo.append(item)
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
+    convo = [template_message(i, msg) for i, msg in enumerate(messages)]
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise InvalidRequestError("the model's tokenizer has no chat template; start the server with "
                                   "--chat-template FILE_OR_STRING or use /v1/completions")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
+    for key in _OWN_TEMPLATE_ARGS:
+        if key in (template_kwargs or {}):
+            raise _invalid(f"chat_template_kwargs may not set {key!r}: the server sets it (from the request's "
+                           "own fields)", "chat_template_kwargs")
+    tool_schemas = None
+    if tools:  # [] is no tools (it would select a tokenizer's "tool_use" template)
+        tool_schemas = [t if isinstance(t, dict) else t.model_dump(exclude_none=True) for t in tools]
     try:
         text = _bounded(lambda: tokenizer.apply_chat_template(
-            convo, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(template_kwargs or {})), max_steps)
+            convo, chat_template=chat_template, tools=tool_schemas, tokenize=False,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(template_kwargs or {})), max_steps)
     except InvalidRequestError:
         raise
     except Exception as exc:  # jinja2 TemplateError, ValueError from transformers

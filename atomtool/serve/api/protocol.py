@@ -8,6 +8,13 @@ instead of a silent default; every field the official ``openai`` client can send
 declared (tests/test_server_protocol.py checks this against ``openai.types``). Parameters we accept but
 cannot honour are rejected with a 400 by :func:`unsupported_fields` rather than silently dropped.
 
+Tool calling follows OpenAI's chat format on the input side, as vLLM and SGLang do: the request's ``tools``
+(function tools), assistant messages' ``tool_calls`` and ``tool`` messages' ``tool_call_id`` are validated
+here (:class:`ToolDefinition`, :class:`ToolCall`, :func:`tool_message_problem`) and handed to the chat
+template by :mod:`atomtool.serve.api.chat`. Generated text is not parsed back into ``tool_calls``, so a
+forced call (``tool_choice`` ``"required"`` or a named tool) is refused with a 400; ``"none"`` and
+``"auto"`` are accepted (with ``"auto"`` a tool call is whatever text the model writes).
+
 Types are strict, as OpenAI's and vLLM's servers are: a boolean or a string is not an integer
 (``"max_tokens": true`` or ``"5"`` is a 400, so is a token-id prompt ``[true, false]``), a string is not a
 number or a boolean; an integer is accepted where a float is expected. ``null`` for an optional field
@@ -17,7 +24,7 @@ means its default (``"stream": null`` is ``false``), as in OpenAI's API.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -29,6 +36,23 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: Roles whose messages must carry ``content`` (OpenAI marks it Required for them).
 CONTENT_REQUIRED_ROLES = ("system", "developer", "user", "tool")
+#: ``tool_choice`` values that do not force a tool call (the only ones served: no output tool-call parsing).
+TOOL_CHOICES_SERVED = ("none", "auto")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for error messages (``an object``, ``null``...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    return "a string" if isinstance(value, str) else type(value).__name__
 
 
 class OpenAIModel(BaseModel):
@@ -155,20 +179,80 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+# ------------------------------------------------------------------------------------------------ tools
+class FunctionCall(OpenAIModel):
+    """The function an assistant message's tool call invoked (openai's ``Function`` of
+    ``ChatCompletionMessageFunctionToolCallParam``): ``arguments`` is the JSON text the model wrote, a
+    string as OpenAI sends it (:mod:`atomtool.serve.api.chat` decodes it for the template)."""
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _json_text(cls, arguments: Any) -> Any:
+        """A clear message for the usual mistake of sending the arguments object itself."""
+        if not isinstance(arguments, str):
+            raise ValueError("must be a string holding the arguments as JSON text (OpenAI's format, e.g. "
+                             f"'{{\"city\": \"Paris\"}}'), got {_json_type(arguments)}")
+        return arguments
+
+
+class _FunctionTyped(OpenAIModel):
+    """Base of the tool models whose ``type`` must be ``"function"``: OpenAI's other kind, custom
+    (free-text) tools, has no place in chat templates, which only know function tools and calls."""
+
+    type: str
+    _what: ClassVar[str] = "tools"
+
+    @field_validator("type")
+    @classmethod
+    def _function_only(cls, kind: str) -> str:
+        if kind != "function":
+            raise ValueError(f"only 'function' {cls._what} are supported, got {kind!r}")
+        return kind
+
+
+class ToolCall(_FunctionTyped):
+    """One entry of an assistant message's ``tool_calls`` (openai's
+    ``ChatCompletionMessageFunctionToolCallParam``: ``id``, ``type`` ``"function"``, ``function``)."""
+
+    _what: ClassVar[str] = "tool calls"
+    id: str
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIModel):
+    """A function tool's schema (openai's ``FunctionDefinition``): ``parameters`` is a JSON Schema object."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_FunctionTyped):
+    """One entry of the request's ``tools`` (openai's ``ChatCompletionFunctionToolParam``), handed to the
+    chat template as the JSON-schema dict transformers' ``apply_chat_template(tools=...)`` documents."""
+
+    function: FunctionDefinition
+
+
 # ------------------------------------------------------------------------------------------------- chat
 class ChatMessage(OpenAIModel):
     """One chat message. ``content`` may be a string or a list of parts; only text parts are accepted.
 
     ``role`` must be one of :data:`CHAT_ROLES`; ``content`` is required for :data:`CONTENT_REQUIRED_ROLES`
-    (an assistant message may omit it). The other fields are those openai's message params define; the
-    chat template sees only role, content and name.
+    (an assistant message may omit it). ``tool_calls`` (assistant messages only) and ``tool_call_id``
+    (required on, and only on, ``tool`` messages) reach the chat template with role, content and name.
+    The deprecated ``function_call`` is refused (send ``tool_calls``); ``refusal`` and ``audio`` are
+    accepted and not rendered (chat templates have no place for them).
     """
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    # assistant / tool message fields of openai's message params (accepted; not rendered)
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
@@ -185,6 +269,15 @@ class ChatMessage(OpenAIModel):
     def _content_present(self) -> ChatMessage:
         if self.role in CONTENT_REQUIRED_ROLES and self.content is None:
             raise ValueError(f"a {self.role!r} message must have content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages may have tool_calls, not a {self.role!r} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' message must have tool_call_id (the id of the tool call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"only 'tool' messages may have tool_call_id, not a {self.role!r} message")
+        if self.function_call is not None:
+            raise ValueError("function_call in messages (deprecated by OpenAI) is not supported; send "
+                             "the call as tool_calls")
         return self
 
 
@@ -196,8 +289,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -223,6 +316,15 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_value(cls, choice: Any) -> Any:
+        """OpenAI's values: the strings below or an object naming a tool (whether it is served is
+        :func:`unsupported_fields`' call)."""
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError(f"must be 'none', 'auto', 'required' or an object naming a tool, got {choice!r}")
+        return choice
 
 
 class ChatLogProbEntry(BaseModel):
@@ -306,8 +408,9 @@ class ModelList(BaseModel):
 def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     """The first accepted-but-unsupported parameter set to a non-default value, as (param, message).
 
-    The engine has no presence/frequency/repetition penalties, logit bias, tools, suffix or echo yet;
-    refusing them is clearer than ignoring them (a client would silently get other behaviour).
+    The engine has no presence/frequency/repetition penalties, logit bias, suffix or echo yet, and the
+    server does not parse tool calls out of generated text (so it cannot force one); refusing them is
+    clearer than ignoring them (a client would silently get other behaviour).
     """
     if req.presence_penalty not in (None, 0.0):
         return "presence_penalty", "presence_penalty is not supported by this server yet"
@@ -325,8 +428,12 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
         if req.best_of is not None and req.best_of != req.n:
             return "best_of", "best_of different from n is not supported"
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            return "tools", "tool calling is not supported by this server yet"
+        if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES_SERVED:
+            choice = req.tool_choice
+            what = repr(choice) if isinstance(choice, str) else f"of type {choice.get('type')!r}"
+            return "tool_choice", (f"tool_choice {what} is not supported: forced tool calls are not supported "
+                                   "by this server (it does not parse tool calls out of the generated text); "
+                                   "use 'auto' or 'none'")
         if req.response_format and req.response_format.get("type", "text") != "text":
             return "response_format", "only response_format {'type': 'text'} is supported"
         if req.top_logprobs is not None and not req.logprobs:
@@ -341,4 +448,22 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
         for name in ("prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation"):
             if getattr(req, name) is not None:
                 return name, f"{name} is not supported by this server"
+    return None
+
+
+def tool_message_problem(messages: list[ChatMessage]) -> str | None:
+    """Why the conversation's ``tool`` messages are inconsistent, or None when they are not.
+
+    As OpenAI's API does, each ``tool`` message must answer a tool call: its ``tool_call_id`` must be the
+    ``id`` of a ``tool_calls`` entry of an earlier assistant message (a typo'd or stale id would otherwise
+    render a result the model cannot connect to any call). Returns the message of the 400.
+    """
+    seen: list[str] = []
+    for i, msg in enumerate(messages):
+        if msg.role == "assistant" and msg.tool_calls:
+            seen.extend(call.id for call in msg.tool_calls)
+        elif msg.role == "tool" and msg.tool_call_id not in seen:
+            known = ", ".join(repr(x) for x in seen) if seen else "none"
+            return (f"messages[{i}]: tool_call_id {msg.tool_call_id!r} does not match the id of any tool call "
+                    f"in an earlier assistant message (tool call ids so far: {known})")
     return None
