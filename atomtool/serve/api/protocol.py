@@ -317,13 +317,14 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice_value(cls, choice: Any) -> Any:
         """OpenAI's values: the strings below or an object naming a tool (whether it is served is
-        :func:`unsupported_fields`' call)."""
-        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-            raise ValueError(f"must be 'none', 'auto', 'required' or an object naming a tool, got {choice!r}")
+        :func:`unsupported_fields`' call); one message instead of pydantic's two union branches."""
+        if not (choice is None or isinstance(choice, dict) or choice in ("none", "auto", "required")):
+            shown = repr(choice) if isinstance(choice, str) else _json_type(choice)
+            raise ValueError(f"must be 'none', 'auto', 'required' or an object naming a tool, got {shown}")
         return choice
 
 
