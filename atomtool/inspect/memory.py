@@ -56,20 +56,83 @@ LINEAR_LAYER_TYPES = ("linear_attention", "kda")
 #: ``layer_types`` entries of sliding-window attention layers (gpt-oss, Gemma, Mistral-style SWA)
 SLIDING_LAYER_TYPES = ("sliding_attention", "sliding_window_attention", "local_attention")
 
+#: model_types whose config gates ``sliding_window`` behind ``use_sliding_window`` (default False):
+#: Qwen2Config / Qwen2MoeConfig / Qwen3Config / Qwen3MoeConfig (and their VL text configs) set
+#: ``sliding_window = None`` unless ``use_sliding_window`` is true, so a window in config.json alone is ignored
+USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3")
+#: model_types whose default ``layer_types`` alternate sliding/full (layer i sliding iff ``(i + 1) % 2``):
+#: Gemma2Config, GptOssConfig, VaultGemmaConfig, T5GemmaConfig
+ALTERNATING_SWA_TYPES = frozenset({"gemma2", "gpt_oss", "vaultgemma", "t5gemma"})
+#: default ``sliding_window_pattern`` when the config has none (Gemma3TextConfig 6, Cohere2Config 4): layer i is
+#: sliding iff ``(i + 1) % pattern``
+DEFAULT_SWA_PATTERN = {"gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+
+
+def effective_sliding_window(flat: dict[str, Any]) -> int | None:
+    """The attention window in tokens that sliding-window layers use, or None (no sliding window).
+
+    As transformers' config classes read it: ``sliding_window`` must be a positive integer; where the
+    config family has ``use_sliding_window`` (Qwen2/Qwen2-MoE/Qwen3/Qwen3-MoE, default False, and any config
+    carrying the field) the window only counts when that flag is true, even if ``sliding_window`` is set
+    (Qwen2Config: ``self.sliding_window = self.sliding_window if self.use_sliding_window else None``).
+    """
+    window = flat.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    mt = str(flat.get("model_type", ""))
+    if "use_sliding_window" in flat or mt.startswith(USE_SLIDING_WINDOW_TYPES):
+        if flat.get("use_sliding_window") is not True:
+            return None
+    return window
+
+
+def _default_swa_kinds(flat: dict[str, Any], n: int) -> list[str]:
+    """Per layer ``full``/``sliding`` for a config without an explicit ``layer_types`` list, as the
+    transformers config class of its ``model_type`` fills ``layer_types`` in (or, with none, as
+    ``cache_utils.get_layer_types_and_kwargs`` does: every layer sliding when ``sliding_window`` is set).
+
+    - Qwen2 / Qwen3 (and VL text configs with ``max_window_layers``): layer i sliding iff
+      ``i >= max_window_layers`` (default 28);
+    - Qwen2-MoE: sliding iff ``(i + 1) % 2`` and ``i < max_window_layers``;
+    - Gemma2 / gpt-oss: alternating, layer i sliding iff ``(i + 1) % 2``;
+    - ``sliding_window_pattern`` p (Gemma3, default 6; Cohere2, default 4): sliding iff ``(i + 1) % p``;
+    - everything else (Mistral incl. Mistral-7B-v0.1, Mixtral, Phi-3, Starcoder2, Qwen3-MoE, unknown types):
+      every layer sliding.
+    """
+    if effective_sliding_window(flat) is None:
+        return ["full"] * n
+    mt = str(flat.get("model_type", ""))
+    mwl = flat.get("max_window_layers")
+    mwl = mwl if isinstance(mwl, int) and not isinstance(mwl, bool) else 28
+    if mt == "qwen2_moe":
+        return ["sliding" if (i + 1) % 2 and i < mwl else "full" for i in range(n)]
+    if mt.startswith(USE_SLIDING_WINDOW_TYPES) and "moe" not in mt:
+        return ["sliding" if i >= mwl else "full" for i in range(n)]
+    if mt in ALTERNATING_SWA_TYPES:
+        return ["sliding" if (i + 1) % 2 else "full" for i in range(n)]
+    pattern = flat.get("sliding_window_pattern", DEFAULT_SWA_PATTERN.get(mt))
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        return ["sliding" if (i + 1) % pattern else "full" for i in range(n)]
+    return ["sliding"] * n
+
 
 def layer_attention_kinds(flat: dict[str, Any]) -> list[str]:
     """Per decoder layer: ``full`` (global attention, KV grows with the context), ``sliding`` (KV bounded by
     ``sliding_window``) or ``linear`` (linear attention / recurrent state: no KV cache).
 
-    Sources, as HF transformers' configs define them: an explicit ``layer_types`` list (gpt-oss, Qwen3.5,
-    Kimi-Linear ``kda``); Qwen3-Next's ``full_attention_interval`` (layer i is full iff ``(i + 1) %
+    Sources, as HF transformers' configs define them: an explicit ``layer_types`` list (gpt-oss, Gemma,
+    Qwen3.5, Kimi-Linear ``kda``); Qwen3-Next's ``full_attention_interval`` (layer i is full iff ``(i + 1) %
     interval == 0``, Qwen3NextConfig); Kimi-Linear's ``linear_attn_config.full_attn_layers`` (1-based layer
-    numbers). Otherwise every layer is ``full``. Empty when ``num_hidden_layers`` is unusable.
+    numbers); MiniMax-Text-01/M1/M2's ``attn_type_list`` (0 = lightning (linear) attention, 1 = softmax
+    attention). Otherwise the sliding-window conventions of :func:`_default_swa_kinds`. A ``sliding`` layer
+    without an effective window (:func:`effective_sliding_window`; e.g. Qwen2 with ``use_sliding_window:
+    false``) attends to everything and is ``full``. Empty when ``num_hidden_layers`` is unusable.
     """
     n = _int(flat, "num_hidden_layers")
     types = flat.get("layer_types")
     if isinstance(types, list) and len(types) == n:
-        return ["linear" if t in LINEAR_LAYER_TYPES else "sliding" if t in SLIDING_LAYER_TYPES else "full"
+        window = effective_sliding_window(flat)
+        return ["linear" if t in LINEAR_LAYER_TYPES else "sliding" if t in SLIDING_LAYER_TYPES and window else "full"
                 for t in types]
     interval = flat.get("full_attention_interval")
     if isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1:
@@ -78,7 +141,10 @@ def layer_attention_kinds(flat: dict[str, Any]) -> list[str]:
     if isinstance(lac, dict) and isinstance(lac.get("full_attn_layers"), list):
         full = {x - 1 for x in lac["full_attn_layers"] if isinstance(x, int)}  # 1-based in Kimi-Linear
         return ["full" if i in full else "linear" for i in range(n)]
-    return ["full"] * n
+    atl = flat.get("attn_type_list")
+    if isinstance(atl, list) and len(atl) == n:
+        return ["linear" if t == 0 else "full" for t in atl]
+    return _default_swa_kinds(flat, n)
 
 
 def attention_layers(flat: dict[str, Any]) -> int:
@@ -139,9 +205,7 @@ def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes
     kinds = layer_attention_kinds(flat)
     layers = sum(1 for k in kinds if k == "full")
     swa = sum(1 for k in kinds if k == "sliding")
-    window = _int(flat, "sliding_window")
-    if swa and window <= 0:  # sliding layers without a window: they cache everything
-        layers, swa = layers + swa, 0
+    window = effective_sliding_window(flat)  # never None when swa > 0 (layer_attention_kinds checks it)
     extra = {"swa_layers": swa, "sliding_window": window if swa else None,
              "linear_layers": sum(1 for k in kinds if k == "linear")}
     if is_mla(flat):
@@ -184,47 +248,149 @@ def max_context_tokens(gpu_memory_gb: float, weights_bytes: int, kv_bytes_per_to
     return free // kv_bytes_per_token
 
 
+def kv_bytes_for_context(kv: dict[str, Any], tokens: int) -> int:
+    """KV-cache bytes one sequence of ``tokens`` tokens holds, from a :func:`kv_cache_bytes` result:
+    ``tokens * kv_bytes_per_token`` (full-attention layers and index planes) plus
+    ``min(tokens, sliding_window) * swa_layers * swa_bytes_per_token_per_layer`` (sliding-window layers keep
+    the last ``sliding_window`` tokens at most). Linear-attention state is not counted."""
+    window = kv.get("sliding_window") or 0
+    swa = kv.get("swa_layers", 0) * kv.get("swa_bytes_per_token_per_layer", 0)
+    return tokens * kv["kv_bytes_per_token"] + min(tokens, window) * swa
+
+
+#: model_types whose MTP layer stores no copy of the embeddings and output head: GLM-5.x's MTP layer holds
+#: ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.norm`` only. DeepSeek-V3/V3.2 (and GLM-4.5) store an
+#: ``embed_tokens`` and a ``shared_head.head`` copy in every MTP layer; that is the default.
+MTP_SHARES_EMBED_HEAD = frozenset({"glm_moe_dsa"})
+#: model_types whose routers carry an ``e_score_correction_bias`` (noaux_tc routing)
+ROUTER_BIAS_TYPES = frozenset({"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "kimi_k2"})
+
+
+def _is_pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def is_minimax(flat: dict[str, Any]) -> bool:
+    """A MiniMax text config: ``model_type`` ``minimax*`` or, for MiniMax-M3's ``text_config`` (which has no
+    ``model_type``), an architecture named ``MiniMax*`` (``MiniMaxM3SparseForCausalLM``)."""
+    archs = flat.get("architectures")
+    archs = archs if isinstance(archs, list) else []
+    return str(flat.get("model_type", "")).startswith("minimax") or any(
+        isinstance(a, str) and a.lower().startswith("minimax") for a in archs)
+
+
 def _mlp_kinds(flat: dict[str, Any]) -> list[str]:
-    """Per layer ``dense`` or ``sparse`` (MoE) MLP."""
+    """Per layer ``dense`` or ``sparse`` (MoE) MLP: ``mlp_layer_types``; MiniMax-M3's ``moe_layer_freq``
+    list (1 = MoE); else MoE iff ``i >= first_k_dense_replace``, ``(i + 1) % decoder_sparse_step == 0``
+    (Qwen-MoE), ``i % moe_layer_freq == 0`` (DeepSeek, an int) and ``i`` not in ``mlp_only_layers``."""
     n = _int(flat, "num_hidden_layers")
     kinds = flat.get("mlp_layer_types")
     if isinstance(kinds, list) and len(kinds) == n:
         return ["sparse" if k == "sparse" else "dense" for k in kinds]
+    freq = flat.get("moe_layer_freq")
+    if isinstance(freq, list) and len(freq) == n:
+        return ["sparse" if f == 1 else "dense" for f in freq]
     experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
     if not experts:
         return ["dense"] * n
     first = _int(flat, "first_k_dense_replace")
     step = _int(flat, "decoder_sparse_step", 1) or 1
+    every = freq if _is_pos_int(freq) else 1
     only_v = flat.get("mlp_only_layers")
     only = {i for i in only_v if isinstance(i, int)} if isinstance(only_v, list) else set()
     out = []
     for i in range(n):
-        moe = i >= first and (i + 1) % step == 0 and i not in only
+        moe = i >= first and (i + 1) % step == 0 and i % every == 0 and i not in only
         out.append("sparse" if moe else "dense")
     return out
 
 
-def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) -> int | None:
-    """Parameter count from the config alone (config-only directories), for Llama/Qwen-style GQA and
-    DeepSeek/GLM-style MLA(+DSA)+MoE models, MTP layers included (``num_nextn_predict_layers``).
+def _sparse_index_layer_set(flat: dict[str, Any]) -> set[int]:
+    """Layers carrying MiniMax-M3 sparse-attention index projections (see :func:`sparse_index_layers`)."""
+    n = _int(flat, "num_hidden_layers")
+    sac = flat.get("sparse_attention_config")
+    if sparse_index_layers(flat) == (0, 0) or not isinstance(sac, dict):
+        return set()
+    freq = sac.get("sparse_attention_freq")
+    if isinstance(freq, list) and len(freq) == n:
+        return {i for i, f in enumerate(freq) if f == 1}
+    return set(range(n))
 
-    Counts what HF checkpoints store: embeddings, lm_head unless tied, attention and MLP projections,
-    norms, q/k norms (Qwen3), qkv biases (Qwen2), routers and ``e_score_correction_bias``, DSA indexers on
-    ``full`` layers. Returns None for layouts it does not model (hybrid linear attention).
+
+def _gqa_attention_params(flat: dict[str, Any], h: int, layer: int, index_layers: set[int]) -> int:
+    """One softmax-attention layer (q/k/v/o) of a GQA model: biases (Qwen2 / Qwen2-MoE ``qkv_bias``,
+    ``attention_bias``: q/k/v, plus o_proj except GLM-4.5), q/k norms (Qwen3 per head; ``use_qk_norm`` with
+    ``qk_norm_type`` ``per_head`` [head_dim] or ``per_layer`` [heads x head_dim], MiniMax-M2) and MiniMax-M3
+    sparse index projections (``index_q_proj`` [index heads x index dim, h], ``index_k_proj`` [index dim, h],
+    ``index_q_norm``/``index_k_norm`` [index dim])."""
+    mt = str(flat.get("model_type", ""))
+    nh = _int(flat, "num_attention_heads")
+    hd, kvh = head_dim(flat), _int(flat, "num_key_value_heads") or nh
+    a = h * nh * hd + 2 * h * kvh * hd + nh * hd * h
+    qkv_bias = (mt == "qwen2" or (mt == "qwen2_moe" and flat.get("qkv_bias", True) is not False)
+                or bool(flat.get("attention_bias")))
+    if qkv_bias:
+        a += nh * hd + 2 * kvh * hd
+        if flat.get("attention_bias") and mt not in ("qwen2", "qwen2_moe", "glm4_moe"):
+            a += h  # o_proj bias (LlamaAttention: bias=config.attention_bias)
+    if mt.startswith("qwen3") or flat.get("use_qk_norm"):
+        a += (nh + kvh) * hd if flat.get("qk_norm_type") == "per_layer" else 2 * hd
+    if layer in index_layers:
+        sac = flat["sparse_attention_config"]
+        dim = sac["sparse_index_dim"]
+        heads = sac.get("sparse_num_index_heads")
+        heads = heads if _is_pos_int(heads) else 1
+        a += h * heads * dim + h * dim + 2 * dim
+    return a
+
+
+def _lightning_attention_params(flat: dict[str, Any], h: int) -> int:
+    """One MiniMax lightning (linear) attention layer (MiniMax-Text-01/M1; transformers
+    MiniMaxLightningAttention): ``qkv_proj`` [3 x heads x head_dim, h], ``output_gate`` [heads x head_dim, h],
+    ``out_proj`` [h, heads x head_dim], ``norm`` [heads x head_dim]."""
+    inner = _int(flat, "num_attention_heads") * head_dim(flat)
+    return 3 * inner * h + inner * h + h * inner + inner
+
+
+def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) -> int | None:
+    """Parameter count from the config alone (config-only directories), for Llama/Qwen/Mistral/Gemma-style
+    GQA, DeepSeek/GLM/Kimi-style MLA(+DSA)+MoE and MiniMax (Text-01/M1 lightning hybrid, M2, M3) models.
+
+    Counts what the published HF checkpoints store: embeddings, lm_head unless tied, attention and MLP
+    projections, norms, q/k norms, qkv biases, routers and ``e_score_correction_bias``, shared experts, DSA
+    indexers on ``full`` layers, MiniMax-M3 sparse index projections, and the MTP layers
+    (``num_nextn_predict_layers``) the way each family publishes them: a full decoder layer (MoE when the
+    model has experts) + ``enorm``/``hnorm`` + ``eh_proj`` [h, 2h] + ``shared_head.norm``, plus an
+    ``embed_tokens`` and ``shared_head.head`` copy ([vocab, h] each) except for GLM-5
+    (:data:`MTP_SHARES_EMBED_HEAD`); MiniMax checkpoints ship no MTP weights
+    (MiniMax-M2.7 declares ``num_mtp_modules: 3``, MiniMax-M3 ``num_nextn_predict_layers: 1``, and neither
+    published tensor table has an MTP tensor).
+    Checked against the real tensor tables of DeepSeek-V3/V3.2, GLM-5.1/5.2, Kimi-K2, MiniMax-M2.7/M3
+    (tests/test_inspect_swa_params.py). Not counted: vision towers and projectors of multimodal checkpoints
+    (text model only), buffers such as ``rotary_emb.inv_freq``. Returns None for layouts it does not model
+    (linear attention other than MiniMax lightning: Qwen3-Next, Kimi-Linear).
     """
     h = _int(flat, "hidden_size")
     v = _int(flat, "vocab_size")
     n = _int(flat, "num_hidden_layers")
-    if not (h and v and n) or attention_layers(flat) != n:
+    if not (h and v and n):
+        return None
+    mt = str(flat.get("model_type", ""))
+    kinds_attn = layer_attention_kinds(flat)
+    lightning = is_minimax(flat) or "attn_type_list" in flat
+    if "linear" in kinds_attn and not lightning:
         return None
     nh = _int(flat, "num_attention_heads")
     inter = _int(flat, "intermediate_size")
-    moe_i = _int(flat, "moe_intermediate_size") or inter
+    dense_i = _int(flat, "dense_intermediate_size") or inter  # MiniMax-M3: dense layers 0-2 are wider
+    moe_i = _int(flat, "moe_intermediate_size") or inter  # MiniMax: routed experts use intermediate_size
     experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
     shared = _int(flat, "n_shared_experts")
-    mt = str(flat.get("model_type", ""))
+    index_layers = _sparse_index_layer_set(flat)
 
     def attn(layer: int) -> int:
+        if layer < n and kinds_attn[layer] == "linear":
+            return _lightning_attention_params(flat, h)
         if is_mla(flat):
             rq, rkv = _int(flat, "q_lora_rank"), _int(flat, "kv_lora_rank")
             dn, dr, dv = _int(flat, "qk_nope_head_dim"), _int(flat, "qk_rope_head_dim"), _int(flat, "v_head_dim")
@@ -235,22 +401,19 @@ def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) ->
                 hi, di = _int(flat, "index_n_heads"), _int(flat, "index_head_dim")
                 a += (rq or h) * hi * di + h * di + 2 * di + h * hi
             return a
-        hd, kvh = head_dim(flat), _int(flat, "num_key_value_heads") or nh
-        a = h * nh * hd + 2 * h * kvh * hd + nh * hd * h
-        if mt == "qwen2" or flat.get("attention_bias"):
-            a += nh * hd + 2 * kvh * hd + (h if flat.get("attention_bias") and mt != "qwen2" else 0)
-        if mt.startswith("qwen3"):
-            a += 2 * hd
-        return a
+        return _gqa_attention_params(flat, h, layer, index_layers)
 
     def mlp(kind: str) -> int:
         if kind == "dense":
-            return 3 * h * inter
-        m = experts * 3 * h * moe_i + experts * h
-        if mt in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2") or flat.get("topk_method") == "noaux_tc":
+            return 3 * h * dense_i
+        m = experts * 3 * h * moe_i + experts * h  # experts + router gate [experts, h]
+        if mt in ROUTER_BIAS_TYPES or flat.get("topk_method") == "noaux_tc" or flat.get("use_routing_bias") is True:
             m += experts  # e_score_correction_bias
+        msi = _int(flat, "shared_intermediate_size")  # MiniMax: the shared expert's width (0 = none)
         si = _int(flat, "shared_expert_intermediate_size")
-        if si:
+        if msi:
+            m += 3 * h * msi
+        elif si:
             m += 3 * h * si + h  # Qwen2-MoE style shared expert + its gate
         elif shared:
             m += 3 * h * moe_i * shared
@@ -262,7 +425,10 @@ def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) ->
         total += v * h
     for i in range(n):
         total += attn(i) + mlp(kinds[i]) + 2 * h  # + input/post-attention norms
-    for _ in range(_int(flat, "num_nextn_predict_layers")):
-        # MTP block: a full MoE decoder layer + enorm/hnorm + eh_proj [h, 2h] + shared_head.norm
-        total += attn(n) + mlp("sparse" if experts else "dense") + 2 * h + 2 * h + 2 * h * h + h
+    mtp = 0 if is_minimax(flat) else _int(flat, "num_nextn_predict_layers")
+    for k in range(mtp):
+        # MTP block: a decoder layer + enorm/hnorm + eh_proj [h, 2h] + shared_head.norm (+ embed/head copies)
+        total += attn(n + k) + mlp("sparse" if experts else "dense") + 2 * h + 2 * h + 2 * h * h + h
+        if mt not in MTP_SHARES_EMBED_HEAD:
+            total += 2 * v * h  # embed_tokens + shared_head.head
     return total
