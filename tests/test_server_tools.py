@@ -7,13 +7,16 @@
 - arguments that are not a JSON object reach the template as the client's string (``""`` as ``{}``);
 - a tokenizer with named templates gets its ``tool_use`` one when tools are sent;
 - every malformed tool input is a 400 with OpenAI's error body naming the field (never a 500, never
-  dropped), and a forced ``tool_choice`` is refused (no output tool-call parsing).
+  dropped; a fuzz test feeds arbitrary JSON in their place), a tool result must answer an earlier call, and
+  a forced ``tool_choice`` is refused (no output tool-call parsing).
 
 Runs on :class:`tests.test_server_support.ScriptedEngine` with a byte-level tokenizer, so the prompt the
 engine received decodes back to exactly the rendered text.
 """
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
@@ -304,3 +307,16 @@ def test_any_tool_input_is_answered_200_or_400_never_500(served, calls, answer, 
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
         error_of(r)
+
+
+@pytest.mark.parametrize("field, body", [
+    ("messages[1].tool_calls[0].function.arguments", {"messages": _with_calls([_call(arguments='{"a": "\ud800"}')])}),
+    ("tools[0].function.description", {"messages": CONVO, "tools": [
+        {"type": "function", "function": {"name": "f", "description": "x\ud800"}}]}),
+])
+def test_tool_text_that_is_not_unicode_is_400(served, field, body):
+    raw = httpx.post(served[0] + "/v1/chat/completions", headers={"content-type": "application/json"},
+                     content=json.dumps({"model": "m", "max_tokens": 1, **body}).encode())
+    err = error_of(raw)
+    assert err["message"].startswith(f"{field}: the text is not valid Unicode: lone surrogate \\ud800"), err
+    assert err["param"] == field.split("[")[0]
