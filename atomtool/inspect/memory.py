@@ -264,6 +264,7 @@ def kv_bytes_for_context(kv: dict[str, Any], tokens: int) -> int:
 MTP_SHARES_EMBED_HEAD = frozenset({"glm_moe_dsa"})
 #: model_types whose routers carry an ``e_score_correction_bias`` (noaux_tc routing)
 ROUTER_BIAS_TYPES = frozenset({"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "kimi_k2"})
+# (MiniMax-M2/M3 say so with ``use_routing_bias``; transformers' MiniMaxM2 always has the bias)
 
 
 def _is_pos_int(v: Any) -> bool:
@@ -333,8 +334,9 @@ def _gqa_attention_params(flat: dict[str, Any], h: int, layer: int, index_layers
         a += nh * hd + 2 * kvh * hd
         if flat.get("attention_bias") and mt not in ("qwen2", "qwen2_moe", "glm4_moe"):
             a += h  # o_proj bias (LlamaAttention: bias=config.attention_bias)
-    if mt.startswith("qwen3") or flat.get("use_qk_norm"):
-        a += (nh + kvh) * hd if flat.get("qk_norm_type") == "per_layer" else 2 * hd
+    m2 = mt == "minimax_m2"  # MiniMaxM2Attention always has per-layer q/k norms (no config field in transformers)
+    if mt.startswith("qwen3") or flat.get("use_qk_norm", m2):
+        a += (nh + kvh) * hd if flat.get("qk_norm_type", "per_layer" if m2 else "per_head") == "per_layer" else 2 * hd
     if layer in index_layers:
         sac = flat["sparse_attention_config"]
         dim = sac["sparse_index_dim"]
@@ -407,7 +409,8 @@ def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) ->
         if kind == "dense":
             return 3 * h * dense_i
         m = experts * 3 * h * moe_i + experts * h  # experts + router gate [experts, h]
-        if mt in ROUTER_BIAS_TYPES or flat.get("topk_method") == "noaux_tc" or flat.get("use_routing_bias") is True:
+        if (mt in ROUTER_BIAS_TYPES or flat.get("topk_method") == "noaux_tc"
+                or flat.get("use_routing_bias", mt == "minimax_m2") is True):
             m += experts  # e_score_correction_bias
         msi = _int(flat, "shared_intermediate_size")  # MiniMax: the shared expert's width (0 = none)
         si = _int(flat, "shared_expert_intermediate_size")

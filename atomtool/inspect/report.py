@@ -230,6 +230,8 @@ def _print_indented(console: Console, msg: str, style: str = "") -> None:
 def kv_detail(m: dict[str, Any]) -> str:
     """The breakdown of ``memory.kv_bytes_per_token``: full-attention layers x bytes per layer, plus index
     planes (DSA indexer keys, FP8 + scale; MiniMax-M3 sparse index keys, model dtype)."""
+    if not m["kv_layers"] and not m.get("index_layers"):  # Mistral-7B-v0.1: every layer sliding-window
+        return "no full-attention layer"
     detail = f"{m['kv_layers']} layers x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
     if m.get("index_layers"):
         what = "indexer planes" if m["kv_layout"] == "mla" else "sparse index keys"
@@ -331,6 +333,10 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
             gb = f"{m['gpu_memory_gb']:g}"
             if m.get("weights_exceed_gpu_memory"):
                 value = f"none: weights alone ({human_bytes(m.get('weights_bytes'))}) exceed {gb} GB"
+            elif m["max_context_tokens"] is None and m.get("weights_bytes") is not None and not m["kv_bytes_per_token"]:
+                # only sliding-window / linear-attention layers: the cache stops growing after one window
+                value = "not limited by the KV cache (no full-attention layer)" + (
+                    f"; model max {m['max_position_embeddings']:,}" if m.get("max_position_embeddings") else "")
             elif m["max_context_tokens"] is None:
                 value = "?"
             else:
