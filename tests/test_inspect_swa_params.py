@@ -237,6 +237,41 @@ def test_minimax_m1_lightning_layers_keep_no_kv():
     assert mem.layer_attention_kinds({"num_hidden_layers": 62, "attn_type_list": [1] * 62}) == ["full"] * 62
 
 
+#: decoder model_types whose config.json may come without ``layer_types`` (older Hub files): each convention
+SWA_FAMILIES = ["mistral", "mixtral", "phi3", "starcoder2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "dots1",
+                "gemma2", "gemma3_text", "cohere2", "olmo3", "exaone4", "gpt_oss", "vaultgemma", "afmoe", "minimax"]
+
+
+@pytest.mark.parametrize("model_type", SWA_FAMILIES)
+@pytest.mark.parametrize("use_flag", [None, True, False])
+def test_default_layer_kinds_match_transformers_config_classes(model_type, use_flag):
+    """The config as transformers' class writes it, minus the ``layer_types`` it derived (an older
+    config.json): our per-layer kinds and window equal the layer types HF sizes its KV cache with."""
+    extra = {} if use_flag is None else {"use_sliding_window": use_flag}
+    config = transformers.AutoConfig.for_model(model_type, num_hidden_layers=12, sliding_window=64,
+                                               max_window_layers=5, **extra)
+    types, kwargs = get_layer_types_and_kwargs(config)
+    hf_window = kwargs.get("sliding_window")
+    hf = ["linear" if t == "linear_attention" else "sliding" if t == "sliding_attention" and hf_window else "full"
+          for t in types]
+    raw = {k: v for k, v in config.to_dict().items() if k != "layer_types"}
+    raw["model_type"] = model_type
+    assert mem.layer_attention_kinds(raw) == hf
+    kv = mem.kv_cache_bytes(raw, None, 2)
+    assert kv["sliding_window"] == (hf_window if "sliding" in hf else None)
+    assert (kv["kv_layers"], kv["swa_layers"], kv["linear_layers"]) == (
+        hf.count("full"), hf.count("sliding"), hf.count("linear"))
+
+
+def test_use_sliding_window_flag_by_family():
+    # Mistral's config class has no use_sliding_window: transformers slides every layer whatever it says
+    assert mem.layer_attention_kinds({**MISTRAL_7B_V01, "use_sliding_window": False}) == ["sliding"] * 32
+    # a model_type transformers does not know: the window applies to every layer unless the config turns it off
+    new = {"model_type": "acme_lm", "num_hidden_layers": 4, "sliding_window": 1024}
+    assert mem.layer_attention_kinds(new) == ["sliding"] * 4
+    assert mem.layer_attention_kinds({**new, "use_sliding_window": False}) == ["full"] * 4
+
+
 @pytest.mark.parametrize("bad", [0, -5, "4096", True, 4096.0])
 def test_unusable_window_means_full_attention(bad):
     kv = _kv({**MISTRAL_7B_V01, "sliding_window": bad})

@@ -6,8 +6,11 @@ KV layout facts: research/dsa.md §6. MLA caches one latent ``[c_kv (kv_lora_ran
 ``index_head_dim`` FP8 values + one FP32 scale per 128 dims, only on layers whose schedule role is
 ``full`` (:func:`atomtool.inspect.dsa.layer_roles`). Dense GQA caches K and V: ``2 * num_key_value_heads *
 head_dim`` per attention layer; MiniMax-M3 adds one sparse index key per sparse layer. Hybrid models:
-linear-attention layers cache nothing (Qwen3-Next ``full_attention_interval``, ``layer_types``), and
-sliding-window layers (gpt-oss) hold at most ``sliding_window`` tokens (see :func:`kv_cache_bytes`).
+linear-attention layers cache nothing (Qwen3-Next ``full_attention_interval``, ``layer_types``, MiniMax-M1
+``attn_type_list``), and sliding-window layers hold at most ``sliding_window`` tokens (see
+:func:`kv_cache_bytes`); which layers slide follows each config family's convention as its transformers
+config class reads it (:func:`layer_attention_kinds`: Mistral every layer, Qwen ``use_sliding_window`` +
+``max_window_layers``, Gemma2/gpt-oss alternating, Gemma3 ``sliding_window_pattern``).
 """
 
 from __future__ import annotations
@@ -56,33 +59,46 @@ LINEAR_LAYER_TYPES = ("linear_attention", "kda")
 #: ``layer_types`` entries of sliding-window attention layers (gpt-oss, Gemma, Mistral-style SWA)
 SLIDING_LAYER_TYPES = ("sliding_attention", "sliding_window_attention", "local_attention")
 
-#: model_types whose config gates ``sliding_window`` behind ``use_sliding_window`` (default False):
-#: Qwen2Config / Qwen2MoeConfig / Qwen3Config / Qwen3MoeConfig (and their VL text configs) set
+#: model_type prefixes whose config gates ``sliding_window`` behind ``use_sliding_window`` (default False):
+#: Qwen2Config / Qwen2MoeConfig / Qwen3Config / Qwen3MoeConfig (and their VL text configs), SmolLM3Config set
 #: ``sliding_window = None`` unless ``use_sliding_window`` is true, so a window in config.json alone is ignored
-USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3")
+USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "smollm3", "deepseek_ocr2")
 #: model_types whose default ``layer_types`` alternate sliding/full (layer i sliding iff ``(i + 1) % 2``):
 #: Gemma2Config, GptOssConfig, VaultGemmaConfig, T5GemmaConfig
-ALTERNATING_SWA_TYPES = frozenset({"gemma2", "gpt_oss", "vaultgemma", "t5gemma"})
-#: default ``sliding_window_pattern`` when the config has none (Gemma3TextConfig 6, Cohere2Config 4): layer i is
-#: sliding iff ``(i + 1) % pattern``
-DEFAULT_SWA_PATTERN = {"gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+ALTERNATING_SWA_TYPES = frozenset({"gemma2", "gpt_oss", "vaultgemma", "t5_gemma_module"})
+#: default ``sliding_window_pattern`` when the config has none (Gemma3TextConfig / Gemma4 6, Cohere2Config,
+#: Olmo3Config, Exaone4Config 4): layer i is sliding iff ``(i + 1) % pattern``
+DEFAULT_SWA_PATTERN = {"gemma3": 6, "gemma3_text": 6, "gemma4": 6, "gemma4_text": 6, "cohere2": 4, "olmo3": 4,
+                       "exaone4": 4}
+#: model_types that slide layers ``i >= max_window_layers`` (Qwen2Config's rule; Dots1Config copies it)
+MAX_WINDOW_LAYERS_TYPES = ("qwen2", "qwen3", "dots1")
+
+
+#: model_types whose transformers config has no ``use_sliding_window``: the window applies whatever that
+#: (ignored) field says
+WINDOW_ALWAYS_TYPES = frozenset({"mistral", "mixtral", "phi3", "starcoder2", "gemma2", "gemma3", "gemma3_text",
+                                 "gemma4", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss", "vaultgemma",
+                                 "afmoe", "minimax", "ministral", "ministral3", "phimoe", "dots1"})
 
 
 def effective_sliding_window(flat: dict[str, Any]) -> int | None:
     """The attention window in tokens that sliding-window layers use, or None (no sliding window).
 
     As transformers' config classes read it: ``sliding_window`` must be a positive integer; where the
-    config family has ``use_sliding_window`` (Qwen2/Qwen2-MoE/Qwen3/Qwen3-MoE, default False, and any config
-    carrying the field) the window only counts when that flag is true, even if ``sliding_window`` is set
-    (Qwen2Config: ``self.sliding_window = self.sliding_window if self.use_sliding_window else None``).
+    config family has ``use_sliding_window`` (Qwen2/Qwen2-MoE/Qwen3/Qwen3-MoE/SmolLM3, default False) the
+    window only counts when that flag is true, even if ``sliding_window`` is set (Qwen2Config:
+    ``self.sliding_window = self.sliding_window if self.use_sliding_window else None``). Families whose
+    config has no such field (Mistral, Gemma, gpt-oss, ...: :data:`WINDOW_ALWAYS_TYPES`) ignore it; for a
+    model_type transformers does not know, an explicit ``use_sliding_window: false`` switches the window off.
     """
     window = flat.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
     mt = str(flat.get("model_type", ""))
-    if "use_sliding_window" in flat or mt.startswith(USE_SLIDING_WINDOW_TYPES):
-        if flat.get("use_sliding_window") is not True:
-            return None
+    if mt.startswith(USE_SLIDING_WINDOW_TYPES):
+        return window if flat.get("use_sliding_window") is True else None
+    if flat.get("use_sliding_window") is False and mt not in WINDOW_ALWAYS_TYPES:
+        return None  # a family transformers does not know, whose config says the window is off
     return window
 
 
@@ -91,26 +107,32 @@ def _default_swa_kinds(flat: dict[str, Any], n: int) -> list[str]:
     transformers config class of its ``model_type`` fills ``layer_types`` in (or, with none, as
     ``cache_utils.get_layer_types_and_kwargs`` does: every layer sliding when ``sliding_window`` is set).
 
-    - Qwen2 / Qwen3 (and VL text configs with ``max_window_layers``): layer i sliding iff
+    - Qwen2 / Qwen3 / dots1 (and Qwen2-VL text configs): layer i sliding iff
       ``i >= max_window_layers`` (default 28);
     - Qwen2-MoE: sliding iff ``(i + 1) % 2`` and ``i < max_window_layers``;
     - Gemma2 / gpt-oss: alternating, layer i sliding iff ``(i + 1) % 2``;
-    - ``sliding_window_pattern`` p (Gemma3, default 6; Cohere2, default 4): sliding iff ``(i + 1) % p``;
+    - ``sliding_window_pattern`` p (Gemma3/Gemma4, default 6; Cohere2/Olmo3/Exaone4, default 4; AFMoE's
+      ``global_attn_every_n_layers``): sliding iff ``(i + 1) % p``;
+    - MiniMax (``model_type: minimax``, no ``layer_types``): MiniMaxConfig alternates full / linear;
     - everything else (Mistral incl. Mistral-7B-v0.1, Mixtral, Phi-3, Starcoder2, Qwen3-MoE, unknown types):
       every layer sliding.
     """
+    mt = str(flat.get("model_type", ""))
+    if mt == "minimax":  # MiniMaxConfig (Text-01/M1 in transformers' form) without layer_types
+        return ["full" if (i + 1) % 2 else "linear" for i in range(n)]
     if effective_sliding_window(flat) is None:
         return ["full"] * n
-    mt = str(flat.get("model_type", ""))
     mwl = flat.get("max_window_layers")
     mwl = mwl if isinstance(mwl, int) and not isinstance(mwl, bool) else 28
     if mt == "qwen2_moe":
         return ["sliding" if (i + 1) % 2 and i < mwl else "full" for i in range(n)]
-    if mt.startswith(USE_SLIDING_WINDOW_TYPES) and "moe" not in mt:
+    if mt.startswith(MAX_WINDOW_LAYERS_TYPES) and "moe" not in mt:
         return ["sliding" if i >= mwl else "full" for i in range(n)]
     if mt in ALTERNATING_SWA_TYPES:
         return ["sliding" if (i + 1) % 2 else "full" for i in range(n)]
     pattern = flat.get("sliding_window_pattern", DEFAULT_SWA_PATTERN.get(mt))
+    if mt == "afmoe":  # AfmoeConfig: global (full) attention every global_attn_every_n_layers (default 4)
+        pattern = flat.get("global_attn_every_n_layers", 4)
     if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
         return ["sliding" if (i + 1) % pattern else "full" for i in range(n)]
     return ["sliding"] * n
