@@ -413,6 +413,54 @@ def test_minimax_hybrid_and_m2_match_transformers_models():
     assert mem.estimate_parameters(m2.to_dict()) == expected
 
 
+def _hf_checkpoint_params(cfg: dict) -> int:
+    """Parameters a transformers model built from ``cfg`` saves (meta device: no memory): every parameter
+    once (tied lm_head not twice) plus persistent buffers that checkpoints store (router biases), without
+    derived lightning-attention buffers."""
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "quantization_config", "auto_map")}
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    saved = model.state_dict()
+    params = {id(p): p.numel() for p in model.parameters()}
+    buffers = [b.numel() for n, b in model.named_buffers() if n in saved and not n.endswith(DERIVED_BUFFERS)]
+    return sum(params.values()) + sum(buffers)
+
+
+def _real(name: str) -> dict:
+    return json.loads((REALWORLD / "configs" / f"{name}.json").read_text())
+
+
+#: MiniMax-M1 in transformers' own form (model_type minimax, layer_types), to build the HF model
+MINIMAX_M1_HF = {**{k: v for k, v in MINIMAX_M1.items() if k != "attn_type_list"}, "model_type": "minimax",
+                 "layer_types": ["linear_attention" if t == 0 else "full_attention" for t in MINIMAX_M1["attn_type_list"]]}
+
+
+@pytest.mark.parametrize("cfg", [
+    pytest.param(GEMMA2_9B, id="gemma-2-9b"), pytest.param(GEMMA3_1B, id="gemma-3-1b"),
+    pytest.param(MISTRAL_7B_V01, id="mistral-7b-v0.1"), pytest.param(QWEN25_7B, id="qwen2.5-7b"),
+    pytest.param(QWEN3_8B, id="qwen3-8b"), pytest.param(QWEN15_MOE, id="qwen1.5-moe"),
+    pytest.param(_real("openai__gpt-oss-20b"), id="gpt-oss-20b"), pytest.param(_real("Qwen__Qwen3-0.6B"), id="qwen3-0.6b"),
+    pytest.param(_real("meta-llama__Llama-3.1-8B"), id="llama-3.1-8b"),
+    pytest.param(MINIMAX_M1_HF, id="minimax-m1-hf"), pytest.param(MINIMAX_M27, id="minimax-m2.7"),
+    # transformers' DeepSeek-V3 / GLM-5 models have no MTP layer: compare without it
+    pytest.param({**_real("deepseek-ai__DeepSeek-V3"), "num_nextn_predict_layers": 0}, id="deepseek-v3-no-mtp"),
+    pytest.param({**_real("zai-org__GLM-5"), "num_nextn_predict_layers": 0}, id="glm-5-no-mtp"),
+])
+def test_estimate_equals_transformers_model_of_the_real_config(cfg):
+    """Full-size real configs instantiated by transformers on the meta device: the estimate is exact.
+    (Gemma ties lm_head by default and has 4 norms per layer, Gemma3 q/k norms; gpt-oss expert/router
+    biases and attention sinks; Qwen2 qkv biases; MiniMax-M1 lightning layers; MiniMax-M2 per-layer q/k
+    norms and router bias.)"""
+    flat = flatten_dsa_config(cfg)
+    assert mem.estimate_parameters(flat, flat.get("indexer_types")) == _hf_checkpoint_params(cfg)
+
+
+def test_minimax_m1_original_and_hf_forms_agree():
+    assert mem.estimate_parameters(MINIMAX_M1) == mem.estimate_parameters(MINIMAX_M1_HF)
+    assert mem.layer_attention_kinds(MINIMAX_M1) == mem.layer_attention_kinds(MINIMAX_M1_HF)
+
+
 def test_estimate_refuses_unmodelled_linear_attention():
     qwen3_next = json.loads((REALWORLD / "configs" / "Qwen__Qwen3-Next-80B-A3B-Thinking.json").read_text())
     assert mem.estimate_parameters(flatten_dsa_config(qwen3_next)) is None

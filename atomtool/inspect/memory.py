@@ -284,6 +284,13 @@ def kv_bytes_for_context(kv: dict[str, Any], tokens: int) -> int:
 #: ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.norm`` only. DeepSeek-V3/V3.2 (and GLM-4.5) store an
 #: ``embed_tokens`` and a ``shared_head.head`` copy in every MTP layer; that is the default.
 MTP_SHARES_EMBED_HEAD = frozenset({"glm_moe_dsa"})
+#: model_types whose transformers config ties ``lm_head`` to the embeddings by default
+#: (``tie_word_embeddings: bool = True``); Gemma's config.json usually omits the field
+TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "vaultgemma",
+                             "cohere", "cohere2", "starcoder2", "smollm3", "ernie4_5", "ernie4_5_moe", "minicpm3",
+                             "granite_swa"})
+#: model_types with four norms per decoder layer (input, post-attention, pre- and post-feedforward: Gemma2/3)
+FOUR_NORM_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "vaultgemma"})
 #: model_types whose routers carry an ``e_score_correction_bias`` (noaux_tc routing)
 ROUTER_BIAS_TYPES = frozenset({"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "kimi_k2"})
 # (MiniMax-M2/M3 say so with ``use_routing_bias``; transformers' MiniMaxM2 always has the bias)
@@ -357,7 +364,7 @@ def _gqa_attention_params(flat: dict[str, Any], h: int, layer: int, index_layers
         if flat.get("attention_bias") and mt not in ("qwen2", "qwen2_moe", "glm4_moe"):
             a += h  # o_proj bias (LlamaAttention: bias=config.attention_bias)
     m2 = mt == "minimax_m2"  # MiniMaxM2Attention always has per-layer q/k norms (no config field in transformers)
-    if mt.startswith("qwen3") or flat.get("use_qk_norm", m2):
+    if mt.startswith(("qwen3", "gemma3")) or flat.get("use_qk_norm", m2):
         a += (nh + kvh) * hd if flat.get("qk_norm_type", "per_layer" if m2 else "per_head") == "per_layer" else 2 * hd
     if layer in index_layers:
         sac = flat["sparse_attention_config"]
@@ -425,12 +432,14 @@ def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) ->
                 hi, di = _int(flat, "index_n_heads"), _int(flat, "index_head_dim")
                 a += (rq or h) * hi * di + h * di + 2 * di + h * hi
             return a
-        return _gqa_attention_params(flat, h, layer, index_layers)
+        return _gqa_attention_params(flat, h, layer, index_layers) + (nh if mt == "gpt_oss" else 0)  # + sinks
 
     def mlp(kind: str) -> int:
         if kind == "dense":
             return 3 * h * dense_i
         m = experts * 3 * h * moe_i + experts * h  # experts + router gate [experts, h]
+        if mt == "gpt_oss":  # GptOssExperts: gate_up_proj_bias [E, 2i], down_proj_bias [E, h]; router bias [E]
+            m += experts * (2 * moe_i + h) + experts
         if (mt in ROUTER_BIAS_TYPES or flat.get("topk_method") == "noaux_tc"
                 or flat.get("use_routing_bias", mt == "minimax_m2") is True):
             m += experts  # e_score_correction_bias
@@ -446,10 +455,11 @@ def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) ->
 
     kinds = _mlp_kinds(flat)
     total = v * h + h  # embeddings + final norm
-    if not flat.get("tie_word_embeddings", False):
+    if not flat.get("tie_word_embeddings", mt in TIED_BY_DEFAULT):
         total += v * h
+    norms = (4 if mt in FOUR_NORM_TYPES else 2) * h  # input/post-attention (+ pre/post-feedforward) norms
     for i in range(n):
-        total += attn(i) + mlp(kinds[i]) + 2 * h  # + input/post-attention norms
+        total += attn(i) + mlp(kinds[i]) + norms
     mtp = 0 if is_minimax(flat) else _int(flat, "num_nextn_predict_layers")
     for k in range(mtp):
         # MTP block: a decoder layer + enorm/hnorm + eh_proj [h, 2h] + shared_head.norm (+ embed/head copies)
