@@ -456,6 +456,22 @@ def test_estimate_equals_transformers_model_of_the_real_config(cfg):
     assert mem.estimate_parameters(flat, flat.get("indexer_types")) == _hf_checkpoint_params(cfg)
 
 
+#: XiaomiMiMo/MiMo-7B-RL config.json fields that size the model (MiMoForCausalLM subclasses Qwen2ForCausalLM)
+MIMO_7B = {"architectures": ["MiMoForCausalLM"], "model_type": "mimo", "hidden_size": 4096,
+           "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+           "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "vocab_size": 151680}
+
+
+def test_mimo_mtp_layer_has_no_embedding_copy():
+    """MiMo-7B publishes ``model.mtp_layers.0``: a Qwen2 decoder layer + ``input_proj`` [h, 2h] +
+    token/hidden/final layernorms, sharing the trunk's embeddings and head (unlike DeepSeek-V3)."""
+    h = MIMO_7B["hidden_size"]
+    qwen2 = {**MIMO_7B, "model_type": "qwen2", "num_nextn_predict_layers": 0}
+    trunk = _hf_checkpoint_params(qwen2)
+    one_layer = (trunk - _hf_checkpoint_params({**qwen2, "num_hidden_layers": 35}))
+    assert mem.estimate_parameters(MIMO_7B) == trunk + one_layer + 2 * h * h + 3 * h
+
+
 def test_minimax_m1_original_and_hf_forms_agree():
     assert mem.estimate_parameters(MINIMAX_M1) == mem.estimate_parameters(MINIMAX_M1_HF)
     assert mem.layer_attention_kinds(MINIMAX_M1) == mem.layer_attention_kinds(MINIMAX_M1_HF)

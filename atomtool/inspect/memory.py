@@ -281,9 +281,10 @@ def kv_bytes_for_context(kv: dict[str, Any], tokens: int) -> int:
 
 
 #: model_types whose MTP layer stores no copy of the embeddings and output head: GLM-5.x's MTP layer holds
-#: ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.norm`` only. DeepSeek-V3/V3.2 (and GLM-4.5) store an
+#: ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.norm`` only; MiMo-7B's ``model.mtp_layers.N`` hold
+#: ``input_proj`` [h, 2h] and five norms (the same count). DeepSeek-V3/V3.2 (and GLM-4.5) store an
 #: ``embed_tokens`` and a ``shared_head.head`` copy in every MTP layer; that is the default.
-MTP_SHARES_EMBED_HEAD = frozenset({"glm_moe_dsa"})
+MTP_SHARES_EMBED_HEAD = frozenset({"glm_moe_dsa", "mimo"})
 #: model_types whose transformers config ties ``lm_head`` to the embeddings by default
 #: (``tie_word_embeddings: bool = True``); Gemma's config.json usually omits the field
 TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "vaultgemma",
@@ -348,7 +349,8 @@ def _sparse_index_layer_set(flat: dict[str, Any]) -> set[int]:
 
 
 def _gqa_attention_params(flat: dict[str, Any], h: int, layer: int, index_layers: set[int]) -> int:
-    """One softmax-attention layer (q/k/v/o) of a GQA model: biases (Qwen2 / Qwen2-MoE ``qkv_bias``,
+    """One softmax-attention layer (q/k/v/o) of a GQA model: biases (Qwen2 and MiMo (a Qwen2 subclass),
+    Qwen2-MoE ``qkv_bias``,
     ``attention_bias``: q/k/v, plus o_proj except GLM-4.5), q/k norms (Qwen3 per head; ``use_qk_norm`` with
     ``qk_norm_type`` ``per_head`` [head_dim] or ``per_layer`` [heads x head_dim], MiniMax-M2) and MiniMax-M3
     sparse index projections (``index_q_proj`` [index heads x index dim, h], ``index_k_proj`` [index dim, h],
@@ -357,11 +359,11 @@ def _gqa_attention_params(flat: dict[str, Any], h: int, layer: int, index_layers
     nh = _int(flat, "num_attention_heads")
     hd, kvh = head_dim(flat), _int(flat, "num_key_value_heads") or nh
     a = h * nh * hd + 2 * h * kvh * hd + nh * hd * h
-    qkv_bias = (mt == "qwen2" or (mt == "qwen2_moe" and flat.get("qkv_bias", True) is not False)
+    qkv_bias = (mt in ("qwen2", "mimo") or (mt == "qwen2_moe" and flat.get("qkv_bias", True) is not False)
                 or bool(flat.get("attention_bias")))
     if qkv_bias:
         a += nh * hd + 2 * kvh * hd
-        if flat.get("attention_bias") and mt not in ("qwen2", "qwen2_moe", "glm4_moe"):
+        if flat.get("attention_bias") and mt not in ("qwen2", "qwen2_moe", "glm4_moe", "mimo"):
             a += h  # o_proj bias (LlamaAttention: bias=config.attention_bias)
     m2 = mt == "minimax_m2"  # MiniMaxM2Attention always has per-layer q/k norms (no config field in transformers)
     if mt.startswith(("qwen3", "gemma3")) or flat.get("use_qk_norm", m2):
