@@ -394,12 +394,15 @@ def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) ->
     indexers on ``full`` layers, MiniMax-M3 sparse index projections, and the MTP layers
     (``num_nextn_predict_layers``) the way each family publishes them: a full decoder layer (MoE when the
     model has experts) + ``enorm``/``hnorm`` + ``eh_proj`` [h, 2h] + ``shared_head.norm``, plus an
-    ``embed_tokens`` and ``shared_head.head`` copy ([vocab, h] each) except for GLM-5
+    ``embed_tokens`` and ``shared_head.head`` copy ([vocab, h] each) except for GLM-5 and MiMo
     (:data:`MTP_SHARES_EMBED_HEAD`); MiniMax checkpoints ship no MTP weights
     (MiniMax-M2.7 declares ``num_mtp_modules: 3``, MiniMax-M3 ``num_nextn_predict_layers: 1``, and neither
-    published tensor table has an MTP tensor).
-    Checked against the real tensor tables of DeepSeek-V3/V3.2, GLM-5.1/5.2, Kimi-K2, MiniMax-M2.7/M3
-    (tests/test_inspect_swa_params.py). Not counted: vision towers and projectors of multimodal checkpoints
+    published tensor table has an MTP tensor). Family details: Gemma ties lm_head by default and has four
+    norms per layer (Gemma3 also q/k norms), gpt-oss has expert/router biases and attention sinks.
+    Checked exactly against the real tensor tables of DeepSeek-V3/V3.2, GLM-5.1/5.2, Kimi-K2, MiniMax-M2.7/M3
+    and against transformers' models of real configs built on the meta device (Llama-3.1, Mistral, Qwen2.5/3,
+    Qwen1.5-MoE, Gemma2/3, gpt-oss, MiniMax-M1/M2, DeepSeek-V3 and GLM-5 without MTP;
+    tests/test_inspect_swa_params.py). Not counted: vision towers and projectors of multimodal checkpoints
     (text model only), buffers such as ``rotary_emb.inv_freq``. Returns None for layouts it does not model
     (linear attention other than MiniMax lightning: Qwen3-Next, Kimi-Linear).
     """
