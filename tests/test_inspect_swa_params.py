@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -499,6 +498,3 @@ def test_config_only_cli_totals_use_the_estimate(tmp_path):
     assert obj["totals"]["parameters"] == mem.estimate_parameters(MINIMAX_M1)
     assert obj["memory"]["kv_bytes_per_token"] == 10 * 4096 and obj["memory"]["linear_layers"] == 70
 
-
-def test_realworld_dir_is_the_vendored_copy():
-    assert Path(REALWORLD, "index", "MiniMaxAI__MiniMax-M3.json").is_file()
