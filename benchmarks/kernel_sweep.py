@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = DSV32_LINEARS
         T_list = [1, 8]
         if args.quick:
-            lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=64, split_target=1056, swap_ab=True)]
-            moe = [MoeGemmConfig(), MoeGemmConfig(block_n=64, swap_ab=True)]
+            lin = [Fp8LinearConfig(), Fp8LinearConfig(num_stages=4), Fp8LinearConfig(swap_ab=True)]
+            moe = [MoeGemmConfig(), MoeGemmConfig(num_stages=4), MoeGemmConfig(swap_ab=False)]
         else:
             lin = [Fp8LinearConfig(block_n=bn, split_target=tg, num_warps=4, num_stages=ns, swap_ab=sw)
                    for sw, bn, tg, ns in itertools.product((False, True), (32, 64, 128), (528, 1056), (3, 4))

@@ -165,6 +165,27 @@ def test_cuda_graph_decode_matches_eager(family):
         torch.testing.assert_close(torch.stack(graph_l[sid]), torch.stack(eager_l[sid]), atol=1e-4, rtol=1e-4)
 
 
+def test_programmatic_dependent_launch_changes_no_bit(family, monkeypatch):
+    """PDL (kernels starting while the previous one drains, _common.launch_pdl_args) only reorders scheduling:
+    bf16 decode replayed from CUDA graphs gives bitwise the same logits with it on and off."""
+    from atomtool.serve.ops.triton import _common
+
+    name, path, _ = family
+    model = load_model(path, dtype="bfloat16", device="cuda").model
+    prompts = {str(i): _prompt(n, 300 + i) for i, n in enumerate(LENGTHS)}
+    runs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("ATOMTOOL_PDL", pdl)
+        monkeypatch.setattr(_common, "_PDL", {})
+        drv = CudaDriver(model, seed=4)
+        drv.enable_graphs(max_num_seqs=4, sizes=[1, 2, 4])
+        runs[pdl] = drv.generate(prompts, N_NEW)
+    assert bool(_common.launch_pdl_args(torch.device("cuda"))) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert runs["0"][0] == runs["1"][0]
+    for sid in prompts:
+        assert torch.equal(torch.stack(runs["0"][1][sid]), torch.stack(runs["1"][1][sid])), sid
+
+
 @pytest.fixture(scope="module", params=[("llama", (24, 16)), ("glm_moe_dsa", (16, 16))],
                 ids=["llama-fp8-24x16", "glm_moe_dsa-fp8-16x16"])
 def fp8_family(request, tmp_path_factory):

@@ -15,6 +15,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def interpreting() -> bool:
@@ -58,6 +59,37 @@ if interpreting():
 
 
 _SM_COUNT: dict[str, int] = {}
+_PDL: dict[str, bool] = {}
+
+
+def launch_pdl_args(device: torch.device) -> dict:
+    """Launch keyword arguments for programmatic dependent launch (PDL, CUDA >= sm90), or {} where unavailable.
+
+    With PDL a kernel's programs may start while the previous kernel on the stream is still finishing: the
+    launch latency and the previous kernel's last partial wave overlap the next kernel's start (and whatever it
+    does before :func:`grid_dependency_wait`, which may only read immutable data such as weights). Every kernel
+    given these arguments must call ``grid_dependency_wait(USE_PDL)`` before it reads or writes anything a
+    preceding kernel may touch. CUDA graphs keep the programmatic edges (CUDA >= 12.3). Off on CPU, under the
+    interpreter, on GPUs before Hopper and with ``ATOMTOOL_PDL=0`` (for A/B measurements).
+    """
+    if device.type != "cuda" or interpreting():
+        return {}
+    key = str(device)
+    if key not in _PDL:
+        major, _ = torch.cuda.get_device_capability(device)
+        _PDL[key] = (major >= 9 and torch.version.hip is None
+                     and os.environ.get("ATOMTOOL_PDL", "1") not in ("", "0"))
+    return {"USE_PDL": True, "launch_pdl": True} if _PDL[key] else {}
+
+
+@triton.jit
+def grid_dependency_wait(USE_PDL: tl.constexpr):
+    """Under PDL (:func:`launch_pdl_args`): wait until the preceding kernel has completed and its writes are
+    visible, then let the next kernel launch (its programs wait in turn before touching our outputs).
+    Nothing without PDL."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def programs_per_row(rows: int, units: int, device: torch.device, per_sm: int | None) -> int:

@@ -22,7 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype, online_softmax_step, pow2
+from atomtool.serve.ops.triton._common import (
+    dot_acc,
+    dot_dtype,
+    grid_dependency_wait,
+    launch_pdl_args,
+    online_softmax_step,
+    pow2,
+)
 from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_merge_kernel
 
 
@@ -32,8 +39,9 @@ def _paged_attn_kernel(
     num_seqs, G, D, DV, block_size, sm_scale,
     s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DV_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_wait(USE_PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # which sequence owns this q-block: q-blocks of sequence b start at cu_q[b] // BLOCK_Q + b
@@ -103,10 +111,11 @@ def _paged_attn_split_kernel(
     H, G, D, DV, block_size, sm_scale, n_chunks,
     s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
     SPAN_MIN: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # program (sequence b, kv head, chunk c): b's decode row, the G query heads of kv head kvh, over cached
     # positions [c * span, (c + 1) * span); writes (max, sum) and the unnormalized output (split_kv layout)
+    grid_dependency_wait(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     c = tl.program_id(2)
@@ -189,6 +198,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             block_tables.stride(0),
             BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=block_n, D_PAD=pow2(D, 16), DV_PAD=pow2(Dv, 16),
             BLOCK_B=pow2(B), DOT_DTYPE=dot, num_warps=4,
+            **launch_pdl_args(q.device),
         )
     # decode rows (all rows when T == B): split-KV + ordered merge (split_kv.py)
     ws_acc = torch.empty((B, SPLIT_CHUNKS, H, Dv), dtype=torch.float32, device=q.device)
@@ -200,18 +210,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         SPAN_MIN=SPLIT_SPAN_MIN, G_PAD=max(g_pad, 16), BLOCK_N=block_n, D_PAD=pow2(D, 16), DV_PAD=pow2(Dv, 16),
         DOT_DTYPE=dot, num_warps=4,
+        **launch_pdl_args(q.device),
     )
     grid, merge_h, merge_d = merge_grid(B, H, Dv)
     split_kv_merge_kernel[grid](
         ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, Dv, 0, SPLIT_CHUNKS, out.stride(0), out.stride(1),
         SPARSE=False, SPAN_MIN=SPLIT_SPAN_MIN, BLOCK_H=merge_h, BLOCK_D=merge_d, EMPTY_IS_ZERO=True,
         num_warps=4,
+        **launch_pdl_args(ws_acc.device),
     )
     return out
 
 
 @triton.jit
-def _store_cache_kernel(x_ptr, c_ptr, slot_ptr, N, s_xt, s_cs, BLOCK: tl.constexpr):
+def _store_cache_kernel(x_ptr, c_ptr, slot_ptr, N, s_xt, s_cs, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token (e.g. a CUDA-graph batch padded up to its captured size)
@@ -241,7 +254,7 @@ def store_cache(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
     per_slot = cache[0, 0].numel()
     if N != per_slot:
         raise ValueError(f"store_cache: token entry {tuple(x.shape[1:])} does not fit cache {tuple(cache.shape)}")
-    _store_cache_kernel[(T,)](x2, cache, slot_mapping, N, x2.stride(0), per_slot, BLOCK=min(pow2(N), 2048))
+    _store_cache_kernel[(T,)](x2, cache, slot_mapping, N, x2.stride(0), per_slot, BLOCK=min(pow2(N), 2048), **launch_pdl_args(x2.device))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

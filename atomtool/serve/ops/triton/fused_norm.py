@@ -14,12 +14,13 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops import register_op
-from atomtool.serve.ops.triton._common import pow2
+from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_args, pow2
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, e_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, s_x, s_e, s_r, s_o, s_ro, eps,
-                         BLOCK_H: tl.constexpr):
+                         BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
@@ -59,7 +60,7 @@ def add_rms_norm(x: torch.Tensor, extra: torch.Tensor, weight: torch.Tensor, eps
         block = pow2(H)
         _add_rms_norm_kernel[(T,)](x, extra, residual, weight, out, new_res, H, x.stride(0), extra.stride(0),
                                    residual.stride(0), out.stride(0), new_res.stride(0), float(eps),
-                                   BLOCK_H=block, num_warps=4 if block <= 2048 else 8)
+                                   BLOCK_H=block, num_warps=4 if block <= 2048 else 8, **launch_pdl_args(x.device))
     return out, new_res
 
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops import register_op
-from atomtool.serve.ops.triton._common import pow2
+from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_args, pow2
 
 #: query heads per program of the query-rope part
 BLOCK_HEADS = 16
@@ -67,7 +67,8 @@ def _rope_heads(x_ptr, o_ptr, t, h0, H, D, half, s_xt, s_xh, s_ot, s_oh, cos_ptr
 @triton.jit
 def _mla_rope_store_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, c_ptr, slot_ptr, H, R, half,
                            s_qt, s_qh, s_ot, s_oh, s_kv, s_ct, s_st, s_cs, eps, INTERLEAVED: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     if j > 0:
@@ -142,7 +143,7 @@ def mla_rope_store(q_pe: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tens
         q_pe, out, kv, norm_weight, cos, sin, latent_cache, slot_mapping, H, R, P // 2, q_pe.stride(0),
         q_pe.stride(1), out.stride(0), out.stride(1), kv.stride(0), cos.stride(0), sin.stride(0), W, float(eps),
         INTERLEAVED=bool(interleaved), BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=pow2(P // 2),
-        num_warps=4 if block_r <= 2048 else 8)
+        num_warps=4 if block_r <= 2048 else 8, **launch_pdl_args(q_pe.device))
     return out
 
 
@@ -151,7 +152,8 @@ def _indexer_rope_store_kernel(q_ptr, qo_ptr, k_ptr, wr_ptr, wo_ptr, lw_ptr, lb_
                                slot_ptr, H, D, half, s_qt, s_qh, s_ot, s_oh, s_k, s_wr, s_wo, s_ct, s_st, s_cs,
                                scale, eps, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_HW: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_QD: tl.constexpr,
-                               BLOCK_P: tl.constexpr):
+                               BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     if j > 0:
@@ -234,7 +236,7 @@ def indexer_rope_store(q: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor
         weights.stride(0), cos.stride(0) if half else 0, sin.stride(0) if half else 0, D, float(weight_scale),
         float(eps), INTERLEAVED=bool(interleaved), BLOCK_H=block_h, BLOCK_HW=pow2(H),
         BLOCK_D=pow2(D), BLOCK_QD=pow2(D) if 2 * half < D else 0, BLOCK_P=pow2(half) if half else 0,
-        num_warps=4)
+        num_warps=4, **launch_pdl_args(q.device))
     return q_out, weights
 
 
@@ -274,7 +276,8 @@ def _qk_rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, qw_ptr
                              slot_ptr, H, Hkv, D, Dv, half, nqb, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
                              s_ct, s_st, s_kcs, s_kch, s_vcs, s_vch, eps, HAS_NORM: tl.constexpr,
                              INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
+                             BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     cos_row = cos_ptr + t * s_ct
@@ -342,7 +345,7 @@ def qk_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w
         H, Hkv, D, Dv, half, nqb, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), cos.stride(0), sin.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), float(eps), HAS_NORM=has_norm, INTERLEAVED=bool(interleaved),
-        BLOCK_H=block_h, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_R=pow2(half))
+        BLOCK_H=block_h, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_R=pow2(half), **launch_pdl_args(q.device))
     return out
 
 

@@ -22,6 +22,8 @@ import triton.language as tl
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
+    grid_dependency_wait,
+    launch_pdl_args,
     paged_rows,
     pow2,
     programs_per_row,
@@ -50,8 +52,9 @@ def _indexer_keys_kernel(
     num_seqs, row0, Hi, Di, block_size, S, nprog,
     s_qt, s_qh, s_wt, s_kb, s_ks, s_bt, s_key, s_rng,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_wait(USE_PDL)
     t = row0 + tl.program_id(0)
     b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
     n = tl.minimum(qpos + 1, S)  # causally valid positions: the selection reads no key past them
@@ -107,6 +110,7 @@ def indexer_keys(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
         block_tables.stride(0), keys.stride(0), rng.stride(0),
         BLOCK_H=pow2(Hi, 16), BLOCK_D=pow2(Di, 16), BLOCK_N=block_n, BLOCK_B=pow2(B),
         DOT_DTYPE=dot_dtype(q.dtype), num_warps=4,
+        **launch_pdl_args(q.device),
     )
     return keys
 

@@ -27,7 +27,38 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype
+from atomtool.serve.ops.triton._common import (
+    dot_acc,
+    dot_dtype,
+    grid_dependency_wait,
+    launch_pdl_args,
+)
+
+
+@triton.jit
+def _load_step(a_rows, w_rows, s_row, kk, k0, k_end, m_ok, n_ok, bk):
+    """The activation tile [BLOCK_M, BLOCK_K], FP8 weight tile [BLOCK_N, BLOCK_K] and block scales [BLOCK_N] of
+    the K step at k0 (Triton's pipeliner stages the two tiles through shared memory with cp.async)."""
+    k = k0 + kk
+    k_ok = k < k_end
+    a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    sc = tl.load(s_row + k0 // bk, mask=n_ok & (k0 < k_end), other=0.0)
+    return a, w, sc
+
+
+@triton.jit
+def _fp8_step(acc, a, w, sc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              SWAP_AB: tl.constexpr):
+    """acc + (a @ widen(w)^T) * sc for one K step inside one scale block (transposed under SWAP_AB).
+    e4m3 -> fp32 -> DOT_DTYPE is exact; on sm90 Triton's direct e4m3 -> bf16 conversion measured slower (FP8
+    linear 19.6 -> 25.7 us per call at M = 1), and so did widening by integer ops (1.35 -> 1.52 ms per step)."""
+    if SWAP_AB:
+        part = dot_acc(w.to(tl.float32), tl.trans(a), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_DTYPE)
+        return acc + part * sc[:, None]
+    else:
+        part = dot_acc(a, tl.trans(w.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
+        return acc + part * sc[None, :]
 
 
 @triton.jit
@@ -35,7 +66,8 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
                            n_splits, s_am, s_wn, s_sn, s_cm, s_cs, s_om,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr,
-                           FUSED_SUM: tl.constexpr):
+                           FUSED_SUM: tl.constexpr, USE_PDL: tl.constexpr = False,
+                           ):
     # program (pid_m, pid_n, pid_s) owns a BLOCK_M x BLOCK_N tile and the K range [pid_s * k_chunk, + k_chunk);
     # with one split (k_chunk >= K) c_ptr is the output, else it is split pid_s's fp32 partial plane.
     # SWAP_AB computes the transposed tile W_tile @ a_tile^T ([BLOCK_N, BLOCK_M]): the widened weight tile is
@@ -44,6 +76,7 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
+    grid_dependency_wait(USE_PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -56,20 +89,11 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
     s_row = s_ptr + (n // bn).to(tl.int64) * s_sn
     k_start = pid_s * k_chunk
     k_end = tl.minimum(K, k_start + k_chunk)
+    a_rows = a_ptr + m[:, None].to(tl.int64) * s_am
+    w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn
     for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < k_end
-        a = tl.load(a_ptr + m[:, None].to(tl.int64) * s_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        sc = tl.load(s_row + k0 // bk, mask=n_ok, other=0.0)
-        # e4m3 -> fp32 -> DOT_DTYPE (exact): on sm90 Triton's direct e4m3 -> bf16 conversion is slower (measured:
-        # FP8 linear 19.6 -> 25.7 us per call at M = 1)
-        if SWAP_AB:
-            part = dot_acc(w.to(tl.float32), tl.trans(a), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_DTYPE)
-            acc += part * sc[:, None]
-        else:
-            part = dot_acc(a, tl.trans(w.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
-            acc += part * sc[None, :]
+        a, w, sc = _load_step(a_rows, w_rows, s_row, kk, k0, k_end, m_ok, n_ok, bk)
+        acc = _fp8_step(acc, a, w, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, SWAP_AB)
     c_base = c_ptr + pid_s.to(tl.int64) * s_cs
     if SWAP_AB:
         if HAS_BIAS and not FUSED_SUM:
@@ -102,8 +126,9 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
 
 
 @triton.jit
-def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     # out = ((ws[0] + ws[1]) + ws[2]) + ... (+ bias), in split-index order: a fixed order whatever M is
+    grid_dependency_wait(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.load(ws_ptr + i, mask=ok, other=0.0)
@@ -143,7 +168,8 @@ class Fp8LinearConfig:
     split_target: programs the split-K plan aims for (a constant, so a given weight's split is the same on
     every call and device); num_warps / num_stages: Triton launch options; swap_ab: compute the transposed
     tile (see the kernel); fused_sum: the last split of each tile sums the partials (no second launch; same
-    bits as the separate sum kernel). Off by default: in the H200 decode profile (batch 1, DeepSeek-V3.2 shape)
+    bits as the separate sum kernel);
+    fused_sum is off by default: in the H200 decode profile (batch 1, DeepSeek-V3.2 shape)
     the fused form cost 1.51 ms per step against 1.31 + 0.14 ms for the GEMM and the separate sum kernel. H200 sweep at M = 1 over one DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms
     (59% of the copy bandwidth), swap_ab 1.48 ms, block_n 32 1.52 ms, block_n 128 >= 1.93 ms. Tuned on an H200 at M = 1 with
     ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
@@ -210,13 +236,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     block_m, block_n = 16, cfg.block_n
     n_splits, k_chunk = split_k_plan(N, K, block_n, block_k)
     dot = dot_dtype(x.dtype)
+    pdl = launch_pdl_args(x.device)
     if n_splits == 1:
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1)
         _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, out, s, M, N, K, bn, bk, k_chunk, 1,
                                      a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0, out.stride(0),
                                      HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                      DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, FUSED_SUM=False, num_warps=cfg.num_warps,
-                                     num_stages=cfg.num_stages)
+                                     num_stages=cfg.num_stages, **pdl)
         return out.view(*lead, N)
     # rows in chunks bound the fp32 workspace ([splits, rows, N]); chunking never changes a row's bits
     for r0 in range(0, M, SPLIT_ROWS):
@@ -231,11 +258,11 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                                      ws.stride(0), out_r.stride(0),
                                      HAS_BIAS=has_bias and fused, BLOCK_M=block_m, BLOCK_N=block_n,
                                      BLOCK_K=block_k, DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, FUSED_SUM=fused,
-                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
         if not fused:
             block = 1024
             _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
-                                                                HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+                                                                HAS_BIAS=has_bias, BLOCK=block, num_warps=4, **pdl)
     return out.view(*lead, N)
 
 

@@ -29,6 +29,8 @@ import triton.language as tl
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
+    grid_dependency_wait,
+    launch_pdl_args,
     online_softmax_step,
     paged_rows,
     pow2,
@@ -43,8 +45,9 @@ def _mla_kernel(
     num_seqs, H, R, P, K, block_size, sm_scale,
     s_qnt, s_qnh, s_qpt, s_qph, s_lb, s_ls, s_ot, s_oh, s_bt, s_tk,
     SPARSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
-    P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_wait(USE_PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     b, qpos = token_sequence(t, cu_q_ptr, seq_lens_ptr, num_seqs, BLOCK_B)
@@ -130,10 +133,11 @@ def _mla_split_kernel(
     H, R, P, K, block_size, sm_scale, n_chunks,
     s_qnt, s_qnh, s_qpt, s_qph, s_lb, s_ls, s_bt, s_tk,
     SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    R_PAD: tl.constexpr, P_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    R_PAD: tl.constexpr, P_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # program (sequence b, head block, chunk c): the decode row of b over keys [c * span, (c + 1) * span) of
     # its key list. Writes ws_acc[b, c, h, :R] (unnormalized), ws_ml[b, c, h, 0 / 1] = (max, sum), log2 units.
+    grid_dependency_wait(USE_PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
     c = tl.program_id(2)
@@ -233,6 +237,7 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
             tk.stride(0),
             SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=p_pad, BLOCK_B=pow2(B),
             DOT_DTYPE=dot, num_warps=8 if r_pad >= 256 else 4, num_stages=2,
+            **launch_pdl_args(q_nope_absorbed.device),
         )
     # decode rows (all rows when T == B): split-KV over chunks cut from the row's own key count, then the
     # ordered merge. Chunk count: from the top-k width (sparse) or a constant (dense), never from the batch.
@@ -254,10 +259,12 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), tk.stride(0),
         SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=block_h, BLOCK_N=cfg.block_n, R_PAD=r_pad,
         P_PAD=p_pad, DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_pdl_args(q_nope_absorbed.device),
     )
     grid, merge_h, merge_d = merge_grid(B, H, R)
     split_kv_merge_kernel[grid](
         ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, R, K, n_chunks, out.stride(0), out.stride(1),
         SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=merge_h, BLOCK_D=merge_d, EMPTY_IS_ZERO=False, num_warps=4,
+        **launch_pdl_args(ws_acc.device),
     )
     return out

@@ -18,9 +18,48 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import dot_acc, dot_dtype
+from atomtool.serve.ops.triton._common import (
+    dot_acc,
+    dot_dtype,
+    grid_dependency_wait,
+    launch_pdl_args,
+)
 from atomtool.serve.ops.triton.activation import silu_and_mul
 from atomtool.serve.ops.triton.moe_align import moe_align
+
+
+@triton.jit
+def _moe_load_step(a_rows, b_base, s_rows, kk, k0, K, r_ok, n_ok, bk, FP8: tl.constexpr):
+    """The activation rows [BLOCK_M, BLOCK_K], the expert weight tile [BLOCK_N, BLOCK_K] and (FP8) its block
+    scales [BLOCK_N] of the K step at k0."""
+    k = k0 + kk
+    k_ok = k < K
+    a = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    b = tl.load(b_base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if FP8:
+        sc = tl.load(s_rows + k0 // bk, mask=n_ok & (k0 < K), other=0.0)
+    else:
+        sc = tl.zeros_like(n_ok).to(tl.float32)
+    return a, b, sc
+
+
+@triton.jit
+def _moe_step(acc, a, b, sc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              SWAP_AB: tl.constexpr, FP8: tl.constexpr):
+    """One K step of an expert tile: acc + a @ b^T (transposed under SWAP_AB); FP8 weights are widened
+    exactly (e4m3 -> fp32 -> DOT_DTYPE; see linear._fp8_step) and their block scale applied once per step."""
+    if FP8:
+        if SWAP_AB:
+            part = dot_acc(b.to(tl.float32), tl.trans(a), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_DTYPE)
+            return acc + part * sc[:, None]
+        else:
+            part = dot_acc(a, tl.trans(b.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
+            return acc + part * sc[None, :]
+    else:
+        if SWAP_AB:
+            return dot_acc(b, tl.trans(a), acc, DOT_DTYPE)
+        else:
+            return dot_acc(a, tl.trans(b), acc, DOT_DTYPE)
 
 
 @triton.jit
@@ -30,10 +69,11 @@ def _moe_gemm_kernel(
     s_am, s_be, s_bn, s_se, s_sn, s_cm,
     A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # SWAP_AB: compute the transposed tile B_tile @ A_tile^T ([BLOCK_N, BLOCK_M]) so the (widened) expert
     # weight tile is the dot's first operand (Hopper's wgmma reads it from registers); same tile, same K order.
+    grid_dependency_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -53,27 +93,11 @@ def _moe_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    a_rows = a_ptr + a_rows[:, None].to(tl.int64) * s_am
+    s_rows = s_ptr + e.to(tl.int64) * s_se + (n // bn).to(tl.int64) * s_sn
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * s_am + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        b = tl.load(b_base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP8:
-            sc = tl.load(s_ptr + e.to(tl.int64) * s_se + (n // bn).to(tl.int64) * s_sn + k0 // bk, mask=n_ok,
-                         other=0.0)
-            # e4m3 -> fp32 -> DOT_DTYPE (exact; faster on sm90 than Triton's direct e4m3 -> bf16)
-            if SWAP_AB:
-                part = dot_acc(b.to(tl.float32), tl.trans(a), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_DTYPE)
-                acc += part * sc[:, None]
-            else:
-                part = dot_acc(a, tl.trans(b.to(tl.float32)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE)
-                acc += part * sc[None, :]
-        else:
-            if SWAP_AB:
-                acc = dot_acc(b, tl.trans(a), acc, DOT_DTYPE)
-            else:
-                acc = dot_acc(a, tl.trans(b), acc, DOT_DTYPE)
+        a, b, sc = _moe_load_step(a_rows, b_base, s_rows, kk, k0, K, r_ok, n_ok, bk, FP8)
+        acc = _moe_step(acc, a, b, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, SWAP_AB, FP8)
     if SWAP_AB:
         if MUL_WEIGHT:
             acc *= tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[None, :]
@@ -160,6 +184,7 @@ def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k if fp8 else 64, DOT_DTYPE=dot_dtype(a.dtype),
         SWAP_AB=cfg.swap_ab and block_m <= 16,
         num_warps=cfg.num_warps if block_m <= 16 else 8, num_stages=cfg.num_stages,
+        **launch_pdl_args(a.device),
     )
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import pow2
+from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_args, pow2
 
 #: most (token, slot) pairs laid out by the one-program kernel; larger inputs use the torch reference.
 #: H200, CUDA graph (tests/gpu/test_router_gpu.py): 512 pairs 15.7 vs 86 us, 8192 pairs 195 vs 139 us (the
@@ -33,8 +33,9 @@ MAX_PAIRS = 4096
 @triton.jit
 def _moe_align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, n_pairs, E, block_m, length, n_blocks,
-    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST: tl.constexpr, FILL: tl.constexpr,
+    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_wait(USE_PDL)
     ee = tl.arange(0, BLOCK_E)
     e_ok = ee < E
     # 1. pairs per expert
@@ -113,6 +114,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     _moe_align_kernel[(1,)](
         flat, sorted_pairs, block_expert, n_pairs, num_experts, block_m, length, n_blocks,
         BLOCK_E=pow2(num_experts, 128), CHUNK=128, HIST=min(pow2(n_pairs, 128), 1024), FILL=1024, num_warps=4,
+        **launch_pdl_args(flat.device),
     )
     return sorted_pairs, block_expert
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from atomtool.serve.ops.triton._common import interpreting, pow2
+from atomtool.serve.ops.triton._common import grid_dependency_wait, interpreting, launch_pdl_args, pow2
 
 
 @triton.jit
@@ -102,8 +102,9 @@ def _grouped_topk_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr, s_lt, s_w, s_id, scale,
     N_GROUP: tl.constexpr, PER: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, EXACT_EXP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     # lanes as a [BLOCK_G, BLOCK_P] tile, a group per row; with N_GROUP and PER compile-time constants Triton
     # sees each row as contiguous, aligned memory and gives a thread several neighbours of a row (vector
@@ -202,5 +203,6 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
         HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), EXACT_EXP=not interpreting(),
         BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_K=pow2(k),
         num_warps=max(1, min(4, block_g * block_p // 2048)),  # one warp: reductions without shared memory
+        **launch_pdl_args(router_logits.device),
     )
     return weights, ids

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from atomtool.serve.ops.triton._common import grid_dependency_wait
+
 #: chunk spans are multiples of this many keys (a multiple of every kernel's BLOCK_N)
 SPAN_ALIGN: tl.constexpr = tl.constexpr(64)
 
@@ -31,13 +33,14 @@ def chunk_span(n_keys, n_chunks, SPAN_MIN: tl.constexpr):
 def split_kv_merge_kernel(
     ws_acc_ptr, ws_ml_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, H, D, K, n_chunks, s_ot, s_oh,
     SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    EMPTY_IS_ZERO: tl.constexpr,
+    EMPTY_IS_ZERO: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Program (sequence b, head block, feature block): if b has exactly one new token, merge its chunks in
     chunk order (global max first, then ``sum_c 2^(m_c - M) (l_c, acc_c)``) and write
     ``out[t, h, d0:d0 + BLOCK_D]``. Every output element is computed alone in the same order whatever the
     grid, so the head/feature blocking never changes a bit. Key count: K (sparse: the top-k width) or
     ``seq_lens[b]``. A row without keys gets 0 (EMPTY_IS_ZERO) or NaN."""
+    grid_dependency_wait(USE_PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
     db = tl.program_id(2)

@@ -47,7 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.triton._common import pow2, programs_per_row, token_sequence
+from atomtool.serve.ops.triton._common import (
+    grid_dependency_wait,
+    launch_pdl_args,
+    pow2,
+    programs_per_row,
+    token_sequence,
+)
 
 # Tuning (benchmarks/topk_bench.py --candidates prints the values to set). A histogram round costs each
 # thread about (log2(bins) + bins / 32 * 2 * (log2(bins) - 5)) operations per key it holds (Triton's
@@ -322,8 +328,9 @@ def _radix_topk_kernel(
     key_ptr, scratch_ptr, rng_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
     num_seqs, row0, S, K, s_key, s_scr, s_rng, s_out,
     ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    CBLOCK: tl.constexpr, CBINS: tl.constexpr, ALIGNED: tl.constexpr, RANGE_GIVEN: tl.constexpr,
+    CBLOCK: tl.constexpr, CBINS: tl.constexpr, ALIGNED: tl.constexpr, RANGE_GIVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
     t = row0 + r
     n = _row_length(t, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
@@ -419,7 +426,8 @@ _ST_WIDTH = 16
 @triton.jit
 def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0, S, NP,
                         s_key, s_rng, ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
-                        ALIGNED: tl.constexpr):
+                        ALIGNED: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
     if tl.program_id(1) * BLOCK >= n:
@@ -439,7 +447,8 @@ def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_
 def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0,
                        S, K, NP, s_key, s_rng, s_st, s_out,
                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                       ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr):
+                       ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
     if (n <= K) | (tl.program_id(1) * BLOCK >= n):
@@ -471,7 +480,8 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
                           num_seqs, row0, S, K, P, NP, s_key, s_rng, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                           BINS: tl.constexpr, BLOCK_P: tl.constexpr, CBLOCK: tl.constexpr,
-                          ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr):
+                          ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
     if (n <= K) | (tl.program_id(1) * BLOCK >= n) | (n <= SMALL):  # dense rows: E; short rows: done in B
@@ -549,7 +559,8 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
 def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
                         num_seqs, row0, S, K, P, NP, s_key, s_rng, s_st, s_seg, s_out,
                         ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
-                        BINS: tl.constexpr, ALIGNED: tl.constexpr, SMALL: tl.constexpr):
+                        BINS: tl.constexpr, ALIGNED: tl.constexpr, SMALL: tl.constexpr, USE_PDL: tl.constexpr = False):
+    grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
     t = row0 + r
@@ -671,17 +682,17 @@ def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block
     lens, cu_q, seq_lens, num_seqs = rows
     if not range_given:
         _split_range_kernel[(R, NP)](keys, rng, lens, cu_q, seq_lens, num_seqs, row0, S, NP, keys.stride(0),
-                                     rng.stride(0), **meta)
+                                     rng.stride(0), **meta, **launch_pdl_args(keys.device))
     args = (*rows, row0, S, topk)
     meta.update(SMALL=t["small_n"], BINS=t["bins"])
     hist_meta = dict(meta, num_warps=t["small_warps"]) if t["small_n"] else meta
     _split_hist_kernel[(R, NP)](keys, rng, st, out, *args, NP, keys.stride(0), rng.stride(0), st.stride(0),
-                                out.stride(0), CBINS=t["cand_bins"], **hist_meta)
+                                out.stride(0), CBINS=t["cand_bins"], **hist_meta, **launch_pdl_args(keys.device))
     _split_compact_kernel[(R, NP)](keys, rng, st, seg, cand, *args, P, NP, keys.stride(0), rng.stride(0),
                                    st.stride(0), seg.stride(0), cand.stride(0), BLOCK_P=pow2(P, 32),
-                                   CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], **meta)
+                                   CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], **meta, **launch_pdl_args(keys.device))
     _split_write_kernel[(R, NP)](keys, rng, st, seg, out, *args, P, NP, keys.stride(0), rng.stride(0),
-                                 st.stride(0), seg.stride(0), out.stride(0), **meta)
+                                 st.stride(0), seg.stride(0), out.stride(0), **meta, **launch_pdl_args(keys.device))
 
 
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
@@ -732,6 +743,7 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
         out.stride(0), ROW_LENS=row_lens, BLOCK_B=block_b, BLOCK=t["block"], BINS=t["bins"],
         CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], ALIGNED=S % 4 == 0 and keys.stride(0) % 4 == 0,
         RANGE_GIVEN=range_given, num_warps=t["num_warps"],
+        **launch_pdl_args(keys.device),
     )
 
 
