@@ -245,6 +245,29 @@ def test_mistral_is_served_as_llama(tmp_path):
     assert make_engine(tmp_path / "w").max_model_len == 48
 
 
+@pytest.mark.parametrize("model_type,extra,expect_window", [
+    ("mistral", {"sliding_window": 48}, True),
+    ("mistral", {"sliding_window": 48, "use_sliding_window": False}, True),  # MistralConfig has no such flag
+    ("qwen2", {"sliding_window": 48}, False),  # Qwen2Config: use_sliding_window defaults to False
+    ("qwen2", {"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 0}, True),
+    ("qwen3", {"sliding_window": 48, "use_sliding_window": False}, False),
+    ("llama", {}, False),
+])
+def test_sliding_window_context_cap_follows_transformers_configs(model_type, extra, expect_window):
+    """The Llama-family model caps a sequence at the sliding window exactly when transformers' own config class
+    keeps a window for that config (the oracle: ``AutoConfig.for_model(...).sliding_window``)."""
+    from transformers import AutoConfig
+
+    from atomtool.serve.models.llama import LlamaForCausalLM
+
+    cfg = dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256, **extra)
+    hf_window = getattr(AutoConfig.for_model(**cfg), "sliding_window", None)
+    assert (hf_window is not None) == expect_window  # the table above is what transformers says
+    model = LlamaForCausalLM(cfg, None, torch.float32, "cpu")
+    assert model.context_limit == hf_window
+
+
 def test_llm_generate_api(tmp_path):
     from atomtool.serve import LLM, SamplingParams
 

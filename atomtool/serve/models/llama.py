@@ -13,6 +13,7 @@ from torch import nn
 
 from atomtool.convert.plan_types import OutputTensor
 from atomtool.errors import ConfigError
+from atomtool.inspect.memory import effective_sliding_window, layer_attention_kinds
 from atomtool.serve.engine.batch import ForwardBatch, KVPlaneSpec
 from atomtool.serve.layers.attention import PagedAttention
 from atomtool.serve.layers.embedding import LMHead, VocabEmbedding
@@ -162,10 +163,13 @@ class LlamaForCausalLM(CausalLM):
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(config_flat, specs, dtype, device)
         cfg = config_flat
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", cfg.get("model_type") == "mistral"):
+        window = effective_sliding_window(cfg)
+        if window is not None and "sliding" in layer_attention_kinds(cfg):
             # Sliding-window attention is not implemented: within the window it equals full attention, so
-            # serve at most ``sliding_window`` tokens per sequence instead of refusing the model.
-            self.context_limit = int(cfg["sliding_window"])
+            # serve at most ``sliding_window`` tokens per sequence instead of refusing the model. Whether the
+            # window applies is read as transformers' config classes read it (Mistral ignores
+            # ``use_sliding_window``; Qwen2/Qwen3 apply the window only when it is true).
+            self.context_limit = window
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = _dims(cfg)
         self.model = LlamaModel(cfg, specs, dtype, device)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
