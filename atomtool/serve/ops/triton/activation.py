@@ -13,7 +13,8 @@ from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_a
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -36,5 +37,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     BLOCK = 1024
     if T:
-        _silu_and_mul_kernel[(T, triton.cdiv(inter, BLOCK))](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=BLOCK, **launch_pdl_args(x2.device))
+        _silu_and_mul_kernel[(T, triton.cdiv(inter, BLOCK))](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=BLOCK,
+                                                             **launch_pdl_args(x2.device))
     return out.view(*shape[:-1], inter)

@@ -223,7 +223,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 @triton.jit
-def _store_cache_kernel(x_ptr, c_ptr, slot_ptr, N, s_xt, s_cs, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _store_cache_kernel(x_ptr, c_ptr, slot_ptr, N, s_xt, s_cs, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -254,7 +255,8 @@ def store_cache(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
     per_slot = cache[0, 0].numel()
     if N != per_slot:
         raise ValueError(f"store_cache: token entry {tuple(x.shape[1:])} does not fit cache {tuple(cache.shape)}")
-    _store_cache_kernel[(T,)](x2, cache, slot_mapping, N, x2.stride(0), per_slot, BLOCK=min(pow2(N), 2048), **launch_pdl_args(x2.device))
+    _store_cache_kernel[(T,)](x2, cache, slot_mapping, N, x2.stride(0), per_slot, BLOCK=min(pow2(N), 2048),
+                              **launch_pdl_args(x2.device))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

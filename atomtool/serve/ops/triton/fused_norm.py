@@ -60,7 +60,8 @@ def add_rms_norm(x: torch.Tensor, extra: torch.Tensor, weight: torch.Tensor, eps
         block = pow2(H)
         _add_rms_norm_kernel[(T,)](x, extra, residual, weight, out, new_res, H, x.stride(0), extra.stride(0),
                                    residual.stride(0), out.stride(0), new_res.stride(0), float(eps),
-                                   BLOCK_H=block, num_warps=4 if block <= 2048 else 8, **launch_pdl_args(x.device))
+                                   BLOCK_H=block, num_warps=4 if block <= 2048 else 8,
+                                   **launch_pdl_args(x.device))
     return out, new_res
 
 

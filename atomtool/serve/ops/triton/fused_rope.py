@@ -67,7 +67,8 @@ def _rope_heads(x_ptr, o_ptr, t, h0, H, D, half, s_xt, s_xh, s_ot, s_oh, cos_ptr
 @triton.jit
 def _mla_rope_store_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, c_ptr, slot_ptr, H, R, half,
                            s_qt, s_qh, s_ot, s_oh, s_kv, s_ct, s_st, s_cs, eps, INTERLEAVED: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False):
+                           BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)

@@ -126,7 +126,8 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
 
 
 @triton.jit
-def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     # out = ((ws[0] + ws[1]) + ws[2]) + ... (+ bias), in split-index order: a fixed order whatever M is
     grid_dependency_wait(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -168,11 +169,13 @@ class Fp8LinearConfig:
     split_target: programs the split-K plan aims for (a constant, so a given weight's split is the same on
     every call and device); num_warps / num_stages: Triton launch options; swap_ab: compute the transposed
     tile (see the kernel); fused_sum: the last split of each tile sums the partials (no second launch; same
-    bits as the separate sum kernel);
-    fused_sum is off by default: in the H200 decode profile (batch 1, DeepSeek-V3.2 shape)
-    the fused form cost 1.51 ms per step against 1.31 + 0.14 ms for the GEMM and the separate sum kernel. H200 sweep at M = 1 over one DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms
-    (59% of the copy bandwidth), swap_ab 1.48 ms, block_n 32 1.52 ms, block_n 128 >= 1.93 ms. Tuned on an H200 at M = 1 with
-    ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md).
+    bits as the separate sum kernel).
+
+    Tuned on an H200 at M = 1 with ``python -m benchmarks.kernel_sweep`` (docs/PERFORMANCE.md), over one
+    DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms (59% of the copy bandwidth; 1.33-1.40 ms with
+    programmatic dependent launch), swap_ab 1.48 ms, block_n 32 1.52 ms, block_n 128 >= 1.93 ms, num_stages 4
+    1.36 ms (not adopted: unmeasured in the decode step). fused_sum is off: in the H200 decode profile (batch
+    1) the fused form cost 1.51 ms per step against 1.31 + 0.14 ms for the GEMM and the separate sum kernel.
     """
 
     block_n: int = 64
@@ -262,7 +265,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         if not fused:
             block = 1024
             _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
-                                                                HAS_BIAS=has_bias, BLOCK=block, num_warps=4, **pdl)
+                                                                HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+                                                                **pdl)
     return out.view(*lead, N)
 
 

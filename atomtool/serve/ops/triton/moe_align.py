@@ -33,7 +33,8 @@ MAX_PAIRS = 4096
 @triton.jit
 def _moe_align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, n_pairs, E, block_m, length, n_blocks,
-    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST: tl.constexpr, FILL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     grid_dependency_wait(USE_PDL)
     ee = tl.arange(0, BLOCK_E)

@@ -19,7 +19,8 @@ from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_a
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_r, stride_o,
-                     stride_ro, eps, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     stride_ro, eps, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -57,7 +58,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is None:
         if T:
             _rms_norm_kernel[(T,)](x2, x2, weight, out, out, H, x2.stride(0), 0, out.stride(0), 0, eps,
-                                   HAS_RES=False, BLOCK_H=block, num_warps=warps, **launch_pdl_args(x2.device))
+                                   HAS_RES=False, BLOCK_H=block, num_warps=warps,
+                                   **launch_pdl_args(x2.device))
         return out.view(shape)
     r2 = residual.reshape(-1, shape[-1])
     if r2.stride(-1) != 1:
@@ -65,5 +67,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     new_res = torch.empty((T, H), dtype=residual.dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x2, r2, weight, out, new_res, H, x2.stride(0), r2.stride(0), out.stride(0),
-                               new_res.stride(0), eps, HAS_RES=True, BLOCK_H=block, num_warps=warps, **launch_pdl_args(x2.device))
+                               new_res.stride(0), eps, HAS_RES=True, BLOCK_H=block, num_warps=warps,
+                               **launch_pdl_args(x2.device))
     return out.view(shape), new_res.view(residual.shape)

@@ -15,7 +15,8 @@ from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_a
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, H, half, s_xt, s_xh, s_ct, s_st, s_ot, s_oh,
-                   INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
+                   INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                   USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -57,5 +58,6 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     block_h = min(pow2(H), 16)
     _rotary_kernel[(T, triton.cdiv(H, block_h))](
         x, cos, sin, out, H, R // 2, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        out.stride(0), out.stride(1), INTERLEAVED=bool(interleaved), BLOCK_H=block_h, BLOCK_R=pow2(R // 2), **launch_pdl_args(x.device))
+        out.stride(0), out.stride(1), INTERLEAVED=bool(interleaved), BLOCK_H=block_h, BLOCK_R=pow2(R // 2),
+        **launch_pdl_args(x.device))
     return out

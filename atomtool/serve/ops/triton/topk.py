@@ -328,7 +328,8 @@ def _radix_topk_kernel(
     key_ptr, scratch_ptr, rng_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
     num_seqs, row0, S, K, s_key, s_scr, s_rng, s_out,
     ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    CBLOCK: tl.constexpr, CBINS: tl.constexpr, ALIGNED: tl.constexpr, RANGE_GIVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
+    CBLOCK: tl.constexpr, CBINS: tl.constexpr, ALIGNED: tl.constexpr, RANGE_GIVEN: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)  # row of this launch's key block; query row t of the step
@@ -447,7 +448,8 @@ def _split_range_kernel(key_ptr, rng_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_
 def _split_hist_kernel(key_ptr, rng_ptr, st_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, row0,
                        S, K, NP, s_key, s_rng, s_st, s_out,
                        ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                       ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr, USE_PDL: tl.constexpr = False):
+                       ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
@@ -480,7 +482,8 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
                           num_seqs, row0, S, K, P, NP, s_key, s_rng, s_st, s_seg, s_cand,
                           ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                           BINS: tl.constexpr, BLOCK_P: tl.constexpr, CBLOCK: tl.constexpr,
-                          ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr, USE_PDL: tl.constexpr = False):
+                          ALIGNED: tl.constexpr, SMALL: tl.constexpr, CBINS: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)
     n = _row_length(row0 + r, lens_ptr, cu_q_ptr, seq_lens_ptr, num_seqs, S, ROW_LENS, BLOCK_B)
@@ -559,7 +562,8 @@ def _split_compact_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, cand_ptr, lens_ptr,
 def _split_write_kernel(key_ptr, rng_ptr, st_ptr, seg_ptr, out_ptr, lens_ptr, cu_q_ptr, seq_lens_ptr,
                         num_seqs, row0, S, K, P, NP, s_key, s_rng, s_st, s_seg, s_out,
                         ROW_LENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
-                        BINS: tl.constexpr, ALIGNED: tl.constexpr, SMALL: tl.constexpr, USE_PDL: tl.constexpr = False):
+                        BINS: tl.constexpr, ALIGNED: tl.constexpr, SMALL: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
@@ -687,12 +691,15 @@ def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block
     meta.update(SMALL=t["small_n"], BINS=t["bins"])
     hist_meta = dict(meta, num_warps=t["small_warps"]) if t["small_n"] else meta
     _split_hist_kernel[(R, NP)](keys, rng, st, out, *args, NP, keys.stride(0), rng.stride(0), st.stride(0),
-                                out.stride(0), CBINS=t["cand_bins"], **hist_meta, **launch_pdl_args(keys.device))
+                                out.stride(0), CBINS=t["cand_bins"], **hist_meta,
+                                **launch_pdl_args(keys.device))
     _split_compact_kernel[(R, NP)](keys, rng, st, seg, cand, *args, P, NP, keys.stride(0), rng.stride(0),
                                    st.stride(0), seg.stride(0), cand.stride(0), BLOCK_P=pow2(P, 32),
-                                   CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], **meta, **launch_pdl_args(keys.device))
+                                   CBLOCK=CAND_BLOCK, CBINS=t["cand_bins"], **meta,
+                                   **launch_pdl_args(keys.device))
     _split_write_kernel[(R, NP)](keys, rng, st, seg, out, *args, P, NP, keys.stride(0), rng.stride(0),
-                                 st.stride(0), seg.stride(0), out.stride(0), **meta, **launch_pdl_args(keys.device))
+                                 st.stride(0), seg.stride(0), out.stride(0), **meta,
+                                 **launch_pdl_args(keys.device))
 
 
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
