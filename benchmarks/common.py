@@ -208,6 +208,38 @@ def time_gpu(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2, it
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) / 1e3
 
 
+def seconds_per_call(fn: Callable[[], Any], device: torch.device, *, calls: int = 20, graph: bool = True,
+                     warmup: int = 3, iters: int = 10) -> float:
+    """Seconds per ``fn()`` for a short kernel: ``calls`` back-to-back calls, replayed from one CUDA graph
+    (``graph``; no launch overhead, as inside the engine's decode graphs) or launched eagerly, timed
+    ``iters`` times with CUDA events (:func:`time_gpu`, median), divided by ``calls``. ``warmup`` calls run
+    first (compilation, caches), on a side stream when capturing, as torch's graph capture asks. Host clock
+    on CPU. The one timing rule of ``kernel_sweep``, ``topk_bench`` and the router GPU test."""
+    if device.type != "cuda":
+        return time_fn(fn, device, warmup=1, iters=max(1, iters // 3))["median_s"]
+
+    def eager() -> None:
+        for _ in range(calls):
+            fn()
+
+    run = eager
+    if graph:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            eager()
+        run = g.replay
+    else:
+        for _ in range(warmup):
+            fn()
+    return time_gpu(run, device, warmup=2, iters=iters) / calls
+
+
 # --------------------------------------------------------------------------- ceilings
 
 

@@ -48,23 +48,6 @@ def _fp8_weight(N: int, K: int, device, gen) -> tuple[torch.Tensor, torch.Tensor
     return w, s
 
 
-def _graph_time(fn, device, reps: int = 20) -> float:
-    """Seconds per ``fn()`` replayed from a CUDA graph of ``reps`` calls (host clock on CPU)."""
-    if device.type != "cuda":
-        return C.time_fn(fn, device, warmup=1, iters=3)["median_s"]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return C.time_gpu(g.replay, device, warmup=2, iters=10) / reps
-
-
 def sweep_linear(device, configs, shapes, copy_bw: float) -> list[dict]:
     L = importlib.import_module("atomtool.serve.ops.triton.linear")  # the package re-exports `linear` the op
 
@@ -91,7 +74,7 @@ def sweep_linear(device, configs, shapes, copy_bw: float) -> list[dict]:
                     i[0] += 1
                     L.fp8_block_linear(x[K], w, s)
 
-                t = _graph_time(call, device)
+                t = C.seconds_per_call(call, device)
                 per[name] = t
                 total += t * count
             row = C.record("kernel_sweep", kernel="fp8_linear", M=1, **vars(cfg), step_ms=total * 1e3,
@@ -133,7 +116,7 @@ def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool) -> list[dict
                     i[0] += 1
                     Mo.fused_moe(x, w13, w2, weights, ids, s13, s2)
 
-                t = _graph_time(call, device, reps=16)
+                t = C.seconds_per_call(call, device, calls=16)
                 row = C.record("kernel_sweep", kernel="fused_moe_fp8", T=T, **vars(cfg), us=t * 1e6,
                                GBps=nbytes / t / 1e9, of_copy=nbytes / t / copy_bw, distinct_experts=distinct)
                 rows.append(row)
@@ -168,7 +151,7 @@ def sweep_mla(device, candidates, copy_bw: float, smoke: bool) -> list[dict]:
             for cfg, chunk in candidates:
                 mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE = cfg, chunk
                 try:
-                    t = _graph_time(lambda a=args: mla.mla_attention(*a), device)
+                    t = C.seconds_per_call(lambda a=args: mla.mla_attention(*a), device)
                 except Exception as e:  # a tile that does not fit shared memory / registers
                     print(f"  B={B} {cfg} chunk={chunk}: failed ({type(e).__name__})", flush=True)
                     continue

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import time
 
 #: --candidates, one program per row: (block, bins, num_warps, cand_bins)
 ONE_PROGRAM_CANDIDATES = ((4096, 256, 16, 128), (4096, 256, 16, 64), (2048, 256, 8, 128), (8192, 256, 16, 128))
@@ -119,38 +118,14 @@ def _old_from_keys(keys, K: int):
 
 
 def _time_us(fn, iters: int, cuda: bool, graph: bool) -> float:
+    """Microseconds per ``fn()`` (:func:`benchmarks.common.seconds_per_call`: ``iters`` calls, eager or one
+    CUDA graph, median of 10 timings)."""
     import torch
 
-    if not cuda:
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters * 1e6
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        run = g.replay
-    else:
-        def run():
-            for _ in range(iters):
-                fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / iters)
-    return best
+    from benchmarks import common as C
+
+    device = torch.device("cuda" if cuda else "cpu")
+    return C.seconds_per_call(fn, device, calls=iters, graph=graph) * 1e6
 
 
 def _selection_case(T: int, n: int, width: int, K: int, dist: str, device):

@@ -102,31 +102,11 @@ def test_router_ops_replay_in_a_cuda_graph(ops):
 
 
 def _us_per_call(fn, graph: bool, reps: int = 20, rounds: int = 20) -> float:
-    """Median over ``rounds`` of the mean time of ``reps`` calls (eager, or one CUDA graph of them)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        run = g.replay
-    else:
-        def run():
-            for _ in range(reps):
-                fn()
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
+    """Microseconds per call: ``reps`` calls, eager or one CUDA graph, median of ``rounds`` timings
+    (benchmarks.common.seconds_per_call)."""
+    from benchmarks import common as C
+
+    return C.seconds_per_call(fn, torch.device("cuda"), calls=reps, graph=graph, iters=rounds) * 1e6
 
 
 @pytest.mark.parametrize("T", [1, 64, 1024])  # 1024 tokens: 8192 pairs, moe_align's single-program limit
