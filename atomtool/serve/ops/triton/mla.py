@@ -40,6 +40,32 @@ from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_
 
 
 @triton.jit
+def _load_query(qn_ptr, qp_ptr, t64, h, h_ok, r, r_ok, p, p_ok, s_qnt, s_qnh, s_qpt, s_qph):
+    """Query row t64's absorbed no-rope part [BLOCK_H, R_PAD] and rope part [BLOCK_H, P_PAD] for heads h."""
+    qn = tl.load(qn_ptr + t64 * s_qnt + h[:, None].to(tl.int64) * s_qnh + r[None, :],
+                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    qp = tl.load(qp_ptr + t64 * s_qpt + h[:, None].to(tl.int64) * s_qph + p[None, :],
+                 mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    return qn, qp
+
+
+@triton.jit
+def _attend_keys(lat_ptr, row, s_ok, qn, qp, r, r_ok, p, p_ok, R, qk_scale, m_i, l_i, acc,
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One block of keys (latent rows ``row`` [BLOCK_N], valid where ``s_ok``) folded into the online softmax
+    (m_i, l_i, acc): scores = (q_nope . c + q_pe . k_pe) * scale over the latent c = [.., :R] and rope key
+    [.., R:R+P], then acc += softmax weights @ c (the latent is also the value in absorbed MLA)."""
+    c = tl.load(lat_ptr + row[:, None] + r[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
+    pe = tl.load(lat_ptr + row[:, None] + R + p[None, :], mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+    scores = dot_acc(qn, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
+    scores = dot_acc(qp, tl.trans(pe), scores, DOT_DTYPE) * qk_scale
+    scores = tl.where(s_ok[None, :], scores, float("-inf"))
+    prob, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
+    acc = dot_acc(prob.to(c.dtype), c, acc * alpha[:, None], DOT_DTYPE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_kernel(
     qn_ptr, qp_ptr, lat_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, topk_ptr,
     num_seqs, H, R, P, K, block_size, sm_scale,
@@ -61,10 +87,7 @@ def _mla_kernel(
     p = tl.arange(0, P_PAD)
     p_ok = p < P
     t64 = t.to(tl.int64)
-    qn = tl.load(qn_ptr + t64 * s_qnt + h[:, None].to(tl.int64) * s_qnh + r[None, :],
-                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    qp = tl.load(qp_ptr + t64 * s_qpt + h[:, None].to(tl.int64) * s_qph + p[None, :],
-                 mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    qn, qp = _load_query(qn_ptr, qp_ptr, t64, h, h_ok, r, r_ok, p, p_ok, s_qnt, s_qnh, s_qpt, s_qph)
 
     qk_scale = sm_scale * 1.4426950408889634
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -84,14 +107,8 @@ def _mla_kernel(
             s = j
             s_ok = j <= qpos
         row = paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_lb, s_ls)
-        c = tl.load(lat_ptr + row[:, None] + r[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
-        pe = tl.load(lat_ptr + row[:, None] + R + p[None, :], mask=s_ok[:, None] & p_ok[None, :], other=0.0)
-        scores = dot_acc(qn, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
-        scores = dot_acc(qp, tl.trans(pe), scores, DOT_DTYPE) * qk_scale
-        scores = tl.where(s_ok[None, :], scores, float("-inf"))
-        prob, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
-        acc = dot_acc(prob.to(c.dtype), c, acc * alpha[:, None], DOT_DTYPE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(lat_ptr, row, s_ok, qn, qp, r, r_ok, p, p_ok, R, qk_scale, m_i, l_i, acc,
+                                     BLOCK_H, BLOCK_N, DOT_DTYPE)
     out = acc / l_i[:, None]  # a token with no selected key gets NaN, like the reference's softmax
     tl.store(o_ptr + t64 * s_ot + h[:, None].to(tl.int64) * s_oh + r[None, :], out.to(o_ptr.dtype.element_ty),
              mask=h_ok[:, None] & r_ok[None, :])
@@ -162,10 +179,7 @@ def _mla_split_kernel(
     r_ok = r < R
     p = tl.arange(0, P_PAD)
     p_ok = p < P
-    qn = tl.load(qn_ptr + t64 * s_qnt + h[:, None].to(tl.int64) * s_qnh + r[None, :],
-                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    qp = tl.load(qp_ptr + t64 * s_qpt + h[:, None].to(tl.int64) * s_qph + p[None, :],
-                 mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    qn, qp = _load_query(qn_ptr, qp_ptr, t64, h, h_ok, r, r_ok, p, p_ok, s_qnt, s_qnh, s_qpt, s_qph)
     qk_scale = sm_scale * 1.4426950408889634
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -181,14 +195,8 @@ def _mla_split_kernel(
             s = j
             s_ok = j_ok
         row = paged_rows(bt_ptr, b, s_bt, s, s_ok, block_size, s_lb, s_ls)
-        ckv = tl.load(lat_ptr + row[:, None] + r[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
-        pe = tl.load(lat_ptr + row[:, None] + R + p[None, :], mask=s_ok[:, None] & p_ok[None, :], other=0.0)
-        scores = dot_acc(qn, tl.trans(ckv), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_DTYPE)
-        scores = dot_acc(qp, tl.trans(pe), scores, DOT_DTYPE) * qk_scale
-        scores = tl.where(s_ok[None, :], scores, float("-inf"))
-        prob, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
-        acc = dot_acc(prob.to(ckv.dtype), ckv, acc * alpha[:, None], DOT_DTYPE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(lat_ptr, row, s_ok, qn, qp, r, r_ok, p, p_ok, R, qk_scale, m_i, l_i, acc,
+                                     BLOCK_H, BLOCK_N, DOT_DTYPE)
     base = (b.to(tl.int64) * n_chunks + c) * H + h.to(tl.int64)
     tl.store(ws_acc_ptr + base[:, None] * R + r[None, :], acc, mask=h_ok[:, None] & r_ok[None, :])
     tl.store(ws_ml_ptr + base * 2, m_i, mask=h_ok)
