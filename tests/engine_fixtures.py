@@ -125,3 +125,28 @@ def run_to_completion(engine, requests: dict[str, tuple], max_steps: int = 10_00
                 final[o.request_id] = o
     assert not engine.has_unfinished(), "engine did not finish"
     return final
+
+
+def greedy_params(n: int, logprobs: int | None = None):
+    """SamplingParams of a greedy run of exactly ``n`` tokens (EOS ignored), with ``logprobs`` top entries."""
+    from atomtool.serve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+
+
+def check_greedy_matches(ref, prompt, out, logprobs: bool = False, atol: float = 1e-4, top: int = 0) -> None:
+    """``out`` (a finished greedy RequestOutput) has the tokens of ``ref.greedy(prompt, n)`` (the transformers
+    oracle), stopped by length; with ``logprobs``, each step's chosen-token log-prob within ``atol`` of the
+    oracle's, and (``top`` > 0) the same ``top`` most likely ids with close log-probs."""
+    tokens, lps = ref.greedy(prompt, len(out.token_ids))
+    assert out.token_ids == tokens
+    assert out.finish_reason == "length"
+    if logprobs:
+        for step, entry in enumerate(out.logprobs):
+            assert entry["token_id"] == tokens[step]
+            assert entry["logprob"] == pytest.approx(float(lps[step, tokens[step]]), abs=atol)
+            if top:
+                hf_top = torch.sort(lps[step], descending=True, stable=True)
+                assert list(entry["top"]) == hf_top.indices[:top].tolist()
+                assert list(entry["top"].values()) == pytest.approx(hf_top.values[:top].tolist(), abs=atol)
+

@@ -17,7 +17,6 @@ import shutil
 import pytest
 import torch
 
-from atomtool.serve.sampling_params import SamplingParams
 from tests.checkpoints import (
     GLM_EXPLICIT_TYPES,
     dequantize_fp8_block_checkpoint,
@@ -27,7 +26,9 @@ from tests.checkpoints import (
 )
 from tests.engine_fixtures import (
     assert_no_leaks,
+    check_greedy_matches,
     convert_checkpoint,
+    greedy_params,
     make_engine,
     one_torch_thread,  # noqa: F401 (autouse fixture)
     run_to_completion,
@@ -72,16 +73,11 @@ def ref(request, tmp_path_factory):
 
 
 def greedy(n=N_NEW, logprobs=None):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    return greedy_params(n, logprobs)
 
 
 def check_matches(ref, prompt, out, logprobs=False):
-    tokens, lps = ref.greedy(prompt, len(out.token_ids))
-    assert out.token_ids == tokens
-    assert out.finish_reason == "length"
-    if logprobs:
-        for step, entry in enumerate(out.logprobs):
-            assert entry["logprob"] == pytest.approx(float(lps[step, tokens[step]]), abs=2e-4)
+    check_greedy_matches(ref, prompt, out, logprobs, atol=2e-4)
 
 
 def test_batch_of_different_lengths(ref):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atomtool.serve.sampling_params import SamplingParams
 from tests.checkpoints import write_hf_checkpoint
 from tests.engine_fixtures import (
     assert_no_leaks,
+    check_greedy_matches,
     convert_checkpoint,
+    greedy_params,
     hf_greedy,
     load_hf,
     make_engine,
@@ -62,20 +63,11 @@ def ref(request, tmp_path_factory):
 
 
 def greedy(n=N_NEW, logprobs=None):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    return greedy_params(n, logprobs)
 
 
 def check_matches(ref, prompt, out, logprobs=False):
-    tokens, lps = ref.greedy(prompt, len(out.token_ids))
-    assert out.token_ids == tokens
-    assert out.finish_reason == "length"
-    if logprobs:
-        for step, entry in enumerate(out.logprobs):
-            assert entry["token_id"] == tokens[step]
-            assert entry["logprob"] == pytest.approx(float(lps[step, tokens[step]]), abs=1e-4)
-            hf_top = torch.sort(lps[step], descending=True, stable=True)
-            assert list(entry["top"]) == hf_top.indices[:5].tolist()
-            assert list(entry["top"].values()) == pytest.approx(hf_top.values[:5].tolist(), abs=1e-4)
+    check_greedy_matches(ref, prompt, out, logprobs, atol=1e-4, top=5)
 
 
 def test_single_prompt_matches_hf(ref):
