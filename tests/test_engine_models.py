@@ -234,7 +234,15 @@ def test_mistral_is_served_as_llama(tmp_path):
     hf.config.sliding_window = 48
     hf.save_pretrained(tmp_path / "w")
     make_tokenizer().save_pretrained(tmp_path / "w")
-    assert make_engine(tmp_path / "w").max_model_len == 48
+    eng = make_engine(tmp_path / "w")
+    assert eng.max_model_len == 48
+    assert eng.max_model_len_note == ("max_model_len 256 -> 48: sliding_window 48: sliding-window attention is not "
+                                      "implemented, so sequences are served within the window, where it is exact")
+    from atomtool.errors import EngineError
+
+    with pytest.raises(EngineError, match=r"max_model_len 100 exceeds what the model supports \(48 tokens "
+                                          r"\(sliding_window 48: sliding-window attention is not implemented"):
+        make_engine(tmp_path / "w", max_model_len=100)
 
 
 @pytest.mark.parametrize("model_type,extra,expect_window", [

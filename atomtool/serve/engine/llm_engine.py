@@ -81,10 +81,14 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_dir, config, tokenizer)
 
         limit = int(config.get("max_position_embeddings") or 1 << 20)
-        if getattr(model, "context_limit", None):
-            limit = min(limit, model.context_limit)
+        model_max = limit
+        capped_by = None  # the model's reason when its context_limit is below max_position_embeddings
+        if getattr(model, "context_limit", None) and model.context_limit < limit:
+            limit = model.context_limit
+            capped_by = getattr(model, "context_limit_reason", None) or "the model's context limit"
         if max_model_len is not None and max_model_len > limit:
-            raise EngineError(f"max_model_len {max_model_len} exceeds what the model supports ({limit} tokens)")
+            why = f" ({capped_by})" if capped_by else ""
+            raise EngineError(f"max_model_len {max_model_len} exceeds what the model supports ({limit} tokens{why})")
         want_len = max_model_len or limit
         planes = model.kv_plane_specs()
         reserve = activation_reserve_bytes(config, getattr(model, "dtype", torch.bfloat16), max_num_batched_tokens,
@@ -103,6 +107,8 @@ class LLMEngine:
         self.max_model_len_note: str | None = None
         if max_model_len is None:
             max_model_len = min(limit, capacity)
+            if capped_by and max_model_len == limit:
+                self.max_model_len_note = (f"max_model_len {model_max} -> {limit}: {capped_by}")
             if capacity < limit:
                 self.max_model_len_note = (
                     f"max_model_len {limit} -> {max_model_len}: the KV cache holds {capacity} tokens ({num_blocks} "

@@ -45,6 +45,8 @@ class CausalLM(nn.Module):
         #: longest sequence the model can serve exactly (None: ``max_position_embeddings``); the engine caps
         #: ``max_model_len`` to it.
         self.context_limit: int | None = None
+        #: why ``context_limit`` is set (shown to the user when it lowers max_model_len)
+        self.context_limit_reason: str | None = None
 
     # -- interface ---------------------------------------------------------------------------------
     def kv_plane_specs(self) -> list[list[KVPlaneSpec]]:

@@ -170,6 +170,8 @@ class LlamaForCausalLM(CausalLM):
             # window applies is read as transformers' config classes read it (Mistral ignores
             # ``use_sliding_window``; Qwen2/Qwen3 apply the window only when it is true).
             self.context_limit = window
+            self.context_limit_reason = (f"sliding_window {window}: sliding-window attention is not implemented, "
+                                         "so sequences are served within the window, where it is exact")
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = _dims(cfg)
         self.model = LlamaModel(cfg, specs, dtype, device)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
