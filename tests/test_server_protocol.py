@@ -73,6 +73,22 @@ def test_malformed_json_body_is_a_plain_400(url):
     assert err["param"] is None
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body, message", [
+    (b'{"model": "m", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+     "invalid JSON body: nesting too deep (arrays/objects nested more levels than the parser allows)"),
+    (b'{"model": "m", "prompt": "\xff\xfe"}',
+     "invalid JSON body: the body is not UTF-8 text (invalid start byte at byte 26)"),
+])
+def test_json_body_the_parser_cannot_take_is_the_same_plain_400(url, endpoint, body, message):
+    """Bodies json.loads fails on with something other than a JSONDecodeError (RecursionError, a
+    UnicodeDecodeError) get the same "invalid JSON body: ..." 400 as any malformed body, not FastAPI's
+    "There was an error parsing the body"."""
+    err = error_of(httpx.post(url + endpoint, content=body, headers={"content-type": "application/json"}))
+    assert err["message"] == message
+    assert err["param"] is None
+
+
 @pytest.mark.parametrize("kw", [
     {"data": {"model": "m", "prompt": "hi"}},  # curl -d without a Content-Type: form-encoded
     {"content": b"[1, 2]", "headers": {"content-type": "application/json"}},

@@ -271,6 +271,10 @@ def test_malformed_tools_are_400(served, tools, message):
     ("sometimes", "tool_choice: must be 'none', 'auto', 'required' or an object naming a tool, got 'sometimes'"),
     (3, "tool_choice: must be 'none', 'auto', 'required' or an object naming a tool, got a number"),
     (["auto"], "tool_choice: must be 'none', 'auto', 'required' or an object naming a tool, got an array"),
+    ({}, "tool_choice: must be 'none', 'auto', 'required' or an object naming a tool, got an object without a "
+         "'type' string"),
+    ({"function": {"name": "get_weather"}}, "tool_choice: must be 'none', 'auto', 'required' or an object naming "
+                                            "a tool, got an object without a 'type' string"),
 ])
 def test_forced_or_invalid_tool_choice_is_400(served, tool_choice, message):
     err = error_of(chat(served[0], messages=CONVO, tools=TOOLS, tool_choice=tool_choice))
@@ -320,3 +324,176 @@ def test_tool_text_that_is_not_unicode_is_400(served, field, body):
     err = error_of(raw)
     assert err["message"].startswith(f"{field}: the text is not valid Unicode: lone surrogate \\ud800"), err
     assert err["param"] == field.split("[")[0]
+
+
+# ---------------------------------------------------------------------- hostile or odd tool-call arguments
+ARGS = "messages[1].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("arguments", [
+    "[" * 1000 + "]" * 1000,  # deeper than json.loads can go (RecursionError)
+    '{"a": ' + "[" * 70 + "]" * 70 + "}",  # parses, but deeper than MAX_ARGUMENT_DEPTH
+    "[" * 100 + "]" * 100,  # not an object (it would reach the template as text), still refused
+    "[" * 100000,  # an unclosed 100k-deep prefix: still the nesting error, never a 500
+])
+def test_deeply_nested_arguments_are_400(served, arguments):
+    from atomtool.serve.api.chat import MAX_ARGUMENT_DEPTH
+
+    err = error_of(chat(served[0], messages=_with_calls([_call(arguments=arguments)])))
+    assert err["message"] == f"{ARGS}: the JSON is nested too deeply (more than {MAX_ARGUMENT_DEPTH} levels)"
+    assert err["param"] == ARGS
+
+
+def test_arguments_nested_to_the_limit_reach_the_template(served, tok):
+    from atomtool.serve.api.chat import MAX_ARGUMENT_DEPTH
+
+    inner = MAX_ARGUMENT_DEPTH - 1  # the object itself is one level
+    args = '{"a": ' + "[" * inner + "]" * inner + "}"
+    r = chat(served[0], chat_template=ARGS_TEMPLATE, add_generation_prompt=False,
+             messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [_call(arguments=args)]}])
+    assert prompt_text(served[1], tok, r) == '{"a": ' + "[" * inner + "]" * inner + "};"
+
+
+@pytest.mark.parametrize("arguments, char", [
+    ('{"a": "\\ud800"}', "ud800"),  # a lone high surrogate escape in a value
+    ('{"\\udc00": 1}', "udc00"),  # ... in a key
+    ('{"a": [{"b": ["ok", "x\\udbff"]}]}', "udbff"),  # ... deep inside
+])
+def test_lone_surrogate_escapes_inside_arguments_are_400(served, arguments, char):
+    """The JSON text itself is valid Unicode (the escape is six ASCII characters), but json.loads turns it
+    into a lone surrogate that the tokenizer cannot encode: refused after decoding, naming the field."""
+    r = chat(served[0], messages=_with_calls([_call(arguments=arguments)]), tools=TOOLS)
+    err = error_of(r)
+    assert err["message"] == (f"{ARGS}: the text is not valid Unicode: lone surrogate \\{char} (an unpaired \\u "
+                              "escape in the JSON; send well-formed UTF-16 pairs)")
+    assert err["param"] == ARGS
+
+
+def test_a_surrogate_pair_escape_is_fine(served, tok):
+    r = chat(served[0], chat_template=ARGS_TEMPLATE, add_generation_prompt=False,
+             messages=[{"role": "user", "content": "x"},
+                       {"role": "assistant", "tool_calls": [_call(arguments='{"e": "\\ud83d\\ude00"}')]}])
+    assert json.loads(prompt_text(served[1], tok, r).rstrip(";")) == {"e": "\U0001F600"}
+
+
+@pytest.mark.parametrize("arguments", ['{"x": NaN}', '{"x": Infinity}', '{"x": [-Infinity]}'])
+def test_nan_and_infinity_are_not_json_so_the_template_gets_the_text(served, tok, arguments):
+    """OpenAI's arguments are JSON text and NaN/Infinity are not JSON (Python's json.loads accepts them):
+    like any other text that is not a JSON object, the model sees exactly what was written."""
+    r = chat(served[0], chat_template=ARGS_TEMPLATE, add_generation_prompt=False,
+             messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [_call(arguments=arguments)]}])
+    assert prompt_text(served[1], tok, r) == json.dumps(arguments) + ";"
+
+
+# --------------------------------------------------------------------------- tools a template ignores
+def test_tools_a_template_ignores_are_logged_once(caplog):
+    """The template below never reads ``tools``: the definitions are not in the prompt, which the server
+    says in its log (once per template, not per request); a template that reads them gets no warning."""
+    tok = byte_level_tokenizer()
+    tok.chat_template = "{# ignores-tools-1 #}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    engine = _engine(tok)
+    plain = [{"role": "user", "content": "hi"}]
+    with ServerThread(create_app(engine, "m")) as url, caplog.at_level("WARNING", logger="atomtool.serve"):
+        assert prompt_text(engine, tok, chat(url, messages=plain, tools=TOOLS)) == "[user] hi"
+        assert prompt_text(engine, tok, chat(url, messages=plain, tools=TOOLS)) == "[user] hi"
+        prompt_text(engine, tok, chat(url, messages=plain))  # no tools: nothing to warn about
+        prompt_text(engine, tok, chat(url, messages=CONVO, tools=TOOLS, chat_template=TOOL_TEMPLATE))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "atomtool.serve" and "tools" in r.getMessage()]
+    assert warnings == ["a request sent tools, but the chat template does not reference `tools`, so the tool "
+                        "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
+                        "template with --chat-template, or send one as the request's chat_template"]
+
+
+@pytest.mark.parametrize("template, reads", [
+    (TOOL_TEMPLATE, True),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", False),
+    ("{% set t = tools or [] %}{{ t | length }}", True),
+    ("{% macro f() %}{{ tools | tojson }}{% endmacro %}{{ f() }}", True),
+    ("{{ 'tools' }}{# tools #}{% for m in messages %}{{ m.tools }}{% endfor %}", False),  # a string, a comment,
+    ("{% for tools in messages %}{{ tools }}{% endfor %}", False),  # an attribute, a loop variable
+])
+def test_template_reads_tools_looks_at_the_variable_not_the_word(template, reads):
+    from atomtool.serve.api.chat import template_reads_tools
+
+    assert template_reads_tools(template) is reads
+
+
+# --------------------------------------------------------------------------------- content parts, kwargs
+@pytest.mark.parametrize("content, message", [
+    ([{"type": "text"}], "messages[0].content[0]: a text part needs a 'text' string"),
+    ([{"type": "text", "text": "a"}, {"type": "text", "text": 5}],
+     "messages[0].content[1]: a text part needs a 'text' string"),
+    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+     "messages[0].content[0]: only text parts are supported, got a part of type 'image_url'"),
+    ([{"text": "a"}], "messages[0].content[0]: only text parts are supported, got a part without a 'type' string"),
+])
+def test_content_parts_that_are_not_text_are_400_naming_the_part(served, content, message):
+    err = error_of(chat(served[0], messages=[{"role": "user", "content": content}]))
+    assert err["message"] == message
+    assert err["param"] == message.split(":")[0]
+
+
+@pytest.mark.parametrize("key", ["messages", "conversation", "conversations", "tokenize", "continue_final_message"])
+def test_chat_template_kwargs_may_not_set_the_conversation(served, key):
+    err = error_of(chat(served[0], messages=CONVO, chat_template_kwargs={key: [{"role": "user", "content": "x"}]}))
+    assert err["message"] == f"chat_template_kwargs may not set {key!r}: the server sets it (from the request's own fields)"
+    assert err["param"] == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("key", ["return_dict", "padding", "max_length", "tokenizer_kwargs", "self"])
+def test_chat_template_kwargs_may_not_set_apply_chat_template_parameters(served, key):
+    err = error_of(chat(served[0], messages=CONVO, chat_template_kwargs={key: True}))
+    assert err["message"] == (f"chat_template_kwargs may not set {key!r}: it is a parameter of transformers' "
+                              "apply_chat_template, not a template variable")
+    assert err["param"] == "chat_template_kwargs"
+
+
+def test_reserved_template_kwargs_cover_transformers_signatures():
+    """Every parameter of apply_chat_template / render_jinja_template, except ``documents`` (a template
+    variable) and the catch-all ``**kwargs``, is refused in chat_template_kwargs: a new transformers
+    parameter would otherwise be swallowed, or collide with the server's own argument."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from atomtool.serve.api.chat import _OWN_TEMPLATE_ARGS, _RENDER_PARAMS
+
+    names = set()
+    for fn in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template):
+        names |= {p.name for p in inspect.signature(fn).parameters.values() if p.kind != p.VAR_KEYWORD}
+    assert names - {"documents"} <= set(_OWN_TEMPLATE_ARGS) | set(_RENDER_PARAMS)
+
+
+def test_documents_pass_through_chat_template_kwargs(served, tok):
+    r = chat(served[0], messages=[{"role": "user", "content": "x"}], chat_template_kwargs={
+        "documents": [{"title": "t", "text": "d"}]}, chat_template="{{ documents[0].text }}")
+    assert prompt_text(served[1], tok, r) == "d"
+
+
+# ------------------------------------------------------------------------------------------- tool names
+@pytest.mark.parametrize("tools, message", [
+    ([{"type": "function", "function": {"name": "get weather"}}],
+     "tools[0].function.name: must match ^[a-zA-Z0-9_-]{1,64}$ (letters, digits, underscores and dashes, at most "
+     "64 characters), got 'get weather'"),
+    ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "a" * 65}}],
+     "tools[1].function.name: must match ^[a-zA-Z0-9_-]{1,64}$"),
+    ([{"type": "function", "function": {"name": ""}}], "tools[0].function.name: must match"),
+    ([{"type": "function", "function": {"name": "ns.f"}}], "tools[0].function.name: must match"),
+    ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}},
+      {"type": "function", "function": {"name": "f", "description": "again"}}],
+     "tools[2].function.name: 'f' is already the name of tools[0] (tool names must be unique)"),
+])
+def test_tool_names_must_be_openai_names_and_unique(served, tools, message):
+    err = error_of(chat(served[0], messages=[{"role": "user", "content": "q"}], tools=tools))
+    assert err["message"].startswith(message), err["message"]
+    assert err["param"] == "tools"
+
+
+def test_longest_tool_name_and_auto_without_tools_are_served(served, tok):
+    name = "A-z_09" + "x" * 58
+    r = chat(served[0], messages=[{"role": "user", "content": "q"}],
+             tools=[{"type": "function", "function": {"name": name, "parameters": {}}}])
+    assert prompt_text(served[1], tok, r).startswith(f"[tools] {name}{{}}\n")
+    r = chat(served[0], messages=[{"role": "user", "content": "q"}], tool_choice="auto")
+    assert prompt_text(served[1], tok, r) == "[user] q\n[assistant]"

@@ -64,6 +64,7 @@ from atomtool.serve.api.protocol import (
     ModelCard,
     ModelList,
     UsageInfo,
+    tool_definition_problem,
     tool_message_problem,
     unsupported_fields,
 )
@@ -131,6 +132,26 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
         msg = msg.removeprefix("Value error, ")  # our own validators' messages, without pydantic's prefix
         parts.append(f"{name}: {msg}")
     return APIError(400, "; ".join(parts) or "invalid request", param=param)
+
+
+def _unparsed_body(exc: StarletteHTTPException) -> APIError | None:
+    """FastAPI's "There was an error parsing the body" 400 (raised for a body json.loads fails on with an
+    error other than JSONDecodeError) as the "invalid JSON body: ..." 400 every other unparsable body
+    gets; None for any other HTTPException.
+
+    The cause FastAPI chains: RecursionError (nesting deeper than Python's recursion limit, e.g.
+    ``[[[[...]]]]`` a thousand levels) or UnicodeDecodeError (bytes that are not UTF-8/16/32 text).
+    """
+    if exc.status_code != 400 or exc.detail != "There was an error parsing the body":
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, RecursionError):
+        reason = "nesting too deep (arrays/objects nested more levels than the parser allows)"
+    elif isinstance(cause, UnicodeDecodeError):
+        reason = f"the body is not UTF-8 text ({cause.reason} at byte {cause.start})"
+    else:
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else "malformed JSON"
+    return APIError(400, f"invalid JSON body: {reason}")
 
 
 # ------------------------------------------------------------------------------------- middleware
@@ -467,6 +488,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        unparsed = _unparsed_body(exc)
+        if unparsed is not None:
+            return unparsed.response()
         return APIError(exc.status_code, str(exc.detail),
                         type="invalid_request_error" if exc.status_code < 500 else "server_error",
                         code="request_too_large" if isinstance(exc, _BodyTooLarge) else None).response()
@@ -743,6 +767,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         problem = tool_message_problem(req.messages)
         if problem is not None:
             raise APIError(400, problem, param="messages")
+        problem = tool_definition_problem(req.tools)
+        if problem is not None:
+            raise APIError(400, problem, param="tools")
         prompt_ids = await run_blocking(functools.partial(
             render_chat, tokenizer, req.messages, chat_template=req.chat_template or template,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,

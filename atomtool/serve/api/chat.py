@@ -11,8 +11,16 @@ templates (https://huggingface.co/docs/transformers/chat_extras): the request's 
 ``tool_calls`` as ``[{"id", "type": "function", "function": {"name", "arguments"}}]`` with ``arguments``
 decoded from OpenAI's JSON string to a dict (an empty string is ``{}``; text that is not a JSON object
 stays the string the client sent, so the model sees exactly what was written, and a template that needs
-a mapping fails with a 400 instead of the server guessing); a ``tool`` message keeps ``tool_call_id``. When
-the tokenizer ships several named templates, transformers picks its ``tool_use`` one when tools are given.
+a mapping fails with a 400 instead of the server guessing; so does text holding ``NaN``/``Infinity``, which
+Python's json accepts but JSON does not); a ``tool`` message keeps ``tool_call_id``. Arguments nested
+deeper than :data:`MAX_ARGUMENT_DEPTH` levels, or whose decoded strings hold a lone UTF-16 surrogate (a
+``\\ud800`` escape inside the JSON text; the tokenizer cannot encode it), are a 400 naming
+``messages[i].tool_calls[j].function.arguments``. When the tokenizer ships several named templates,
+transformers picks its ``tool_use`` one when tools are given; a template that never reads ``tools`` gets a
+warning in the server log, once per template (:func:`template_reads_tools`).
+
+Errors found here name the exact field as OpenAI's error ``param`` (``messages[1].content[0]``), as
+OpenAI's own API does for content parts.
 
 Rendering is bounded: a chat template is code a client can send (a request's ``chat_template``), and
 Jinja's sandbox stops unsafe attribute access but not ``{% for i in range(99999) %}`` nested twice. So
@@ -24,18 +32,26 @@ calls :func:`render_chat` in a worker thread, never on the event loop.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import sys
 from typing import Any
 
 from atomtool.errors import ConfigError, InvalidRequestError
 
+logger = logging.getLogger("atomtool.serve")
+
 #: Executed template lines (loop iterations, statements) one render may take; a long real conversation
 #: with a real template (e.g. DeepSeek-V3's, 1000 messages) takes well under 100k.
 MAX_TEMPLATE_STEPS = 2_000_000
 #: Characters the rendered prompt may have (far above any context window's worth of text).
 MAX_RENDERED_CHARS = 64 << 20
+#: Nesting levels (objects/arrays) a tool call's decoded ``arguments`` may have. Real arguments are a few
+#: levels deep; the bound keeps a hostile value from exhausting Python's recursion limit in json.loads or
+#: in the template's ``tojson`` (the request body's 16 MiB limit bounds the size).
+MAX_ARGUMENT_DEPTH = 64
 
 
 class TemplateBudgetExceeded(InvalidRequestError):
@@ -132,17 +148,26 @@ def compile_chat_template(template: str, *, origin: str = "chat template") -> No
 
 
 def _message_text(index: int, content: Any) -> str:
-    """A message's content as one string: OpenAI allows a string or a list of typed parts."""
+    """A message's content as one string: OpenAI allows a string or a list of typed parts (only ``text``
+    parts here, each with a ``text`` string).
+
+    Raises:
+        InvalidRequestError: a part that is not a text part, or a text part without a ``text`` string;
+            ``param`` is the part's path, ``messages[i].content[j]``.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
+        path = f"messages[{index}].content[{j}]"
         kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"messages[{index}].content: only text parts are supported, "
-                                      f"got a part of type {kind!r}")
+        if kind != "text":
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part without a 'type' string"
+            raise _invalid(f"{path}: only text parts are supported, got {what}", path)
+        if not isinstance(part.get("text"), str):
+            raise _invalid(f"{path}: a text part needs a 'text' string", path)
         parts.append(part["text"])
     return "".join(parts)
 
@@ -154,21 +179,65 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
     return exc
 
 
-def template_arguments(arguments: Any) -> Any:
+def _not_json_constant(name: str) -> Any:
+    """``parse_constant`` for json.loads: ``NaN``, ``Infinity`` and ``-Infinity`` are not JSON."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_problem(value: Any, *, text: bool) -> str | None:
+    """Why a decoded JSON value cannot be accepted, or None: nesting deeper than :data:`MAX_ARGUMENT_DEPTH`,
+    or (with ``text``: the value reaches the template) a key or string holding a lone UTF-16 surrogate.
+
+    Iterative (an explicit stack), so a deep value cannot overflow Python's recursion limit here.
+    """
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str) and text:
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return (f"the text is not valid Unicode: lone surrogate \\u{ord(item[exc.start]):04x} (an "
+                        "unpaired \\u escape in the JSON; send well-formed UTF-16 pairs)")
+        elif isinstance(item, dict | list):
+            if depth >= MAX_ARGUMENT_DEPTH:
+                return f"the JSON is nested too deeply (more than {MAX_ARGUMENT_DEPTH} levels)"
+            if isinstance(item, dict):
+                stack.extend((k, depth + 1) for k in item)
+                stack.extend((v, depth + 1) for v in item.values())
+            else:
+                stack.extend((v, depth + 1) for v in item)
+    return None
+
+
+def template_arguments(arguments: Any, path: str = "arguments") -> Any:
     """A tool call's ``arguments`` as the chat template gets them (see the module doc).
 
     ``arguments``: OpenAI's JSON text (str). Returns a dict when the text is a JSON object (``""`` is
-    ``{}``, as vLLM treats it), else the text unchanged; a value that is already not a string is returned
-    as is (the server's request model only lets strings through).
+    ``{}``, as vLLM treats it), else the text unchanged (also text that is not strict JSON: ``NaN``,
+    ``Infinity``); a value that is already not a string is returned as is (the server's request model
+    only lets strings through). ``path`` names the field in errors (``messages[1].tool_calls[0].function.
+    arguments``).
+
+    Raises:
+        InvalidRequestError: (``param`` = ``path``) the JSON is nested more than :data:`MAX_ARGUMENT_DEPTH`
+            levels (or too deep for json.loads at all), or a decoded key or string is a lone surrogate.
     """
     if not isinstance(arguments, str):
         return arguments
     if not arguments.strip():
         return {}
     try:
-        decoded = json.loads(arguments)
+        decoded = json.loads(arguments, parse_constant=_not_json_constant)
+    except RecursionError:  # json's C scanner stops at the interpreter's recursion limit
+        raise _invalid(f"{path}: the JSON is nested too deeply (more than {MAX_ARGUMENT_DEPTH} levels)",
+                       path) from None
     except ValueError:  # not JSON (e.g. cut off): the model sees the text it wrote
         return arguments
+    # Depth counts whatever the JSON is; the text check only matters for what the template gets (a dict).
+    problem = _json_problem(decoded, text=isinstance(decoded, dict))
+    if problem is not None:
+        raise _invalid(f"{path}: {problem}", path)
     return decoded if isinstance(decoded, dict) else arguments
 
 
@@ -178,7 +247,8 @@ def template_message(index: int, message: Any) -> dict[str, Any]:
     decoded by :func:`template_arguments`) and ``tool_call_id``.
 
     Raises:
-        InvalidRequestError: the content holds a non-text part.
+        InvalidRequestError: the content holds a non-text part, or a tool call's arguments are a 400 for
+            :func:`template_arguments`.
     """
     m = message if isinstance(message, dict) else message.model_dump(exclude_none=True)
     item: dict[str, Any] = {"role": m["role"], "content": _message_text(index, m.get("content"))}
@@ -188,16 +258,69 @@ def template_message(index: int, message: Any) -> dict[str, Any]:
         item["tool_calls"] = [
             {"id": call.get("id"), "type": call.get("type", "function"),
              "function": {"name": call["function"]["name"],
-                          "arguments": template_arguments(call["function"].get("arguments"))}}
-            for call in m["tool_calls"]]
+                          "arguments": template_arguments(call["function"].get("arguments"),
+                                                          f"messages[{index}].tool_calls[{j}].function.arguments")}}
+            for j, call in enumerate(m["tool_calls"])]
     if m.get("tool_call_id") is not None:
         item["tool_call_id"] = m["tool_call_id"]
     return item
 
 
-#: apply_chat_template arguments render_chat sets itself; chat_template_kwargs may not repeat them.
-_OWN_TEMPLATE_ARGS = ("conversation", "chat_template", "tools", "tokenize", "add_generation_prompt",
-                      "continue_final_message")
+#: Keys chat_template_kwargs may not set: the arguments render_chat sets itself (from the request's own
+#: fields), ``messages`` (the variable the template gets the conversation in: Template.render would get
+#: it twice), and the other parameters of transformers' apply_chat_template / render_jinja_template, which
+#: those functions consume instead of handing them to the template (``documents`` is not here: it is a
+#: template variable, passed through as such). tests/test_server_tools.py checks this list against
+#: transformers' signatures.
+_OWN_TEMPLATE_ARGS = ("messages", "conversation", "conversations", "chat_template", "tools", "tokenize",
+                      "add_generation_prompt", "continue_final_message")
+_RENDER_PARAMS = ("self", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                  "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+#: Template sources already reported by :func:`warn_if_tools_unused` (bounded: one warning per template).
+_WARNED_TOOLS: set[str] = set()
+
+
+@functools.lru_cache(maxsize=64)
+def template_reads_tools(source: str) -> bool:
+    """Whether the chat template ``source`` reads the ``tools`` variable.
+
+    Checked on the template's syntax tree (jinja2.meta.find_undeclared_variables, parsed with the
+    environment transformers renders with), not by rendering with and without tools: that would double
+    every render's cost and compare texts that can differ for other reasons (dates, random ids); a
+    template that names ``tools`` only inside a string literal or comment is not counted as reading it.
+    Falls back to looking for the word ``tools`` in the source if the template cannot be parsed (the
+    render then reports the problem).
+    """
+    import jinja2.meta
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        env = _compile_jinja_template(source).environment
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+    except Exception:  # a private transformers helper, or a template that does not compile
+        return "tools" in source
+
+
+def warn_if_tools_unused(tokenizer: Any, chat_template: str | None, tools: list[Any] | None) -> None:
+    """Log a warning (``atomtool.serve`` logger, once per template) when a request sends ``tools`` but the
+    chat template that will render it (transformers' choice: ``chat_template``, else the tokenizer's
+    ``tool_use`` or default one) never reads ``tools``: the tool definitions are then silently left out
+    of the prompt, so the model cannot know them."""
+    if not tools:
+        return
+    try:
+        source = tokenizer.get_chat_template(chat_template, tools)
+    except Exception:  # no template at all: render_chat reports it
+        return
+    if not isinstance(source, str) or source in _WARNED_TOOLS or template_reads_tools(source):
+        return
+    if len(_WARNED_TOOLS) < 256:
+        _WARNED_TOOLS.add(source)
+    logger.warning("a request sent tools, but the chat template does not reference `tools`, so the tool "
+                   "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
+                   "template with --chat-template, or send one as the request's chat_template")
 
 
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
@@ -209,14 +332,15 @@ def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | Non
     ``chat_template``: a template replacing the tokenizer's own (None: the tokenizer's; when it has several
     named ones, transformers picks ``tool_use`` if ``tools`` are given, else ``default``). ``tools``: the
     request's function tools (pydantic ``ToolDefinition`` or JSON-schema dicts), passed to the template as
-    ``tools``. Blocking (template + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds
+    ``tools`` (a template that never reads them is logged, :func:`warn_if_tools_unused`). Blocking (template + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds
     the template's work (see the module doc).
 
     Raises:
         InvalidRequestError: no chat template is available, the template rejects the conversation
             (``raise_exception`` in the template, e.g. roles that do not alternate), a message holds a
-            non-text part, ``template_kwargs`` repeats an argument the request sets itself (e.g.
-            ``tools``), or rendering exceeded ``max_steps`` steps / :data:`MAX_RENDERED_CHARS`
+            non-text part, a tool call's arguments are unusable (:func:`template_arguments`),
+            ``template_kwargs`` sets a reserved key (an argument the request sets itself, e.g. ``tools``,
+            or ``messages``; param ``chat_template_kwargs``), or rendering exceeded ``max_steps`` steps / :data:`MAX_RENDERED_CHARS`
             characters ("chat_template: rendering exceeded N steps").
     """
     convo = [template_message(i, msg) for i, msg in enumerate(messages)]
@@ -225,13 +349,17 @@ def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | Non
                                   "--chat-template FILE_OR_STRING or use /v1/completions")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
-    for key in _OWN_TEMPLATE_ARGS:
-        if key in (template_kwargs or {}):
+    for key in template_kwargs or {}:
+        if key in _OWN_TEMPLATE_ARGS:
             raise _invalid(f"chat_template_kwargs may not set {key!r}: the server sets it (from the request's "
                            "own fields)", "chat_template_kwargs")
+        if key in _RENDER_PARAMS:
+            raise _invalid(f"chat_template_kwargs may not set {key!r}: it is a parameter of transformers' "
+                           "apply_chat_template, not a template variable", "chat_template_kwargs")
     tool_schemas = None
     if tools:  # [] is no tools (it would select a tokenizer's "tool_use" template)
         tool_schemas = [t if isinstance(t, dict) else t.model_dump(exclude_none=True) for t in tools]
+        warn_if_tools_unused(tokenizer, chat_template, tool_schemas)
     try:
         text = _bounded(lambda: tokenizer.apply_chat_template(
             convo, chat_template=chat_template, tools=tool_schemas, tokenize=False,

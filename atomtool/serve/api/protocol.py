@@ -23,6 +23,7 @@ means its default (``"stream": null`` is ``false``), as in OpenAI's API.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, ClassVar, Literal
 
@@ -38,6 +39,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 CONTENT_REQUIRED_ROLES = ("system", "developer", "user", "tool")
 #: ``tool_choice`` values that do not force a tool call (the only ones served: no output tool-call parsing).
 TOOL_CHOICES_SERVED = ("none", "auto")
+#: What a function tool's name may be (OpenAI's FunctionDefinition.name: "a-z, A-Z, 0-9, or contain
+#: underscores and dashes, with a maximum length of 64").
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 def _json_type(value: Any) -> str:
@@ -223,12 +227,23 @@ class ToolCall(_FunctionTyped):
 
 
 class FunctionDefinition(OpenAIModel):
-    """A function tool's schema (openai's ``FunctionDefinition``): ``parameters`` is a JSON Schema object."""
+    """A function tool's schema (openai's ``FunctionDefinition``): ``parameters`` is a JSON Schema object.
 
-    name: str = Field(min_length=1)
+    ``name`` must match :data:`TOOL_NAME_PATTERN`, as OpenAI requires (and refuses otherwise with a 400).
+    """
+
+    name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _openai_name(cls, name: str) -> str:
+        if not re.fullmatch(TOOL_NAME_PATTERN, name):
+            raise ValueError(f"must match {TOOL_NAME_PATTERN} (letters, digits, underscores and dashes, at most "
+                             f"64 characters), got {name!r}")
+        return name
 
 
 class ToolDefinition(_FunctionTyped):
@@ -320,10 +335,15 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice_value(cls, choice: Any) -> Any:
-        """OpenAI's values: the strings below or an object naming a tool (whether it is served is
-        :func:`unsupported_fields`' call); one message instead of pydantic's two union branches."""
-        if not (choice is None or isinstance(choice, dict) or choice in ("none", "auto", "required")):
-            shown = repr(choice) if isinstance(choice, str) else _json_type(choice)
+        """OpenAI's values: the strings below or an object with a ``type`` string naming a kind of choice
+        (whether it is served is :func:`unsupported_fields`' call); one message instead of pydantic's two
+        union branches."""
+        named = isinstance(choice, dict) and isinstance(choice.get("type"), str)  # {"type": ..., ...}
+        if not (choice is None or named or choice in ("none", "auto", "required")):
+            if isinstance(choice, dict):
+                shown = "an object without a 'type' string"
+            else:
+                shown = repr(choice) if isinstance(choice, str) else _json_type(choice)
             raise ValueError(f"must be 'none', 'auto', 'required' or an object naming a tool, got {shown}")
         return choice
 
@@ -449,6 +469,20 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
         for name in ("prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation"):
             if getattr(req, name) is not None:
                 return name, f"{name} is not supported by this server"
+    return None
+
+
+def tool_definition_problem(tools: list[ToolDefinition] | None) -> str | None:
+    """Why the request's ``tools`` cannot be served together, or None: two tools with the same name (OpenAI
+    refuses this; a chat template would list both and the model could not tell which one a call means).
+    Returns the message of the 400, naming the repeated ``tools[i].function.name``."""
+    first: dict[str, int] = {}
+    for i, tool in enumerate(tools or ()):
+        name = tool.function.name
+        if name in first:
+            return (f"tools[{i}].function.name: {name!r} is already the name of tools[{first[name]}] (tool names "
+                    "must be unique)")
+        first[name] = i
     return None
 
 
