@@ -497,3 +497,18 @@ def test_longest_tool_name_and_auto_without_tools_are_served(served, tok):
     assert prompt_text(served[1], tok, r).startswith(f"[tools] {name}{{}}\n")
     r = chat(served[0], messages=[{"role": "user", "content": "q"}], tool_choice="auto")
     assert prompt_text(served[1], tok, r) == "[user] q\n[assistant]"
+
+
+def test_tools_warning_bookkeeping_is_bounded(monkeypatch, caplog):
+    """Once per template (kept as a digest), and at most _MAX_TOOL_CHECKS templates ever looked at: a client
+    sending many request-level templates can neither grow the server's memory nor flood its log."""
+    from atomtool.serve.api import chat as chat_module
+
+    monkeypatch.setattr(chat_module, "_TOOL_CHECKS", {})
+    monkeypatch.setattr(chat_module, "_MAX_TOOL_CHECKS", 2)
+    tok = byte_level_tokenizer()
+    with caplog.at_level("WARNING", logger="atomtool.serve"):
+        for template in ["{{ 1 }}", "{{ 1 }}", "{{ tools }}", "{{ 2 }}", "{{ 3 }}"]:
+            chat_module.warn_if_tools_unused(tok, template, TOOLS)
+    assert len([r for r in caplog.records if "does not reference `tools`" in r.getMessage()]) == 1
+    assert len(chat_module._TOOL_CHECKS) == 2 and all(len(k) == 64 for k in chat_module._TOOL_CHECKS)

@@ -32,7 +32,7 @@ calls :func:`render_chat` in a worker thread, never on the event loop.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import logging
 import os
@@ -277,20 +277,22 @@ _OWN_TEMPLATE_ARGS = ("messages", "conversation", "conversations", "chat_templat
 _RENDER_PARAMS = ("self", "padding", "truncation", "max_length", "return_tensors", "return_dict",
                   "return_assistant_tokens_mask", "tokenizer_kwargs")
 
-#: Template sources already reported by :func:`warn_if_tools_unused` (bounded: one warning per template).
-_WARNED_TOOLS: set[str] = set()
+#: sha256 of template sources already looked at by :func:`warn_if_tools_unused` -> whether they read
+#: ``tools``. Digests, not sources, so a client sending many large request-level templates cannot make the
+#: server keep them; bounded: past :data:`_MAX_TOOL_CHECKS` templates no new ones are checked or reported.
+_TOOL_CHECKS: dict[str, bool] = {}
+_MAX_TOOL_CHECKS = 256
 
 
-@functools.lru_cache(maxsize=64)
 def template_reads_tools(source: str) -> bool:
     """Whether the chat template ``source`` reads the ``tools`` variable.
 
     Checked on the template's syntax tree (jinja2.meta.find_undeclared_variables, parsed with the
     environment transformers renders with), not by rendering with and without tools: that would double
     every render's cost and compare texts that can differ for other reasons (dates, random ids); a
-    template that names ``tools`` only inside a string literal or comment is not counted as reading it.
-    Falls back to looking for the word ``tools`` in the source if the template cannot be parsed (the
-    render then reports the problem).
+    template that names ``tools`` only inside a string literal or comment, as an attribute
+    (``m.tools``) or as its own loop variable is not counted as reading it. Falls back to looking for the
+    word ``tools`` in the source if the template cannot be parsed (the render then reports the problem).
     """
     import jinja2.meta
 
@@ -307,20 +309,23 @@ def warn_if_tools_unused(tokenizer: Any, chat_template: str | None, tools: list[
     """Log a warning (``atomtool.serve`` logger, once per template) when a request sends ``tools`` but the
     chat template that will render it (transformers' choice: ``chat_template``, else the tokenizer's
     ``tool_use`` or default one) never reads ``tools``: the tool definitions are then silently left out
-    of the prompt, so the model cannot know them."""
+    of the prompt, so the model cannot know them. Each template is parsed once (see :data:`_TOOL_CHECKS`)."""
     if not tools:
         return
     try:
         source = tokenizer.get_chat_template(chat_template, tools)
     except Exception:  # no template at all: render_chat reports it
         return
-    if not isinstance(source, str) or source in _WARNED_TOOLS or template_reads_tools(source):
+    if not isinstance(source, str):
         return
-    if len(_WARNED_TOOLS) < 256:
-        _WARNED_TOOLS.add(source)
-    logger.warning("a request sent tools, but the chat template does not reference `tools`, so the tool "
-                   "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
-                   "template with --chat-template, or send one as the request's chat_template")
+    digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+    if digest in _TOOL_CHECKS or len(_TOOL_CHECKS) >= _MAX_TOOL_CHECKS:
+        return
+    _TOOL_CHECKS[digest] = reads = template_reads_tools(source)
+    if not reads:
+        logger.warning("a request sent tools, but the chat template does not reference `tools`, so the tool "
+                       "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
+                       "template with --chat-template, or send one as the request's chat_template")
 
 
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
