@@ -9,8 +9,9 @@ the client) run in daemon worker threads, never on the event loop, so /health, o
 shutdown signals stay responsive, and a render still running cannot keep the process alive at exit;
 template rendering is bounded (:mod:`atomtool.serve.api.chat`); request bodies above ``max_body_bytes``
 (default :data:`DEFAULT_MAX_BODY_BYTES`) get a 413; text that is not valid Unicode (a lone UTF-16
-surrogate such as ``"\\ud800"`` in the JSON) is a 400 naming the field; every response, 500s included,
-is counted in ``atomtool:http_requests_total``.
+surrogate such as ``"\\ud800"`` in the JSON) is a 400 naming the field; a body the JSON parser cannot take
+(malformed, nested too deeply, not UTF-8) is one "invalid JSON body: ..." 400; every response, 500s
+included, is counted in ``atomtool:http_requests_total``.
 
 Requests become one engine request per choice (``n`` x prompts, ids ``<response id>-<choice index>``)
 submitted through :class:`~atomtool.serve.api.async_engine.AsyncEngine`; every error is OpenAI's JSON
