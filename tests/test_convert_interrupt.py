@@ -33,6 +33,12 @@ def src(tmp_path_factory):
     return write_hf_checkpoint(tmp_path_factory.mktemp("interrupt") / "src", "qwen3")
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT's default action, as in a terminal (a test run started in the background
+    or under nohup passes SIGINT ignored to its children, and Python would then ignore Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill"])
 def test_killed_mid_write_leaves_no_layout(src, tmp_path, sig):
     before = tree_digest(src)
@@ -41,7 +47,7 @@ def test_killed_mid_write_leaves_no_layout(src, tmp_path, sig):
     env = {**os.environ, SLEEP_ENV: "0.5"}
     proc = subprocess.Popen([sys.executable, "-m", "atomtool.cli", "convert", str(src), str(out),
                              "--shard-size", "16KB"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + 120
     tmp = None
     while time.monotonic() < deadline and proc.poll() is None:
