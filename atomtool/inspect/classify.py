@@ -13,9 +13,10 @@ from typing import Any
 
 from atomtool.errors import ConfigError, LayoutError, SourceError
 from atomtool.inspect import memory as mem
-from atomtool.inspect.config_check import invalid_size_fields
+from atomtool.inspect.config_check import invalid_attention_fields, invalid_size_fields
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
-from atomtool.inspect.families import SERVABLE_SCHEMES, family_for, supported_architectures
+from atomtool.inspect.families import SERVABLE_SCHEMES, Family, family_for, supported_architectures
+from atomtool.inspect.hf_registry import is_transformers_architecture
 from atomtool.inspect.quant import (
     QUANTIZED_SCHEMES,
     QuantSpec,
@@ -153,6 +154,50 @@ def _totals(modules: list[ModuleInfo], other: list[str], tensors: dict[str, Tens
             "estimated": False}
 
 
+#: fields without which inspect cannot size the model (shown as "?" in the tables, null in --json)
+SIZE_FIELDS = {"num_hidden_layers": "the layer count, KV cache per token and parameter estimate",
+               "hidden_size": "the parameter estimate", "vocab_size": "the parameter estimate",
+               "num_attention_heads": "the KV cache per token and parameter estimate"}
+
+
+def attention_notes(flat: dict[str, Any], fam: Family | None) -> list[Finding]:
+    """Findings about how a (valid) config's attention layout is read:
+
+    - ``config-missing-field`` (warning): a size field (:data:`SIZE_FIELDS`) is absent or null, so the
+      figures that need it are unknown ("?" in the tables);
+    - ``sliding-window-ignored`` (info): ``sliding_window`` is set but the config family has no sliding-window
+      attention (transformers' ``LlamaConfig`` / ``DeepseekV3Config`` ... declare no such field:
+      :func:`atomtool.inspect.memory.reads_sliding_window`), so every layer attends to the whole context;
+    - ``context-capped-at-window`` (warning): atomtool serves the architecture, some layers slide, and the
+      window is shorter than the model's context: the engine caps each sequence at the window (sliding-window
+      attention is not implemented; within the window it is exact). Same rule as the engine
+      (``atomtool.serve.models.llama``): :func:`~atomtool.inspect.memory.effective_sliding_window` is not
+      None and ``"sliding"`` is in :func:`~atomtool.inspect.memory.layer_attention_kinds`.
+    """
+    out = []
+    missing = [k for k in SIZE_FIELDS if flat.get(k) is None]
+    for key in missing:
+        out.append(Finding("config-missing-field", "warning", None,
+                           f"config.json has no {key}: {SIZE_FIELDS[key]} cannot be computed (shown as '?')"))
+    sw = flat.get("sliding_window")
+    if mem.valid_window(sw) and not mem.reads_sliding_window(flat):
+        out.append(Finding("sliding-window-ignored", "info", None,
+                           f"config.json: sliding_window {sw} is ignored: transformers' config for model_type "
+                           f"{flat.get('model_type')!r} has no sliding-window attention, every layer attends to the "
+                           f"whole context"))
+    if "num_hidden_layers" in missing or fam is None or not fam.servable:
+        return out
+    window = mem.effective_sliding_window(flat)
+    mpe = flat.get("max_position_embeddings")
+    if window is not None and "sliding" in mem.layer_attention_kinds(flat) and not (
+            mem.valid_window(mpe) and mpe <= window):
+        out.append(Finding("context-capped-at-window", "warning", None,
+                           f"atomtool serves at most {window:,} tokens per sequence: sliding-window attention is "
+                           f"not implemented (exact within the window)"
+                           + (f"; the model's max_position_embeddings is {mpe:,}" if mem.valid_window(mpe) else "")))
+    return out
+
+
 def build_report(
     source: str,
     config: dict[str, Any] | None,
@@ -197,9 +242,17 @@ def build_report(
         findings.append(Finding("not-hf-config", "error", None,
                                 f"config.json: this is not a Hugging Face config.json (looks like {not_hf}); use "
                                 f"the config.json of the Hugging Face repo"))
+    elif fam is None and config is not None and is_transformers_architecture(arch):
+        # a real model (Gemma2, Phi-3, ...) atomtool has no family for: inspect still sizes it from the
+        # config, like the recognised-but-not-served families (gpt-oss); only serve cannot run it
+        findings.append(Finding("architecture-not-servable", "warning", None,
+                                f"{arch} (model_type {model_type}) is a transformers architecture that atomtool "
+                                f"does not serve; inspect reports what it can from config.json and the headers; "
+                                f"serve supports: {', '.join(supported_architectures())}"))
     elif fam is None and config is not None:
         findings.append(Finding("unknown-architecture", "error", None,
-                                f"config.json: unknown architecture {arch!r}; inspect reports what it can, serve "
+                                f"config.json: unknown architecture {arch!r} (neither atomtool nor transformers "
+                                f"knows it); inspect reports what it can, serve "
                                 f"supports: {', '.join(supported_architectures())}"))
     elif fam is not None and not fam.servable:
         findings.append(Finding("architecture-not-servable", "warning", None,
@@ -213,7 +266,8 @@ def build_report(
             schedule_ok = True
         except ConfigError as exc:  # report what can be known; the schedule itself is unusable
             findings.append(Finding("config-invalid", "error", None, str(exc)))
-    bad_sizes = invalid_size_fields(flat) if config is not None and not_hf is None else []  # no sizes computed from these
+    bad_sizes = invalid_size_fields(flat) + invalid_attention_fields(flat) if config is not None and not_hf is None \
+        else []  # no sizes computed from these
     findings.extend(bad_sizes)
     dsa = None
     roles: list[str] | None = None
@@ -223,6 +277,8 @@ def build_report(
                       int(flat["index_rope_dim"]), bool(flat["indexer_rope_interleave"]), roles)
         findings.extend(dsa_findings(tensors, roles))
     config_bad = any(f.code == "config-invalid" for f in findings)  # no sizes computed from this config
+    if config is not None and not_hf is None and not config_bad:
+        findings.extend(attention_notes(flat, fam))
     if config is not None and not config_bad:
         findings.extend(missing_tensor_findings(tensors, flat, fam, roles))
 

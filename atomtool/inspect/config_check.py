@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from atomtool.inspect import memory as mem
 from atomtool.inspect.dsa import MAX_LAYERS
+from atomtool.inspect.hf_registry import allowed_layer_types, config_fields
 from atomtool.inspect.types import Finding
 
 #: must be integers >= 1 when present (and not null)
@@ -30,6 +32,8 @@ LAYER_FIELDS = ("num_hidden_layers", "num_nextn_predict_layers")
 def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
     """``config-invalid`` error findings, one per size field of ``flat`` that is not a suitable integer,
     and one per ``rope_theta`` (top level or in ``rope_parameters``) that is not a positive number.
+    (The attention-layout fields are :func:`invalid_attention_fields`; the engine's loader leaves those to
+    transformers' own config validation.)
 
     flat: the flattened text config (:func:`atomtool.inspect.dsa.flatten_dsa_config`, or the text config
     when flattening failed). Booleans and floats are refused (``True`` is not a layer count). Returns [] for
@@ -71,3 +75,51 @@ def _rope_thetas(flat: dict[str, Any]) -> list[tuple[str, Any]]:
             if d.get("rope_theta") is not None:
                 found.append((f"{field}.{prefix}rope_theta", d["rope_theta"]))
     return found
+
+
+def invalid_attention_fields(flat: dict[str, Any]) -> list[Finding]:
+    """``config-invalid`` error findings for the fields that decide which layers slide and how far
+    (:func:`atomtool.inspect.memory.layer_attention_kinds`), checked the way transformers' config classes
+    check them (strict dataclass field types, ``PreTrainedConfig.validate_layer_type``):
+
+    - ``sliding_window``: an integer >= 1 or null (``"4096"``, ``true``, ``[4096]`` are type errors in
+      transformers; 0 and negatives it keeps, but a window of no tokens is meaningless). Only where the
+      config family reads the field (:func:`atomtool.inspect.memory.reads_sliding_window`): ``LlamaConfig``
+      has no sliding window, so its value is never used and not judged;
+    - ``use_sliding_window``: true, false or null, where the config class declares it (Qwen2/Qwen3/...), or
+      for a model_type transformers does not know (``"true"`` and ``1`` are type errors in transformers);
+    - ``layer_types``: a list with one entry per decoder layer (``num_hidden_layers``), each one of
+      transformers' allowed layer types (:func:`atomtool.inspect.hf_registry.allowed_layer_types`; for a
+      model_type transformers does not know, also the names inspect reads, e.g. Kimi-Linear's ``kda``).
+    """
+    out: list[Finding] = []
+
+    def bad(msg: str) -> None:
+        out.append(Finding("config-invalid", "error", None, f"config.json: {msg}"))
+
+    sw = flat.get("sliding_window")
+    if sw is not None and not mem.valid_window(sw) and mem.reads_sliding_window(flat):
+        bad(f"sliding_window must be a positive integer (tokens) or null, got {sw!r}")
+    usw = flat.get("use_sliding_window")
+    if usw is not None and not isinstance(usw, bool):
+        fields = config_fields(str(flat.get("model_type", "")))
+        if fields is None or "use_sliding_window" in fields:
+            bad(f"use_sliding_window must be true or false, got {usw!r}")
+    lt = flat.get("layer_types")
+    if lt is None:
+        return out
+    n = flat.get("num_hidden_layers")
+    if not isinstance(lt, list):
+        bad(f"layer_types must be a list with one layer type per layer, got {lt!r}")
+        return out
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0 and len(lt) != n:
+        bad(f"layer_types has {len(lt)} entries but num_hidden_layers is {n} (one entry per decoder layer)")
+    allowed = set(allowed_layer_types())
+    if allowed and config_fields(str(flat.get("model_type", ""))) is None:
+        # a remote-code family: also the names inspect itself reads (Kimi-Linear ``kda``, ...)
+        allowed |= set(mem.LINEAR_LAYER_TYPES + mem.SLIDING_LAYER_TYPES)
+    unknown = sorted({repr(t) for t in lt if not isinstance(t, str) or (allowed and t not in allowed)})
+    if unknown:
+        bad(f"layer_types has unknown layer type(s) {', '.join(unknown[:5])}; transformers accepts "
+            f"{', '.join(sorted(allowed))}")
+    return out

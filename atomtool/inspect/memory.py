@@ -55,13 +55,15 @@ def is_mla(flat: dict[str, Any]) -> bool:
 
 
 #: ``layer_types`` entries of layers that keep no growing KV cache (recurrent / linear attention)
-LINEAR_LAYER_TYPES = ("linear_attention", "kda")
+#: (``mamba`` / ``conv``: legacy names transformers remaps to ``linear_attention``; ``kda``: Kimi-Linear)
+LINEAR_LAYER_TYPES = ("linear_attention", "kda", "mamba", "conv")
 #: ``layer_types`` entries of sliding-window attention layers (gpt-oss, Gemma, Mistral-style SWA)
 SLIDING_LAYER_TYPES = ("sliding_attention", "sliding_window_attention", "local_attention")
 
-#: model_type prefixes whose config gates ``sliding_window`` behind ``use_sliding_window`` (default False):
-#: Qwen2Config / Qwen2MoeConfig / Qwen3Config / Qwen3MoeConfig (and their VL text configs), SmolLM3Config set
-#: ``sliding_window = None`` unless ``use_sliding_window`` is true, so a window in config.json alone is ignored
+#: Hand rules below apply only to model_types transformers does not know (remote-code configs, or a transformers
+#: without the class); for every model_type it knows, its config class decides (:func:`effective_sliding_window`).
+#: model_type prefixes whose config gates ``sliding_window`` behind ``use_sliding_window`` (default False), as
+#: Qwen2Config / Qwen2MoeConfig / Qwen3Config / Qwen3MoeConfig (and their VL text configs), SmolLM3Config do
 USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "smollm3", "deepseek_ocr2")
 #: model_types whose default ``layer_types`` alternate sliding/full (layer i sliding iff ``(i + 1) % 2``):
 #: Gemma2Config, GptOssConfig, VaultGemmaConfig, T5GemmaConfig
@@ -74,27 +76,62 @@ DEFAULT_SWA_PATTERN = {"gemma3": 6, "gemma3_text": 6, "gemma4": 6, "gemma4_text"
 MAX_WINDOW_LAYERS_TYPES = ("qwen2", "qwen3", "dots1")
 
 
-#: model_types whose transformers config has no ``use_sliding_window``: the window applies whatever that
-#: (ignored) field says
+#: model_types (transformers-unknown ones only, see above) whose window applies whatever an (ignored)
+#: ``use_sliding_window`` says
 WINDOW_ALWAYS_TYPES = frozenset({"mistral", "mixtral", "phi3", "starcoder2", "gemma2", "gemma3", "gemma3_text",
                                  "gemma4", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss", "vaultgemma",
                                  "afmoe", "minimax", "ministral", "ministral3", "phimoe", "dots1"})
 
 
+def valid_window(value: Any) -> bool:
+    """A usable ``sliding_window`` value: an integer >= 1 (not a bool). ``null`` means no window; anything
+    else (``"4096"``, 0, -1, ``true``, ``[4096]``) is malformed (:mod:`atomtool.inspect.config_check`)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def reads_sliding_window(flat: dict[str, Any]) -> bool:
+    """Whether the config family reads ``sliding_window`` at all: transformers' config class for the
+    ``model_type`` declares the field (``MistralConfig`` does, ``LlamaConfig`` / ``GemmaConfig`` /
+    ``DeepseekV3Config`` / ``GlmMoeDsaConfig`` do not), or transformers does not know the model_type
+    (then the window is honoured)."""
+    from atomtool.inspect.hf_registry import config_fields
+
+    fields = config_fields(str(flat.get("model_type", "")))
+    return fields is None or "sliding_window" in fields
+
+
 def effective_sliding_window(flat: dict[str, Any]) -> int | None:
     """The attention window in tokens that sliding-window layers use, or None (no sliding window).
 
-    As transformers' config classes read it: ``sliding_window`` must be a positive integer; where the
-    config family has ``use_sliding_window`` (Qwen2/Qwen2-MoE/Qwen3/Qwen3-MoE/SmolLM3, default False) the
-    window only counts when that flag is true, even if ``sliding_window`` is set (Qwen2Config:
-    ``self.sliding_window = self.sliding_window if self.use_sliding_window else None``). Families whose
-    config has no such field (Mistral, Gemma, gpt-oss, ...: :data:`WINDOW_ALWAYS_TYPES`) ignore it; for a
-    model_type transformers does not know, an explicit ``use_sliding_window: false`` switches the window off.
+    As transformers' config classes read it (:func:`atomtool.inspect.hf_registry.config_fields` of the
+    ``model_type``): ``sliding_window`` must be a positive integer (:func:`valid_window`), and
+
+    - the config class must declare a ``sliding_window`` field (:func:`reads_sliding_window`): ``LlamaConfig``,
+      ``GemmaConfig``, ``DeepseekV3Config``, ``GlmMoeDsaConfig`` have none, so a window in their config.json
+      is ignored (their attention never slides);
+    - where the class declares ``use_sliding_window`` (Qwen2/Qwen2-MoE/Qwen3/Qwen3-MoE/SmolLM3, default
+      False) the window only counts when that flag is true (Qwen2Config: ``self.sliding_window =
+      self.sliding_window if self.use_sliding_window else None``); classes without the flag (Mistral, Gemma,
+      gpt-oss, Phi-3, Starcoder2, ...) apply the window whatever an extra ``use_sliding_window`` key says.
+
+    For a model_type transformers does not know, hand rules: :data:`USE_SLIDING_WINDOW_TYPES` need
+    ``use_sliding_window: true``; otherwise an explicit ``use_sliding_window: false`` switches the window
+    off (except for :data:`WINDOW_ALWAYS_TYPES`).
     """
+    from atomtool.inspect.hf_registry import config_field_default, config_fields
+
     window = flat.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+    if not valid_window(window):
         return None
     mt = str(flat.get("model_type", ""))
+    fields = config_fields(mt)
+    if fields is not None:  # transformers knows this model_type: its config class decides
+        if "sliding_window" not in fields:
+            return None
+        if "use_sliding_window" in fields:
+            flag = flat.get("use_sliding_window", config_field_default(mt, "use_sliding_window"))
+            return window if flag is True else None
+        return window
     if mt.startswith(USE_SLIDING_WINDOW_TYPES):
         return window if flat.get("use_sliding_window") is True else None
     if flat.get("use_sliding_window") is False and mt not in WINDOW_ALWAYS_TYPES:
@@ -111,6 +148,7 @@ def _default_swa_kinds(flat: dict[str, Any], n: int) -> list[str]:
       ``i >= max_window_layers`` (default 28);
     - Qwen2-MoE: sliding iff ``(i + 1) % 2`` and ``i < max_window_layers``;
     - Gemma2 / gpt-oss: alternating, layer i sliding iff ``(i + 1) % 2``;
+    - SmolLM3: the NoPE layers (``no_rope_layers[i] == 0``, default every ``no_rope_layer_interval`` = 4th);
     - ``sliding_window_pattern`` p (Gemma3/Gemma4, default 6; Cohere2/Olmo3/Exaone4, default 4; AFMoE's
       ``global_attn_every_n_layers``): sliding iff ``(i + 1) % p``;
     - MiniMax (``model_type: minimax``, no ``layer_types``): MiniMaxConfig alternates full / linear;
@@ -130,6 +168,13 @@ def _default_swa_kinds(flat: dict[str, Any], n: int) -> list[str]:
         return ["sliding" if i >= mwl else "full" for i in range(n)]
     if mt in ALTERNATING_SWA_TYPES:
         return ["sliding" if (i + 1) % 2 else "full" for i in range(n)]
+    if mt == "smollm3":  # SmolLM3Config: the NoPE layers slide (no_rope_layers[i] == 0; default every 4th)
+        nope = flat.get("no_rope_layers")
+        interval = flat.get("no_rope_layer_interval", 4)
+        interval = interval if isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1 else 4
+        if not (isinstance(nope, list) and len(nope) == n):
+            nope = [int((i + 1) % interval != 0) for i in range(n)]
+        return ["full" if has_rope else "sliding" for has_rope in nope]
     pattern = flat.get("sliding_window_pattern", DEFAULT_SWA_PATTERN.get(mt))
     if mt == "afmoe":  # AfmoeConfig: global (full) attention every global_attn_every_n_layers (default 4)
         pattern = flat.get("global_attn_every_n_layers", 4)
@@ -220,7 +265,8 @@ def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes
         "swa_bytes_per_token_per_layer", "linear_layers"}`` (layout ``mla`` or ``gqa``).
         ``kv_bytes_per_token`` is what every further token of context adds: full-attention layers
         (``kv_layers``) plus index planes (DSA indexer keys on ``full`` layers; MiniMax-M3 sparse index keys
-        in the model dtype). Sliding-window layers (``swa_layers``) hold at most ``sliding_window`` tokens:
+        in the model dtype). Sliding-window layers (``swa_layers``) hold at most ``sliding_window`` tokens
+        (the config's window capped at ``max_position_embeddings``: a longer window never fills):
         ``swa_bytes_per_token_per_layer`` each, not in ``kv_bytes_per_token``. Linear-attention layers
         (``linear_layers``) keep a fixed-size state, no KV cache.
     """
@@ -228,6 +274,9 @@ def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes
     layers = sum(1 for k in kinds if k == "full")
     swa = sum(1 for k in kinds if k == "sliding")
     window = effective_sliding_window(flat)  # never None when swa > 0 (layer_attention_kinds checks it)
+    mpe = flat.get("max_position_embeddings")
+    if window is not None and valid_window(mpe):
+        window = min(window, mpe)  # a window beyond the model's context never fills: KV of mpe tokens at most
     extra = {"swa_layers": swa, "sliding_window": window if swa else None,
              "linear_layers": sum(1 for k in kinds if k == "linear")}
     if is_mla(flat):

@@ -240,6 +240,17 @@ def kv_detail(m: dict[str, Any]) -> str:
     return detail
 
 
+def _window_cap_note(m: dict[str, Any], flat: dict[str, Any]) -> str:
+    """``; sliding_window N exceeds max_position_embeddings`` when the config's window is longer than the
+    model's context, so the sliding-window KV above is capped at ``max_position_embeddings`` tokens."""
+    from atomtool.inspect.memory import effective_sliding_window
+
+    window = effective_sliding_window(flat)
+    if window is None or m.get("sliding_window") is None or window <= m["sliding_window"]:
+        return ""
+    return f"; sliding_window {window:,} exceeds max_position_embeddings {m['sliding_window']:,}"
+
+
 def _module_patterns(r: InspectReport) -> list[str]:
     items = [(m.name, (m.scheme, m.dtype, m.shape, m.declared_quantized, m.treated_as)) for m in r.modules]
     return [p for p, _, _ in group_by_pattern(items)]
@@ -326,7 +337,7 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
                       f"{m['swa_layers']} layers x {m['swa_bytes_per_token_per_layer']} B/token, at most "
                       f"{m['sliding_window']:,} tokens each = "
                       f"{human_bytes(m['swa_layers'] * m['swa_bytes_per_token_per_layer'] * m['sliding_window'])}"
-                      " (not per token)")
+                      " (not per token)" + _window_cap_note(m, cfg))
         if m.get("linear_layers"):
             t.add_row("linear-attention layers", f"{m['linear_layers']} (fixed-size state, no KV cache; not counted)")
         if "max_context_tokens" in m:
