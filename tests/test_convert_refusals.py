@@ -27,6 +27,7 @@ from atomtool.convert.plan import build_plan, missing_tensors
 from atomtool.convert.writer import OWNER_NAME, UNOWNED_STALE_S, clean_leftover_tmp_dirs
 from atomtool.errors import ConversionError
 from atomtool.inspect.classify import inspect_checkpoint
+from atomtool.inspect.families import supported_architectures
 from tests.checkpoints import (
     load_state_dict,
     write_awq_checkpoint,
@@ -129,6 +130,19 @@ def test_architecture_the_engine_does_not_run(ckpts, tmp_path):
                       config={"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"})
     assert_refused(src, tmp_path / "out", "architecture-not-servable: Qwen3MoeForCausalLM (qwen3_moe family)",
                    "LlamaForCausalLM")
+
+
+def test_architecture_only_transformers_knows(ckpts, tmp_path):
+    """A Gemma2 checkpoint (transformers knows it, atomtool has no family for it): one error line naming the
+    architecture and the ones convert supports, exit 1, nothing written."""
+    src = edited_copy(ckpts["qwen3"], tmp_path / "src",
+                      config={"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
+    r = run("convert", src, tmp_path / "out")
+    assert r.exit_code == 1, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"error: unsupported architecture 'Gemma2ForCausalLM'; supported: "
+                     f"{', '.join(sorted(supported_architectures()))}"], lines
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_required_tensors(ckpts, tmp_path):
