@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from atomtool.errors import ConfigError, EngineError, SourceError, one_line
+from atomtool.serve.model_config import check_size_fields, complete_config
 from atomtool.serve.models.base import CausalLM
 from atomtool.serve.models.registry import get_model_class, resolve_architecture
 
@@ -126,6 +128,10 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     raw_config = read_config(model_dir)
     arch = resolve_architecture(raw_config)
     _check_config_values(raw_config)  # raw checkpoints and layouts alike, before anything is sized from it
+    config_path = model_dir / "config.json"
+    from atomtool.inspect.dsa import text_config
+
+    check_size_fields(text_config(raw_config), config_path)
     dev = resolve_device(device)
     from atomtool.convert.layout import MANIFEST_NAME
     from atomtool.inspect.dsa import flatten_dsa_config
@@ -139,10 +145,12 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         specs = load_layout_specs(model_dir)
         _check_layout_servable(model_path, model_dir, specs)
         torch_dtype = resolve_dtype(dtype, config, dev)
-        model = get_model_class(arch)(config, specs, torch_dtype, dev)
+        config, defaulted = complete_config(config, config_path)
+        model = _build_model(arch, config, specs, torch_dtype, dev, config_path)
         from atomtool.serve.layout_load import load_layout_weights
 
-        load_layout_weights(model, model_dir)
+        with _name_defaults(defaulted, config_path):
+            load_layout_weights(model, model_dir)
     else:
         from atomtool.convert.materialize import iter_output_tensors
         from atomtool.convert.plan import build_plan
@@ -155,10 +163,45 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         plan_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
         plan = build_plan(report, plan_dtype)
         config = flatten_dsa_config(plan.config) if plan.config else config
-        model = get_model_class(arch)(config, plan.tensors, torch_dtype, dev)
-        model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
+        config, defaulted = complete_config(config, config_path)
+        model = _build_model(arch, config, plan.tensors, torch_dtype, dev, config_path)
+        with _name_defaults(defaulted, config_path):
+            model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
     model.eval()
     return LoadedModel(model, config, arch, model_dir, torch_dtype, dev)
+
+
+def _build_model(arch: str, config: dict[str, Any], specs: Any, dtype: torch.dtype, device: torch.device,
+                 config_path: Path) -> CausalLM:
+    """The engine model for ``arch`` built from ``config``; the safety net for a config the checks before it
+    let through: a KeyError / TypeError / ValueError while the model reads its config (a field absent or of
+    the wrong type) becomes one ConfigError line naming the config file.
+
+    Raises:
+        ConfigError: as above. AtomtoolError subclasses the model raises itself pass through unchanged.
+    """
+    cls = get_model_class(arch)
+    try:
+        return cls(config, specs, dtype, device)
+    except KeyError as exc:
+        raise ConfigError(f"{config_path}: cannot build {arch}: missing field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{config_path}: cannot build {arch} from it: {one_line(exc)}") from exc
+
+
+@contextmanager
+def _name_defaults(defaulted: dict[str, Any], config_path: Path) -> Iterator[None]:
+    """Weights that do not fit a model built with transformers' defaults for fields config.json left out
+    (e.g. ``Qwen3Config.head_dim`` 128): the load error says which fields were defaulted and to what."""
+    try:
+        yield
+    except EngineError as exc:
+        sizes = {k: v for k, v in defaulted.items() if isinstance(v, int) and not isinstance(v, bool)}
+        if not sizes:
+            raise
+        shown = ", ".join(f"{k}={v!r}" for k, v in sizes.items())
+        raise EngineError(f"{exc}; note: {config_path} leaves out fields that transformers' config class "
+                          f"defaults: {shown}") from exc
 
 
 def _check_config_values(raw_config: dict[str, Any]) -> None:

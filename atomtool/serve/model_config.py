@@ -1,0 +1,108 @@
+"""config.json fields the engine model reads: transformers' defaults for the absent ones, refusal for absent sizes.
+
+The engine models read the flattened text config as a dict. A field the checkpoint's config.json leaves out
+means what transformers' config class for its ``model_type`` says it means (e.g. ``Qwen3Config.head_dim``
+defaults to 128, not ``hidden_size // num_attention_heads``; ``LlamaConfig.head_dim`` is derived), so
+:func:`complete_config` takes every absent field from that class (one source of truth, the oracle is HF).
+
+The exception are the fields that size the weight matrices (:data:`SIZE_FIELDS`): transformers' defaults for
+them are one reference model's sizes (``LlamaConfig.vocab_size`` 32000, ``DeepseekV3Config.hidden_size``
+7168), which a checkpoint that omits them almost never has, and building a model from them would allocate a
+full-size model only to fail on the first mis-shaped tensor. :func:`check_size_fields` refuses them up front,
+naming the field and the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from atomtool.errors import ConfigError, one_line
+
+#: fields whose value is a weight matrix dimension or count; never defaulted (see the module docstring).
+#: Checked only where the model_type's transformers config class declares them (MLA fields for MLA models).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim")
+
+#: config-class fields never copied from transformers' defaults: token ids and generation settings (the engine
+#: reads those from the checkpoint's generation_config / tokenizer), training-only knobs, the rope dict (the
+#: rotary layer already reads it through transformers' config object), and the per-layer schedules, which
+#: :func:`atomtool.inspect.dsa.flatten_dsa_config` alone derives (one schedule, DESIGN.md).
+_NOT_FILLED = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+                         "attention_dropout", "pretraining_tp", "rope_parameters", "layer_types",
+                         "mlp_layer_types", "indexer_types", "dtype", "torch_dtype"})
+
+
+def _config_class(model_type: Any):
+    """transformers' config class for ``model_type`` (``LlamaConfig``, ``DeepseekV3Config``, ...), or None."""
+    from transformers import CONFIG_MAPPING
+
+    # CONFIG_MAPPING is a lazy mapping whose .get() always answers None; index it instead.
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
+    return None
+
+
+def _class_fields(cls) -> set[str]:
+    """The fields a config class declares itself (its annotations, base ``PreTrainedConfig``'s excluded)."""
+    from transformers import PretrainedConfig
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is PretrainedConfig or not (isinstance(klass, type) and issubclass(klass, PretrainedConfig)):
+            continue
+        names.update(getattr(klass, "__annotations__", {}))
+    return names
+
+
+def check_size_fields(text_config: dict[str, Any], config_path: Path | str) -> None:
+    """Refuse a config.json that leaves out a field sizing the weights (:data:`SIZE_FIELDS`).
+
+    text_config: the text config dict (``atomtool.inspect.dsa.text_config`` of config.json).
+    A model_type transformers does not know is checked against the dense fields only.
+
+    Raises:
+        ConfigError: one line naming the file, every absent field, and transformers' default for it.
+    """
+    cls = _config_class(text_config.get("model_type"))
+    declared = _class_fields(cls) if cls is not None else {"vocab_size", "hidden_size", "num_hidden_layers",
+                                                            "num_attention_heads"}
+    missing = [f for f in SIZE_FIELDS if f in declared and f not in text_config]
+    if not missing:
+        return
+    defaults = {}
+    if cls is not None:
+        defaults = {f: getattr(cls, f, None) for f in missing}
+    shown = ", ".join(f"{f} (transformers' {cls.__name__} default: {defaults[f]!r})"
+                      if cls is not None and defaults.get(f) is not None else f for f in missing)
+    raise ConfigError(f"{config_path}: missing required field{'s' if len(missing) > 1 else ''} {shown}; the "
+                      "engine does not assume a reference model's size for a field that shapes the weights: "
+                      "add it to config.json")
+
+
+def complete_config(config_flat: dict[str, Any], config_path: Path | str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config_flat`` with every absent field of its model_type's transformers config class filled in with
+    the value that class gives it (so the model is built as transformers would build it).
+
+    Returns:
+        (the completed config -- a new dict, the input is left alone --, ``{field: default}`` for the fields
+        that were filled in, for messages).
+    Raises:
+        ConfigError: transformers cannot build a config from it (names the file; one line).
+    """
+    cls = _config_class(config_flat.get("model_type"))
+    if cls is None:
+        return dict(config_flat), {}
+    fields = _class_fields(cls) - _NOT_FILLED - set(SIZE_FIELDS)
+    absent = sorted(f for f in fields if f not in config_flat)
+    if not absent:
+        return dict(config_flat), {}
+    kwargs = {k: v for k, v in config_flat.items() if k not in ("model_type", "transformers_version")}
+    try:
+        hf = cls(**kwargs)
+    except Exception as exc:  # a config transformers cannot parse: its message, on one line
+        raise ConfigError(f"{config_path}: transformers cannot build its config ({cls.__name__}): "
+                          f"{one_line(exc)}") from exc
+    filled = {f: getattr(hf, f) for f in absent if hasattr(hf, f)}
+    return {**config_flat, **filled}, filled
