@@ -154,9 +154,16 @@ def test_mistral_v01_cli_says_the_cache_stops_growing(tmp_path):
     assert "32 layers x 4096 B/token, at most 4,096 tokens each = 512.00 MiB" in out
     assert "no full-attention layer" in out
     row = next(line for line in out.splitlines() if "longest context in 24 GB" in line)
-    assert "not limited by the KV cache" in row and "model max 32,768" in row
+    # servable: the engine caps sequences at the window (context-capped-at-window), so does this line
+    assert "4,096 tokens (capped by the sliding window; model max 32,768)" in row
     obj = json.loads(CliRunner().invoke(app, ["inspect", str(tmp_path), "--json"]).stdout)
     assert (obj["memory"]["kv_bytes_per_token"], obj["memory"]["swa_layers"]) == (0, 32)
+    # a family atomtool does not serve (no cap): the cache alone does not limit the context
+    phi = {**MISTRAL_7B_V01, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
+    (tmp_path / "config.json").write_text(json.dumps(phi))
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--gpu-memory", "24"], env={"COLUMNS": "200"})
+    row = next(line for line in res.stdout.splitlines() if "longest context in 24 GB" in line)
+    assert "not limited by the KV cache" in row and "model max 32,768" in row, res.stdout
 
 
 def test_qwen_use_sliding_window_false_ignores_the_window():

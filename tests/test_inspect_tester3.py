@@ -231,7 +231,10 @@ def test_bad_layer_types_are_config_invalid(layer_types, needle, tmp_path):
 
 
 def test_missing_num_hidden_layers_is_explained(tmp_path):
+    # a model_type transformers does not know (remote code): no default to take, the count is unknown
+    # (a known one takes its config class's default: tests/test_inspect_tester4.py)
     cfg = {k: v for k, v in MISTRAL_7B_V01.items() if k != "num_hidden_layers"}
+    cfg["model_type"] = "my_remote_mistral"
     d = _config_only(tmp_path, cfg)
     res = _run(str(d))
     assert res.exit_code == 0, res.output

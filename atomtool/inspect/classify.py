@@ -16,6 +16,11 @@ from atomtool.inspect import memory as mem
 from atomtool.inspect.config_check import invalid_attention_fields, invalid_size_fields
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
 from atomtool.inspect.families import SERVABLE_SCHEMES, Family, family_for, supported_architectures
+from atomtool.inspect.hf_config import (
+    fill_transformers_defaults,
+    head_count_findings,
+    transformers_config_findings,
+)
 from atomtool.inspect.hf_registry import is_transformers_architecture
 from atomtool.inspect.quant import (
     QUANTIZED_SCHEMES,
@@ -160,11 +165,32 @@ SIZE_FIELDS = {"num_hidden_layers": "the layer count, KV cache per token and par
                "num_attention_heads": "the KV cache per token and parameter estimate"}
 
 
-def attention_notes(flat: dict[str, Any], fam: Family | None) -> list[Finding]:
+def serving_window_cap(flat: dict[str, Any], fam: Family | None) -> int | None:
+    """The most tokens per sequence atomtool serves when the engine caps sequences at the sliding window, or
+    None (no cap): the architecture is servable, some layers slide
+    (:func:`~atomtool.inspect.memory.layer_attention_kinds`), and the window
+    (:func:`~atomtool.inspect.memory.effective_sliding_window`) is shorter than ``max_position_embeddings``
+    (sliding-window attention is not implemented; the engine, ``atomtool.serve.models.llama``, applies the
+    same rule)."""
+    if fam is None or not fam.servable or not isinstance(flat.get("num_hidden_layers"), int):
+        return None
+    window = mem.effective_sliding_window(flat)
+    mpe = flat.get("max_position_embeddings")
+    if window is None or "sliding" not in mem.layer_attention_kinds(flat) or (
+            mem.valid_window(mpe) and mpe <= window):
+        return None
+    return window
+
+
+def attention_notes(flat: dict[str, Any], fam: Family | None,
+                    filled: list[tuple[str, Any, str]] | None = None) -> list[Finding]:
     """Findings about how a (valid) config's attention layout is read:
 
     - ``config-missing-field`` (warning): a size field (:data:`SIZE_FIELDS`) is absent or null, so the
-      figures that need it are unknown ("?" in the tables);
+      figures that need it are unknown ("?" in the tables); or it was absent and transformers' config class
+      supplies a default (``filled``: ``(field, value, class name)`` from
+      :func:`atomtool.inspect.hf_config.fill_transformers_defaults`), which inspect then uses as transformers
+      and the engine do;
     - ``sliding-window-ignored`` (info): ``sliding_window`` is set but the config family has no sliding-window
       attention (transformers' ``LlamaConfig`` / ``DeepseekV3Config`` ... declare no such field:
       :func:`atomtool.inspect.memory.reads_sliding_window`), so every layer attends to the whole context;
@@ -175,6 +201,12 @@ def attention_notes(flat: dict[str, Any], fam: Family | None) -> list[Finding]:
       None and ``"sliding"`` is in :func:`~atomtool.inspect.memory.layer_attention_kinds`.
     """
     out = []
+    for key, value, cls in filled or []:
+        if key == "num_key_value_heads" and value == flat.get("num_attention_heads"):
+            continue  # plain multi-head attention, as every reader assumes
+        out.append(Finding("config-missing-field", "warning", None,
+                           f"config.json has no {key}: using transformers' {cls} default {value}, as transformers "
+                           f"does; set it in config.json if the checkpoint differs"))
     missing = [k for k in SIZE_FIELDS if flat.get(k) is None]
     for key in missing:
         out.append(Finding("config-missing-field", "warning", None,
@@ -185,12 +217,11 @@ def attention_notes(flat: dict[str, Any], fam: Family | None) -> list[Finding]:
                            f"config.json: sliding_window {sw} is ignored: transformers' config for model_type "
                            f"{flat.get('model_type')!r} has no sliding-window attention, every layer attends to the "
                            f"whole context"))
-    if "num_hidden_layers" in missing or fam is None or not fam.servable:
+    if "num_hidden_layers" in missing:
         return out
-    window = mem.effective_sliding_window(flat)
+    window = serving_window_cap(flat, fam)
     mpe = flat.get("max_position_embeddings")
-    if window is not None and "sliding" in mem.layer_attention_kinds(flat) and not (
-            mem.valid_window(mpe) and mpe <= window):
+    if window is not None:
         out.append(Finding("context-capped-at-window", "warning", None,
                            f"atomtool serves at most {window:,} tokens per sequence: sliding-window attention is "
                            f"not implemented (exact within the window)"
@@ -269,6 +300,14 @@ def build_report(
     bad_sizes = invalid_size_fields(flat) + invalid_attention_fields(flat) if config is not None and not_hf is None \
         else []  # no sizes computed from these
     findings.extend(bad_sizes)
+    filled: list[tuple[str, Any, str]] = []
+    if config is not None and not_hf is None and not any(f.code == "config-invalid" for f in findings):
+        # transformers' config class (as the engine's loader builds it) fills absent sizes and refuses what
+        # its strict field types refuse; our own messages above are more specific, so only when they passed
+        flat = dict(flat)
+        fields = tuple(SIZE_FIELDS) + (() if mem.is_mla(flat) else ("num_key_value_heads",))
+        filled = fill_transformers_defaults(flat, fields)
+        findings.extend(transformers_config_findings(flat) or head_count_findings(flat))
     dsa = None
     roles: list[str] | None = None
     if schedule_ok and is_dsa_config(flat) and "indexer_types" in flat:
@@ -278,7 +317,7 @@ def build_report(
         findings.extend(dsa_findings(tensors, roles))
     config_bad = any(f.code == "config-invalid" for f in findings)  # no sizes computed from this config
     if config is not None and not_hf is None and not config_bad:
-        findings.extend(attention_notes(flat, fam))
+        findings.extend(attention_notes(flat, fam, filled))
     if config is not None and not config_bad:
         findings.extend(missing_tensor_findings(tensors, flat, fam, roles))
 
@@ -339,6 +378,12 @@ def build_report(
                 memory["max_context_tokens"] = mem.max_context_tokens(
                     gpu_memory_gb, weights_bytes, memory["kv_bytes_per_token"],
                     memory["swa_layers"] * memory["swa_bytes_per_token_per_layer"], memory["sliding_window"])
+                cap = serving_window_cap(flat, fam)
+                if cap is not None and not memory["weights_exceed_gpu_memory"]:
+                    # the engine serves at most the window per sequence (context-capped-at-window)
+                    fit = memory["max_context_tokens"]
+                    memory["max_context_tokens"] = cap if fit is None else min(fit, cap)
+                    memory["context_capped_at_window"] = cap
         mpe = flat.get("max_position_embeddings")
         memory["max_position_embeddings"] = mpe if isinstance(mpe, int) else None
 

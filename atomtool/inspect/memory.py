@@ -359,7 +359,7 @@ def is_minimax(flat: dict[str, Any]) -> bool:
         isinstance(a, str) and a.lower().startswith("minimax") for a in archs)
 
 
-def _mlp_kinds(flat: dict[str, Any]) -> list[str]:
+def mlp_kinds(flat: dict[str, Any]) -> list[str]:
     """Per layer ``dense`` or ``sparse`` (MoE) MLP: ``mlp_layer_types``; MiniMax-M3's ``moe_layer_freq``
     list (1 = MoE); else MoE iff ``i >= first_k_dense_replace``, ``(i + 1) % decoder_sparse_step == 0``
     (Qwen-MoE), ``i % moe_layer_freq == 0`` (DeepSeek, an int) and ``i`` not in ``mlp_only_layers``."""
@@ -507,7 +507,7 @@ def estimate_parameters(flat: dict[str, Any], roles: list[str] | None = None) ->
             m += 3 * h * moe_i * shared
         return m
 
-    kinds = _mlp_kinds(flat)
+    kinds = mlp_kinds(flat)
     total = v * h + h  # embeddings + final norm
     if not flat.get("tie_word_embeddings", mt in TIED_BY_DEFAULT):
         total += v * h

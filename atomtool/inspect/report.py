@@ -344,6 +344,10 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
             gb = f"{m['gpu_memory_gb']:g}"
             if m.get("weights_exceed_gpu_memory"):
                 value = f"none: weights alone ({human_bytes(m.get('weights_bytes'))}) exceed {gb} GB"
+            elif m.get("context_capped_at_window") and m["max_context_tokens"] == m["context_capped_at_window"]:
+                # atomtool serves at most the window (context-capped-at-window), whatever memory would allow
+                value = f"{m['max_context_tokens']:,} tokens (capped by the sliding window" + (
+                    f"; model max {m['max_position_embeddings']:,})" if m.get("max_position_embeddings") else ")")
             elif m["max_context_tokens"] is None and m.get("weights_bytes") is not None and not m["kv_bytes_per_token"]:
                 # only sliding-window / linear-attention layers: the cache stops growing after one window
                 value = "not limited by the KV cache (no full-attention layer)" + (

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from atomtool.inspect.families import Family
+from atomtool.inspect.memory import mlp_kinds
 from atomtool.inspect.types import Finding, TensorInfo
 
 #: families whose required tensor set :func:`required_modules` knows
@@ -26,21 +27,6 @@ MAX_LISTED = 8
 def _int(flat: dict[str, Any], key: str) -> int:
     v = flat.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
-
-
-def _moe_layer(flat: dict[str, Any], i: int, experts: int) -> bool:
-    """Whether decoder layer ``i`` has a routed-expert MLP (DeepSeek ``first_k_dense_replace`` /
-    ``moe_layer_freq``; Qwen-MoE ``decoder_sparse_step`` / ``mlp_only_layers``)."""
-    if not experts:
-        return False
-    if i < _int(flat, "first_k_dense_replace"):
-        return False
-    freq = _int(flat, "moe_layer_freq") or 1
-    step = _int(flat, "decoder_sparse_step") or 1
-    only = flat.get("mlp_only_layers")
-    if isinstance(only, list) and i in only:
-        return False
-    return i % freq == 0 and (i + 1) % step == 0
 
 
 def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | None = None
@@ -56,6 +42,8 @@ def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | No
         return None
     mt = str(flat.get("model_type", ""))
     experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
+    # one rule with the KV/parameter estimates (mlp_layer_types first, as transformers' configs read it)
+    kinds = mlp_kinds(flat)
     plain = ["model.embed_tokens.weight", "model.norm.weight"]
     modules: list[str] = []
     if not flat.get("tie_word_embeddings", False):
@@ -76,7 +64,7 @@ def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | No
             modules += [p + f"self_attn.{x}_proj" for x in "qkvo"]
             if mt.startswith("qwen3"):
                 plain += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        if _moe_layer(flat, i, experts):
+        if experts and i < len(kinds) and kinds[i] == "sparse":
             plain.append(p + "mlp.gate.weight")
             modules += [f"{p}mlp.experts.{e}.{x}_proj" for e in range(experts) for x in ("gate", "up", "down")]
             if family.attention == "mla" and _int(flat, "n_shared_experts"):

@@ -1,0 +1,81 @@
+"""Build HF transformers' own config object from a (flattened text) config dict, the way the engine's
+loader does (``atomtool.serve.layers.rotary.hf_config_from_flat``), so inspect refuses what transformers
+refuses and reads the defaults transformers fills in.
+
+Why here: the data flows inspect <- convert <- serve, so the shared rule lives in inspect (serve may import
+it; inspect never imports serve). transformers 5 configs are strict dataclasses: a field of the wrong type
+(``max_window_layers: "0"``, ``rms_norm_eps: "1e-6"``, ``tie_word_embeddings: "no"``, ``rope_parameters:
+"x"``) raises at construction, so building the config is the whole validation (libraries first).
+transformers is imported lazily (:mod:`atomtool.inspect.hf_registry`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atomtool.errors import one_line
+from atomtool.inspect.hf_registry import _config_class
+from atomtool.inspect.types import Finding
+
+#: keys transformers' config classes take from config.json but not as constructor arguments
+_NOT_KWARGS = ("model_type", "transformers_version")
+
+
+def build_hf_config(flat: dict[str, Any]) -> tuple[Any | None, str | None]:
+    """``(config object, None)`` when transformers' config class for ``flat["model_type"]``
+    (``CONFIG_MAPPING``) accepts ``flat`` as keyword arguments, ``(None, message)`` when it raises
+    (message: transformers' own, on one line), ``(None, None)`` when transformers does not know the
+    model_type (remote-code configs: nothing to validate against)."""
+    cls = _config_class(str(flat.get("model_type", "")))
+    if cls is None:
+        return None, None
+    kwargs = {k: v for k, v in flat.items() if k not in _NOT_KWARGS}
+    try:
+        return cls(**kwargs), None
+    except Exception as exc:  # any refusal by transformers: its message is the finding
+        return None, one_line(exc)
+
+
+def transformers_config_findings(flat: dict[str, Any]) -> list[Finding]:
+    """``config-invalid`` (error) when transformers' config class for the model_type cannot be built from
+    ``flat`` (the engine's loader would refuse the config with the same message), else []."""
+    _, err = build_hf_config(flat)
+    if err is None:
+        return []
+    return [Finding("config-invalid", "error", None, f"config.json: transformers cannot build its config: {err}")]
+
+
+def head_count_findings(flat: dict[str, Any]) -> list[Finding]:
+    """``config-invalid`` (error) when ``num_attention_heads`` is not a multiple of ``num_key_value_heads``
+    (grouped-query attention shares each K/V head between ``heads / kv_heads`` query heads; transformers'
+    configs accept the pair, its attention then fails on the first forward). Only for valid positive ints
+    (other values are :func:`atomtool.inspect.config_check.invalid_size_fields`)."""
+    heads, kv = flat.get("num_attention_heads"), flat.get("num_key_value_heads")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, kv))
+    if not ok or heads % kv == 0:
+        return []
+    return [Finding("config-invalid", "error", None,
+                    f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} "
+                    f"(each key/value head serves a whole group of query heads)")]
+
+
+def fill_transformers_defaults(flat: dict[str, Any], fields: tuple[str, ...]) -> list[tuple[str, Any, str]]:
+    """Fill ``fields`` that ``flat`` lacks (absent; an explicit null is left to the validation) with the value transformers' config class for the
+    model_type gives them (e.g. ``MistralConfig``: 32 layers, 8 key/value heads), in place, as transformers
+    and the engine (which reads the report's ``config_flat``) would use them.
+
+    Returns ``[(field, value, config class name)]`` for each field filled; [] when transformers does not know
+    the model_type or cannot build the config."""
+    missing = [k for k in fields if k not in flat]
+    if not missing:
+        return []
+    cfg, _ = build_hf_config({k: v for k, v in flat.items() if k not in missing})
+    if cfg is None:
+        return []
+    filled = []
+    for key in missing:
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            flat[key] = value
+            filled.append((key, value, type(cfg).__name__))
+    return filled
