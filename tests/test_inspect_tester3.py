@@ -237,9 +237,15 @@ def test_missing_num_hidden_layers_is_explained(tmp_path):
     cfg["model_type"] = "my_remote_mistral"
     d = _config_only(tmp_path, cfg)
     res = _run(str(d))
-    assert res.exit_code == 0, res.output
+    # a servable architecture: the engine's loader refuses a config.json without its layer count
+    assert res.exit_code == 1, res.output
     assert re.search(r"\blayers\W+\?", res.stdout)
     assert "config-missing-field" in res.stdout
+    assert "config.json has no num_hidden_layers (shown as '?'): the engine refuses a config without it" \
+           in res.stdout
+    # not served by atomtool: only the figures are unknown
+    d = _config_only(tmp_path, {**cfg, "architectures": ["MyRemoteForCausalLM"]}, "remote")
+    res = _run(str(d))
     assert "config.json has no num_hidden_layers: the layer count, KV cache per token and parameter estimate " \
            "cannot be computed (shown as '?')" in res.stdout
 

@@ -196,14 +196,21 @@ def test_required_tensors_read_mlp_layer_types(ckpts, tmp_path, arch):
 
 
 def test_mistral_without_num_hidden_layers_takes_mistralconfig_default(tmp_path):
+    from atomtool.serve.model_config import check_size_fields
+
     n = transformers.MistralConfig().num_hidden_layers  # the oracle: 32
     cfg = {k: v for k, v in MISTRAL_7B_V01.items() if k != "num_hidden_layers"}
     d = _config_only(tmp_path, cfg)
+    # the engine's loader refuses it (it does not assume a reference model's layer count) ...
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        check_size_fields(cfg, d / "config.json")
     res = _run(str(d), "--gpu-memory", "20")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # ... so inspect says so: an error, not servable
+    assert re.search(r"\bservable\W+no\b", res.stdout)
+    assert (f"config.json has no num_hidden_layers (inspect sizes the model with transformers' MistralConfig "
+            f"default {n}): the engine refuses a config without it") in res.stdout
+    # ... and sizes it as transformers would: layers, Memory section and window cap as with the field
     assert re.search(rf"\blayers\W+{n}\b", res.stdout)
-    assert (f"config.json has no num_hidden_layers: using transformers' MistralConfig default {n}, as "
-            f"transformers does") in res.stdout
     assert "context-capped-at-window" in res.stdout and "atomtool serves at most 4,096 tokens" in res.stdout
     assert "Memory" in res.stdout and f"{n} layers x 4096 B/token" in res.stdout
     obj, _ = _json(d)
@@ -211,6 +218,17 @@ def test_mistral_without_num_hidden_layers_takes_mistralconfig_default(tmp_path)
     full, _ = _json(_config_only(tmp_path, MISTRAL_7B_V01, "full"))
     assert obj["memory"]["kv_bytes_per_token"] == full["memory"]["kv_bytes_per_token"]
     assert obj["totals"]["parameters"] == full["totals"]["parameters"]
+
+
+def test_unserved_family_without_num_hidden_layers_takes_the_default_as_a_warning(tmp_path):
+    n = transformers.Phi3Config().num_hidden_layers
+    cfg = {k: v for k, v in MISTRAL_7B_V01.items() if k != "num_hidden_layers"}
+    cfg.update(architectures=["Phi3ForCausalLM"], model_type="phi3")
+    res = _run(str(_config_only(tmp_path, cfg)))
+    assert res.exit_code == 0, res.output
+    assert (f"config.json has no num_hidden_layers: using transformers' Phi3Config default {n}, as "
+            f"transformers does") in res.stdout
+    assert re.search(rf"\blayers\W+{n}\b", res.stdout)
 
 
 def test_mistral_without_kv_heads_takes_mistralconfig_default(tmp_path):

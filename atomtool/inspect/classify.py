@@ -17,6 +17,8 @@ from atomtool.inspect.config_check import invalid_attention_fields, invalid_size
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
 from atomtool.inspect.families import SERVABLE_SCHEMES, Family, family_for, supported_architectures
 from atomtool.inspect.hf_config import (
+    WEIGHT_SIZE_FIELDS,
+    engine_missing_size_fields,
     fill_transformers_defaults,
     head_count_findings,
     transformers_config_findings,
@@ -183,31 +185,41 @@ def serving_window_cap(flat: dict[str, Any], fam: Family | None) -> int | None:
 
 
 def attention_notes(flat: dict[str, Any], fam: Family | None,
-                    filled: list[tuple[str, Any, str]] | None = None) -> list[Finding]:
+                    filled: list[tuple[str, Any, str]] | None = None,
+                    engine_missing: list[str] | None = None) -> list[Finding]:
     """Findings about how a (valid) config's attention layout is read:
 
-    - ``config-missing-field`` (warning): a size field (:data:`SIZE_FIELDS`) is absent or null, so the
-      figures that need it are unknown ("?" in the tables); or it was absent and transformers' config class
-      supplies a default (``filled``: ``(field, value, class name)`` from
-      :func:`atomtool.inspect.hf_config.fill_transformers_defaults`), which inspect then uses as transformers
-      and the engine do;
+    - ``config-missing-field``: a size field is absent or null. Where transformers' config class has a
+      default for it (``filled``: ``(field, value, class name)`` from
+      :func:`atomtool.inspect.hf_config.fill_transformers_defaults`) inspect sizes the model with it, as
+      transformers does; otherwise the figures that need it are unknown ("?" in the tables). Severity
+      ``error`` for a servable architecture when the field shapes the weights (``engine_missing``:
+      :func:`atomtool.inspect.hf_config.engine_missing_size_fields`): the engine's loader refuses such a
+      config.json rather than assume a reference model's size; ``warning`` otherwise;
     - ``sliding-window-ignored`` (info): ``sliding_window`` is set but the config family has no sliding-window
       attention (transformers' ``LlamaConfig`` / ``DeepseekV3Config`` ... declare no such field:
       :func:`atomtool.inspect.memory.reads_sliding_window`), so every layer attends to the whole context;
     - ``context-capped-at-window`` (warning): atomtool serves the architecture, some layers slide, and the
-      window is shorter than the model's context: the engine caps each sequence at the window (sliding-window
-      attention is not implemented; within the window it is exact). Same rule as the engine
-      (``atomtool.serve.models.llama``): :func:`~atomtool.inspect.memory.effective_sliding_window` is not
-      None and ``"sliding"`` is in :func:`~atomtool.inspect.memory.layer_attention_kinds`.
+      window is shorter than the model's context: the engine caps each sequence at the window
+      (:func:`serving_window_cap`).
     """
     out = []
-    for key, value, cls in filled or []:
-        if key == "num_key_value_heads" and value == flat.get("num_attention_heads"):
-            continue  # plain multi-head attention, as every reader assumes
+    defaults = {key: (value, cls) for key, value, cls in filled or []}
+    refused = [k for k in engine_missing or [] if fam is not None and fam.servable]
+    for key in refused:
+        used = (f" (inspect sizes the model with transformers' {defaults[key][1]} default {defaults[key][0]})"
+                if key in defaults else " (shown as '?')")
+        out.append(Finding("config-missing-field", "error", None,
+                           f"config.json has no {key}{used}: the engine refuses a config without it (it does not "
+                           f"assume a reference model's size for a field that shapes the weights); add it to "
+                           f"config.json"))
+    for key, (value, cls) in defaults.items():
+        if key in refused or (key == "num_key_value_heads" and value == flat.get("num_attention_heads")):
+            continue  # (no key/value heads given and as many as query heads: plain multi-head attention)
         out.append(Finding("config-missing-field", "warning", None,
                            f"config.json has no {key}: using transformers' {cls} default {value}, as transformers "
                            f"does; set it in config.json if the checkpoint differs"))
-    missing = [k for k in SIZE_FIELDS if flat.get(k) is None]
+    missing = [k for k in SIZE_FIELDS if flat.get(k) is None and k not in refused]
     for key in missing:
         out.append(Finding("config-missing-field", "warning", None,
                            f"config.json has no {key}: {SIZE_FIELDS[key]} cannot be computed (shown as '?')"))
@@ -217,8 +229,6 @@ def attention_notes(flat: dict[str, Any], fam: Family | None,
                            f"config.json: sliding_window {sw} is ignored: transformers' config for model_type "
                            f"{flat.get('model_type')!r} has no sliding-window attention, every layer attends to the "
                            f"whole context"))
-    if "num_hidden_layers" in missing:
-        return out
     window = serving_window_cap(flat, fam)
     mpe = flat.get("max_position_embeddings")
     if window is not None:
@@ -301,11 +311,14 @@ def build_report(
         else []  # no sizes computed from these
     findings.extend(bad_sizes)
     filled: list[tuple[str, Any, str]] = []
+    engine_missing: list[str] = []
     if config is not None and not_hf is None and not any(f.code == "config-invalid" for f in findings):
         # transformers' config class (as the engine's loader builds it) fills absent sizes and refuses what
         # its strict field types refuse; our own messages above are more specific, so only when they passed
         flat = dict(flat)
-        fields = tuple(SIZE_FIELDS) + (() if mem.is_mla(flat) else ("num_key_value_heads",))
+        engine_missing = engine_missing_size_fields(tc)
+        fields = tuple(dict.fromkeys((*SIZE_FIELDS, *WEIGHT_SIZE_FIELDS)))
+        fields += () if mem.is_mla(flat) else ("num_key_value_heads",)
         filled = fill_transformers_defaults(flat, fields)
         findings.extend(transformers_config_findings(flat) or head_count_findings(flat))
     dsa = None
@@ -317,7 +330,7 @@ def build_report(
         findings.extend(dsa_findings(tensors, roles))
     config_bad = any(f.code == "config-invalid" for f in findings)  # no sizes computed from this config
     if config is not None and not_hf is None and not config_bad:
-        findings.extend(attention_notes(flat, fam, filled))
+        findings.extend(attention_notes(flat, fam, filled, engine_missing))
     if config is not None and not config_bad:
         findings.extend(missing_tensor_findings(tensors, flat, fam, roles))
 

@@ -14,8 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 from atomtool.errors import one_line
-from atomtool.inspect.hf_registry import _config_class
+from atomtool.inspect.hf_registry import _config_class, config_fields
 from atomtool.inspect.types import Finding
+
+#: fields whose value is a weight-matrix dimension or count: the engine's loader refuses a config.json without
+#: them rather than assume transformers' defaults (one reference model's sizes, e.g. ``LlamaConfig.vocab_size``
+#: 32000); the same list as ``atomtool.serve.model_config.SIZE_FIELDS``. Checked where the model_type's config
+#: class declares them; for a model_type transformers does not know, :data:`DENSE_SIZE_FIELDS` only.
+WEIGHT_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim")
+DENSE_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 #: keys transformers' config classes take from config.json but not as constructor arguments
 _NOT_KWARGS = ("model_type", "transformers_version")
@@ -57,6 +66,14 @@ def head_count_findings(flat: dict[str, Any]) -> list[Finding]:
     return [Finding("config-invalid", "error", None,
                     f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} "
                     f"(each key/value head serves a whole group of query heads)")]
+
+
+def engine_missing_size_fields(text_cfg: dict[str, Any]) -> list[str]:
+    """The :data:`WEIGHT_SIZE_FIELDS` that the text config (``atomtool.inspect.dsa.text_config`` of
+    config.json, before any default is filled in) lacks and that its model_type's transformers config class
+    declares: the fields the engine's loader refuses the config without."""
+    declared = config_fields(str(text_cfg.get("model_type", ""))) or frozenset(DENSE_SIZE_FIELDS)
+    return [f for f in WEIGHT_SIZE_FIELDS if f in declared and f not in text_cfg]
 
 
 def fill_transformers_defaults(flat: dict[str, Any], fields: tuple[str, ...]) -> list[tuple[str, Any, str]]:
