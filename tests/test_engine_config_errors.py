@@ -144,3 +144,14 @@ def test_model_construction_errors_become_one_config_error(checkpoints, monkeypa
             loader.load_model(checkpoints("llama"), device="cpu")
         msg = str(info.value)
         assert text in msg and "config.json" in msg and "\n" not in msg
+
+
+def test_unsupported_architecture_is_quoted_as_convert_quotes_it(checkpoints, tmp_path):
+    src = checkpoints("llama")
+    dst = without(src, tmp_path / "gemma", "bos_token_id")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = ["GemmaForCausalLM"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    line = one_error_line(generate(dst))
+    assert line.startswith("error: unsupported architecture 'GemmaForCausalLM'; supported: ")
+    assert "'LlamaForCausalLM'" not in line and "LlamaForCausalLM" in line

@@ -346,3 +346,151 @@ def test_second_ctrl_c_forces_shutdown_exit_130_without_traceback(tmp_path):
     assert "Traceback" not in log and "CancelledError" not in log
     assert "[DONE]" not in lines  # the stream really was cut
     assert json.loads(lines[0][6:])["choices"]  # it had started
+
+
+# --------------------------------------------- 5. deep nesting, strict JSON, log prefix, non-finite sampling
+def _nest(depth: int) -> dict:
+    """A JSON object nested ``depth`` levels deep: ``{"a": {"a": ... "x"}}``."""
+    value: object = "x"
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def _nest_text(depth: int) -> str:
+    """``_nest(depth)`` as JSON text, written without json.dumps (which recurses, as deep as the body)."""
+    return '{"a": ' * depth + '"x"' + "}" * depth
+
+
+@pytest.fixture(scope="module")
+def served_unlimited(tok):
+    """The scripted server with the default (16 MiB) body limit: deep bodies are larger than 4 KiB."""
+    engine = ScriptedEngine(tok, tok.encode("ok", add_special_tokens=False))
+    with ServerThread(create_app(engine, "m")) as url:
+        yield url
+
+
+def _chat_with(field: str, depth: int) -> str:
+    """A chat request body (JSON text) with an object ``depth`` levels deep inside ``field``."""
+    if field == "tools":
+        inner = '"tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]'
+    else:
+        inner = '"chat_template_kwargs": {"k": %s}'
+    return '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, %s}' % (
+        inner % _nest_text(depth))
+
+
+def _post(url: str, path: str, body: str) -> httpx.Response:
+    return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("field, path", [
+    ("chat_template_kwargs", "chat_template_kwargs.k.a.a.a.a.a.a..."),
+    ("tools", "tools[0].function.parameters.a.a.a.a..."),
+])
+@pytest.mark.parametrize("depth", [150, 940, 950, 960])
+def test_deeply_nested_body_is_a_400_not_a_recursion_500(served_unlimited, field, path, depth):
+    """~950 levels used to pass the JSON parser and then overflow the recursive Unicode check (a 500
+    RecursionError); any nesting beyond the limit is now a 400 naming the field where it happens."""
+    r = _post(served_unlimited, "/v1/chat/completions", _chat_with(field, depth))
+    err = error_of(r, 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("invalid JSON body: "), err
+    if depth < 900:  # deeper bodies may already stop the parser ("nesting too deep")
+        assert err["message"] == (f"invalid JSON body: {path}: nested more than 100 levels deep (the server's "
+                                  "limit for arrays/objects in a request)")
+        assert err["param"] == field
+    assert _post(served_unlimited, "/v1/chat/completions", _chat_with(field, 1)).status_code == 200
+
+
+def test_nesting_limit_is_exactly_100_levels(served_unlimited):
+    # body (1) > chat_template_kwargs (2) > k's objects: 98 more make 100 levels
+    ok = _post(served_unlimited, "/v1/chat/completions", _chat_with("kwargs", 98))
+    assert ok.status_code == 200, ok.text
+    bad = _post(served_unlimited, "/v1/chat/completions", _chat_with("kwargs", 99))
+    assert "nested more than 100 levels deep" in error_of(bad, 400)["message"]
+    nested_list = {"model": "m", "prompt": "hi", "max_tokens": 1, "stop": json.loads("[" * 120 + "]" * 120)}
+    msg = error_of(httpx.post(served_unlimited + "/v1/completions", json=nested_list), 400)["message"]
+    assert msg.startswith("invalid JSON body: stop[0][0][0][0][0][0][0]...: nested more than 100 levels")
+
+
+def test_unicode_check_walks_any_depth_without_recursion():
+    from atomtool.serve.api.app import APIError, check_unicode
+
+    deep = _nest(20_000)
+    inner = deep
+    for _ in range(19_999):
+        inner = inner["a"]
+    inner["a"] = "bad \ud800"
+    with pytest.raises(APIError) as info:
+        check_unicode({"chat_template_kwargs": deep})
+    assert "lone surrogate \\ud800 at character 4" in info.value.body().error.message
+    assert info.value.body().error.param == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("path, fragment, constant", [
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi"}], "temperature": NaN', "NaN"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity', "Infinity"),
+    ("/v1/completions", '"prompt": "hi", "temperature": NaN', "NaN"),
+    ("/v1/completions", '"prompt": "hi", "max_tokens": -Infinity', "-Infinity"),
+    ("/v1/completions", '"prompt": "hi", "logit_bias": {"1": NaN}', "NaN"),
+])
+def test_nan_and_infinity_are_not_json(served_unlimited, path, fragment, constant):
+    r = httpx.post(served_unlimited + path, content='{"model": "m", ' + fragment + "}",
+                   headers={"content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["message"] == (f"invalid JSON body: {constant} is not valid JSON (JSON has no NaN or Infinity; "
+                              "send a finite number)")
+    assert "less than or equal" not in err["message"]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_generate_refuses_non_finite_temperature(value):
+    res = runner.invoke(cli_app, ["generate", DEMO, "--device", "cpu", "--prompt", "hi", f"--temperature={value}"])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    assert res.stderr.strip().splitlines() == [
+        f"error: temperature must be >= 0 and finite, got {float(value)!r}"]
+
+
+def test_serve_log_lines_carry_the_server_prefix():
+    """The warning about tools a template ignores is logged (logger ``atomtool.serve``); `atomtool serve`
+    prints it as it prints its own warnings: ``atomtool serve: warning: ...``."""
+    import io
+    import logging
+
+    from atomtool.serve.api.server import serve_log_handler
+
+    stream = io.StringIO()
+    handler = serve_log_handler(stream)
+    log = logging.getLogger("atomtool.serve")
+    log.addHandler(handler)
+    try:
+        log.warning("a request sent tools, but %s", "x")
+        log.info("not shown")
+    finally:
+        log.removeHandler(handler)
+    assert stream.getvalue() == "atomtool serve: warning: a request sent tools, but x\n"
+
+
+def test_serve_prints_the_tools_warning_with_its_prefix(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "atomtool.cli", "serve", "--port", str(port), "--device", "cpu"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(url, proc, log_path)
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "atomtool-demo", "messages": USER, "max_tokens": 1, "tools": tools})
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = open(log_path).read().splitlines()
+    warned = [line for line in lines if "does not reference `tools`" in line]
+    assert len(warned) == 1 and warned[0].startswith("atomtool serve: warning: a request sent tools"), lines

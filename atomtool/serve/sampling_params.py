@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from atomtool.errors import InvalidRequestError
@@ -35,8 +36,8 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0):
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InvalidRequestError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:

@@ -9,8 +9,9 @@ the client) run in daemon worker threads, never on the event loop, so /health, o
 shutdown signals stay responsive, and a render still running cannot keep the process alive at exit;
 template rendering is bounded (:mod:`atomtool.serve.api.chat`); request bodies above ``max_body_bytes``
 (default :data:`DEFAULT_MAX_BODY_BYTES`) get a 413; text that is not valid Unicode (a lone UTF-16
-surrogate such as ``"\\ud800"`` in the JSON) is a 400 naming the field; a body the JSON parser cannot take
-(malformed, nested too deeply, not UTF-8) is one "invalid JSON body: ..." 400; every response, 500s
+surrogate such as ``"\\ud800"`` in the JSON) is a 400 naming the field; a body that is not strict JSON
+(malformed, ``NaN``/``Infinity``, nested deeper than :data:`~atomtool.serve.api.strict_json.MAX_JSON_DEPTH`
+-- named --, not UTF-8) is one "invalid JSON body: ..." 400; every response, 500s
 included, is counted in ``atomtool:http_requests_total``.
 
 Requests become one engine request per choice (``n`` x prompts, ids ``<response id>-<choice index>``)
@@ -69,6 +70,7 @@ from atomtool.serve.api.protocol import (
     tool_message_problem,
     unsupported_fields,
 )
+from atomtool.serve.api.strict_json import BodyNotJSON, StrictJSONRoute
 from atomtool.serve.sampling_params import SamplingParams
 
 logger = logging.getLogger("atomtool.serve")
@@ -146,6 +148,8 @@ def _unparsed_body(exc: StarletteHTTPException) -> APIError | None:
     if exc.status_code != 400 or exc.detail != "There was an error parsing the body":
         return None
     cause = exc.__cause__
+    if isinstance(cause, BodyNotJSON):  # NaN/Infinity, or nesting beyond MAX_JSON_DEPTH (strict_json)
+        return APIError(400, f"invalid JSON body: {cause}", param=cause.param)
     if isinstance(cause, RecursionError):
         reason = "nesting too deep (arrays/objects nested more levels than the parser allows)"
     elif isinstance(cause, UnicodeDecodeError):
@@ -297,30 +301,34 @@ async def run_blocking(fn: Any, *args: Any) -> Any:
 
 def _bad_text(value: Any, path: str) -> tuple[str, int, str] | None:
     """The first string in a request (walking models, dicts, lists) that cannot be encoded as UTF-8 (a
-    lone surrogate), as (field path such as ``messages[0].content``, character index, the character)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return path, exc.start, value[exc.start]
-        return None
-    if isinstance(value, BaseModel):
-        pairs: Any = ((k, getattr(value, k)) for k in type(value).model_fields)
-    elif isinstance(value, dict):
-        for k in value:
-            found = _bad_text(k, path)
-            if found:
-                return found
-        pairs = value.items()
-    elif isinstance(value, list):
-        pairs = ((i, v) for i, v in enumerate(value) if not isinstance(v, int | float | None))
-    else:
-        return None
-    for k, v in pairs:
-        sub = f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else str(k))
-        found = _bad_text(v, sub)
-        if found:
-            return found
+    lone surrogate), as (field path such as ``messages[0].content``, character index, the character).
+
+    Iterative (an explicit stack, children visited in order), so no nesting depth can exhaust Python's
+    recursion limit."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return where, exc.start, node[exc.start]
+            continue
+        if isinstance(node, BaseModel):
+            pairs: Any = [(k, getattr(node, k)) for k in type(node).model_fields]
+        elif isinstance(node, dict):
+            pairs = [(None, k) for k in node if isinstance(k, str)] + list(node.items())
+        elif isinstance(node, list):
+            pairs = [(i, v) for i, v in enumerate(node) if not isinstance(v, int | float | None)]
+        else:
+            continue
+        children = []
+        for k, v in pairs:
+            if k is None:  # a dict key: reported at the dict's own path
+                children.append((v, where))
+            else:
+                children.append((v, f"{where}[{k}]" if isinstance(k, int) else (f"{where}.{k}" if where else str(k))))
+        stack.extend(reversed(children))
     return None
 
 
@@ -469,6 +477,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
     app = FastAPI(title="atomtool", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = StrictJSONRoute  # bodies parsed as strict JSON, nesting bounded (strict_json)
     app.state.engine = engine
     app.state.async_engine = async_engine
     app.state.metrics = metrics

@@ -194,9 +194,12 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     quiet = _QuietCancelled()
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addFilter(quiet)
+    serve_log, handler = logging.getLogger("atomtool.serve"), serve_log_handler()
+    serve_log.addHandler(handler)
     try:
         server.run(sockets=[sock])
     finally:
+        serve_log.removeHandler(handler)
         uvicorn_log.removeFilter(quiet)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -213,6 +216,28 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
         return 130
     print("atomtool serve: shut down cleanly", file=sys.stderr, flush=True)
     return 0
+
+
+class ServeLogFormatter(logging.Formatter):
+    """``atomtool serve: warning: <message>``: the server's log records (logger ``atomtool.serve``: requests
+    cut at the context limit, tools a chat template ignores, failed requests) in the same form as the lines
+    ``run_serve`` prints itself (``atomtool serve: warning: ...``), level in lower case."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"atomtool serve: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def serve_log_handler(stream: Any = None) -> logging.Handler:
+    """A stderr handler (``stream`` for tests) for the ``atomtool.serve`` logger, formatted by
+    :class:`ServeLogFormatter`, level WARNING. Without one, Python's last-resort handler prints bare
+    messages."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(ServeLogFormatter())
+    return handler
 
 
 class _QuietCancelled(logging.Filter):

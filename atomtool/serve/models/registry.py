@@ -33,12 +33,19 @@ def resolve_architecture(config: dict) -> str:
         UnsupportedArchitectureError: none is served; the message lists the supported architectures.
     """
     archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     for arch in archs:
         if arch in _MODELS:
             return arch
     supported = ", ".join(sorted(set(supported_architectures()) & set(_MODELS)))
-    found = ", ".join(archs) if archs else "none (config.json has no 'architectures')"
-    raise UnsupportedArchitectureError(f"unsupported architecture {found}; supported: {supported}")
+    # quoted as convert / inspect quote it (atomtool.inspect.families): 'GemmaForCausalLM'
+    if isinstance(archs, list) and archs:
+        found = ", ".join(repr(a) for a in archs)
+        plural = "s" if len(archs) > 1 else ""
+    else:
+        found, plural = "none (config.json has no 'architectures')", ""
+    raise UnsupportedArchitectureError(f"unsupported architecture{plural} {found}; supported: {supported}")
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:

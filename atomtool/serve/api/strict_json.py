@@ -1,0 +1,120 @@
+"""Request bodies parsed as strict JSON (RFC 8259), with a bound on nesting depth.
+
+Python's ``json.loads`` (what Starlette's ``Request.json`` calls) accepts ``NaN``, ``Infinity`` and
+``-Infinity``, which are not JSON: a body holding them is refused here, so ``"temperature": NaN`` is
+"invalid JSON body", never a range error about a value the client did not mean to send. It also accepts
+nesting up to the interpreter's recursion limit (~1000 levels), while everything after parsing (validation,
+the Unicode check, chat-template rendering, ``json.dumps`` of tool schemas) recurses too and would fail on a
+body only a few levels shallower than that: nesting beyond :data:`MAX_JSON_DEPTH` is refused up front,
+naming the field where it happens.
+
+FastAPI reads the body through ``Request.json()``; :class:`StrictJSONRoute` (FastAPI's documented
+custom-``APIRoute`` hook) hands each endpoint a :class:`StrictJSONRequest` instead. Errors raised here reach
+the app as FastAPI's "There was an error parsing the body" 400 with this :class:`BodyNotJSON` as its cause,
+which the app turns into "invalid JSON body: <message>".
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.routing import APIRoute
+
+#: deepest nesting of arrays/objects a request body may have (the top-level object is level 1). Tool
+#: parameter schemas and chat_template_kwargs nest a handful of levels; this leaves room for any real
+#: one and keeps every recursive step after parsing far from Python's recursion limit.
+MAX_JSON_DEPTH = 100
+
+
+class BodyNotJSON(ValueError):
+    """The body is not strict JSON or nests too deeply; ``param`` is the top-level field at fault, if known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _reject_constant(name: str) -> Any:
+    raise BodyNotJSON(f"{name} is not valid JSON (JSON has no NaN or Infinity; send a finite number)")
+
+
+def _path_text(link: tuple | None) -> str:
+    """``('a', (0, ('tools', None)))`` -> ``tools[0].a``."""
+    parts = []
+    while link is not None:
+        key, link = link
+        parts.append(key)
+    out = ""
+    for key in reversed(parts):
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a parsed JSON value nested more than ``limit`` arrays/objects deep (iterative: no recursion).
+
+    Raises:
+        BodyNotJSON: names the path where the limit is passed (the first 8 levels, then ``...``).
+    """
+    stack: list[tuple[Any, int, tuple | None]] = [(value, 1, None)]
+    while stack:
+        node, depth, link = stack.pop()
+        if depth > limit:
+            shown = link
+            hops = 0
+            while shown is not None and hops < depth - 9:  # keep the outermost 8 keys
+                shown = shown[1]
+                hops += 1
+            path = _path_text(shown) + ("..." if hops else "")
+            top = _path_text(_outermost(link))
+            raise BodyNotJSON(f"{path or 'the body'}: nested more than {limit} levels deep (the server's limit "
+                              "for arrays/objects in a request)", param=top or None)
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if child.__class__ is dict or child.__class__ is list:
+                stack.append((child, depth + 1, (key, link)))
+
+
+def _outermost(link: tuple | None) -> tuple | None:
+    """The path link of the top-level key only."""
+    while link is not None and link[1] is not None:
+        link = link[1]
+    return link
+
+
+def loads_strict(body: bytes | str) -> Any:
+    """``json.loads`` that refuses NaN/Infinity and nesting deeper than :data:`MAX_JSON_DEPTH`.
+
+    Raises:
+        json.JSONDecodeError: malformed JSON (as ``json.loads``).
+        BodyNotJSON: a NaN/Infinity constant, or nesting too deep (names the field).
+    """
+    value = json.loads(body, parse_constant=_reject_constant)
+    raw = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass")
+    # fast path (C speed): a body with at most `limit` brackets cannot nest deeper than that
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and isinstance(value, dict | list):
+        check_depth(value)
+    return value
+
+
+class StrictJSONRequest(Request):
+    """A Starlette request whose ``json()`` is :func:`loads_strict`."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads_strict(await self.body())
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """An ``APIRoute`` whose endpoints receive a :class:`StrictJSONRequest` (set as ``router.route_class``)."""
+
+    def get_route_handler(self) -> Any:
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request) -> Any:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict_handler
