@@ -26,7 +26,9 @@ from tests.checkpoints import write_hf_checkpoint
 DENSE_FIELDS = ("vocab_size", "num_hidden_layers", "intermediate_size")
 MLA_FIELDS = ("hidden_size", "num_attention_heads", "kv_lora_rank", "moe_intermediate_size")
 CASES = [("llama", f) for f in DENSE_FIELDS] + [
-    (arch, f) for arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa") for f in MLA_FIELDS]
+    (arch, f) for arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa") for f in MLA_FIELDS] + [
+    ("qwen3", "num_key_value_heads"),  # Qwen3Config's default is a fixed 32, not num_attention_heads
+    ("deepseek_v3", "q_lora_rank"), ("deepseek_v32", "qk_rope_head_dim")]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +128,23 @@ def test_qwen3_weights_that_do_not_fit_the_head_dim_default_name_it(checkpoints,
     src = checkpoints("qwen3")  # head_dim 16 = hidden_size // num_attention_heads, not Qwen3Config's 128
     line = one_error_line(generate(without(src, tmp_path / "ck", "head_dim")))
     assert "shape mismatch" in line and "head_dim=128" in line
+
+
+def test_llama_without_num_key_value_heads_is_multi_head_attention_as_in_transformers(checkpoints, tmp_path):
+    """LlamaConfig derives num_key_value_heads = num_attention_heads (its default is None): not refused."""
+    src = checkpoints("llama", num_key_value_heads=4)
+    assert json.loads((src / "config.json").read_text())["num_attention_heads"] == 4
+    assert _greedy_tokens(without(src, tmp_path / "mha", "num_key_value_heads")) == _greedy_tokens(src)
+    # a GQA checkpoint without it does not fit the derived value: the error says what was assumed
+    gqa = checkpoints("llama")
+    line = one_error_line(generate(without(gqa, tmp_path / "gqa", "num_key_value_heads")))
+    assert "shape mismatch" in line and "num_key_value_heads=4" in line
+
+
+def test_mla_without_num_key_value_heads_loads(checkpoints, tmp_path):
+    """MLA weights are shaped by the latent ranks, not num_key_value_heads: its absence is harmless."""
+    src = checkpoints("deepseek_v3")
+    assert _greedy_tokens(without(src, tmp_path / "ck", "num_key_value_heads")) == _greedy_tokens(src)
 
 
 def test_model_construction_errors_become_one_config_error(checkpoints, monkeypatch):

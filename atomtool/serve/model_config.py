@@ -20,8 +20,11 @@ from typing import Any
 from atomtool.errors import ConfigError, one_line
 
 #: fields whose value is a weight matrix dimension or count; never defaulted (see the module docstring).
-#: Checked only where the model_type's transformers config class declares them (MLA fields for MLA models).
-SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+#: Checked only where the model_type's transformers config class declares them (MLA fields for MLA models)
+#: with a fixed default: a None default means transformers derives the value from the others
+#: (``LlamaConfig.num_key_value_heads`` = ``num_attention_heads``), which :func:`complete_config` takes.
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size",
                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim")
 
@@ -68,12 +71,13 @@ def check_size_fields(text_config: dict[str, Any], config_path: Path | str) -> N
     cls = _config_class(text_config.get("model_type"))
     declared = _class_fields(cls) if cls is not None else {"vocab_size", "hidden_size", "num_hidden_layers",
                                                             "num_attention_heads"}
-    missing = [f for f in SIZE_FIELDS if f in declared and f not in text_config]
+    if "kv_lora_rank" in declared:  # MLA: the latent cache, not num_key_value_heads, shapes the weights
+        declared = declared - {"num_key_value_heads"}
+    missing = [f for f in SIZE_FIELDS if f in declared and f not in text_config
+               and (cls is None or getattr(cls, f, None) is not None)]
     if not missing:
         return
-    defaults = {}
-    if cls is not None:
-        defaults = {f: getattr(cls, f, None) for f in missing}
+    defaults = {f: getattr(cls, f, None) for f in missing} if cls is not None else {}
     shown = ", ".join(f"{f} (transformers' {cls.__name__} default: {defaults[f]!r})"
                       if cls is not None and defaults.get(f) is not None else f for f in missing)
     raise ConfigError(f"{config_path}: missing required field{'s' if len(missing) > 1 else ''} {shown}; the "
@@ -94,7 +98,8 @@ def complete_config(config_flat: dict[str, Any], config_path: Path | str) -> tup
     cls = _config_class(config_flat.get("model_type"))
     if cls is None:
         return dict(config_flat), {}
-    fields = _class_fields(cls) - _NOT_FILLED - set(SIZE_FIELDS)
+    # size fields reach here absent only where transformers derives them (a None class default)
+    fields = _class_fields(cls) - _NOT_FILLED
     absent = sorted(f for f in fields if f not in config_flat)
     if not absent:
         return dict(config_flat), {}
