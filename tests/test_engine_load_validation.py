@@ -160,7 +160,7 @@ def test_multiline_transformers_error_is_one_line(qwen3, tmp_path):
     """layer_types has 2 entries, num_hidden_layers says 1: transformers' validation error spans lines."""
     bad = copy_with_config(qwen3, tmp_path / "bad", num_hidden_layers=1)
     line = generate_error(bad)
-    assert line.startswith("error: config.json: transformers cannot build its config: ")
+    assert line.startswith(f"error: {bad / 'config.json'}: transformers cannot build its config (Qwen3Config): ")
     assert "num_hidden_layers" in line and "layer_types" in line
 
 

@@ -101,10 +101,8 @@ def complete_config(config_flat: dict[str, Any], config_path: Path | str) -> tup
     # size fields reach here absent only where transformers derives them (a None class default)
     fields = _class_fields(cls) - _NOT_FILLED
     absent = sorted(f for f in fields if f not in config_flat)
-    if not absent:
-        return dict(config_flat), {}
     kwargs = {k: v for k, v in config_flat.items() if k not in ("model_type", "transformers_version")}
-    try:
+    try:  # also validates the present fields' types, before any model is built (named file, one line)
         hf = cls(**kwargs)
     except Exception as exc:  # a config transformers cannot parse: its message, on one line
         raise ConfigError(f"{config_path}: transformers cannot build its config ({cls.__name__}): "
