@@ -61,7 +61,7 @@ def test_unknown_architecture(ckpt, tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="FancyNewForCausalLM.*supported:.*LlamaForCausalLM"):
         make_engine(bad)
     res = cli(bad, "--prompt", "x")
-    assert res.exit_code == 1 and "error: unsupported architecture FancyNewForCausalLM" in res.output
+    assert res.exit_code == 1 and "error: unsupported architecture 'FancyNewForCausalLM'" in res.output
     with pytest.raises(UnsupportedArchitectureError, match="Qwen3ForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
