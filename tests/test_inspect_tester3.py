@@ -24,30 +24,18 @@ import pytest
 import torch
 import transformers
 from transformers.cache_utils import get_layer_types_and_kwargs
-from typer.testing import CliRunner
 
-from atomtool.cli import app
 from atomtool.inspect import memory as mem
 from tests.checkpoints import write_hf_checkpoint
+from tests.inspect_cli import config_only, inspect_json, run_inspect
 from tests.test_inspect_swa_params import GEMMA2_9B, GEMMA3_1B, MISTRAL_7B_V01, QWEN25_7B
 
 REALWORLD = Path(__file__).resolve().parent / "data" / "realworld" / "configs"
 
 
-def _run(*args: str):
-    return CliRunner().invoke(app, ["inspect", *args], env={"COLUMNS": "240"})
-
-
-def _json(path: Path) -> tuple[dict, int]:
-    res = _run(str(path), "--json")
-    return json.loads(res.stdout), res.exit_code
-
-
-def _config_only(tmp_path: Path, cfg: dict, name: str = "m") -> Path:
-    d = tmp_path / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+_run = run_inspect
+_json = inspect_json
+_config_only = config_only
 
 
 def _codes(obj: dict, severity: str | None = None) -> list[str]:

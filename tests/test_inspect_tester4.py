@@ -23,23 +23,12 @@ from typer.testing import CliRunner
 from atomtool.cli import app
 from atomtool.errors import ConfigError
 from tests.checkpoints import write_hf_checkpoint
+from tests.inspect_cli import config_only, inspect_json, run_inspect
 from tests.test_inspect_swa_params import MISTRAL_7B_V01, QWEN25_7B
 
-
-def _run(*args: str):
-    return CliRunner().invoke(app, ["inspect", *args], env={"COLUMNS": "240"})
-
-
-def _json(path: Path, *args: str) -> tuple[dict, int]:
-    res = _run(str(path), "--json", *args)
-    return json.loads(res.stdout), res.exit_code
-
-
-def _config_only(tmp_path: Path, cfg: dict, name: str = "m") -> Path:
-    d = tmp_path / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+_run = run_inspect
+_json = inspect_json
+_config_only = config_only
 
 
 def _with_config(src: Path, dst: Path, drop: tuple[str, ...] = (), **changes) -> Path:
