@@ -16,6 +16,7 @@ real command (CliRunner or a subprocess on the built-in demo model).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -304,7 +306,10 @@ def test_retrieve_model(tok):
 
 
 # ----------------------------------------------------------------------------------- 4. forced shutdown
-def test_second_ctrl_c_forces_shutdown_exit_130_without_traceback(tmp_path):
+@contextlib.contextmanager
+def demo_server_process(tmp_path: Path):
+    """``atomtool serve`` on the demo model (CPU) in a subprocess, output to ``tmp_path / "server.log"``;
+    yields (url, proc, log_path) once /health answers; kills the process if the test left it running."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
@@ -313,6 +318,14 @@ def test_second_ctrl_c_forces_shutdown_exit_130_without_traceback(tmp_path):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_healthy(url, proc, log_path)
+        yield url, proc, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_second_ctrl_c_forces_shutdown_exit_130_without_traceback(tmp_path):
+    with demo_server_process(tmp_path) as (url, proc, log_path):
         first = threading.Event()
         lines: list[str] = []
 
@@ -336,9 +349,6 @@ def test_second_ctrl_c_forces_shutdown_exit_130_without_traceback(tmp_path):
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)
         t.join(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     log = open(log_path).read()
     assert code == 130, log
     assert "atomtool serve: forced shutdown (second Ctrl-C): aborted 1 in-flight request" in log
@@ -474,23 +484,13 @@ def test_serve_log_lines_carry_the_server_prefix():
 
 
 def test_serve_prints_the_tools_warning_with_its_prefix(tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "atomtool.cli", "serve", "--port", str(port), "--device", "cpu"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_healthy(url, proc, log_path)
+    with demo_server_process(tmp_path) as (url, proc, log_path):
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": "atomtool-demo", "messages": USER, "max_tokens": 1, "tools": tools})
         assert r.status_code == 200, r.text
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     lines = open(log_path).read().splitlines()
     warned = [line for line in lines if "does not reference `tools`" in line]
     assert len(warned) == 1 and warned[0].startswith("atomtool serve: warning: a request sent tools"), lines
