@@ -490,6 +490,22 @@ def test_tool_names_must_be_openai_names_and_unique(served, tools, message):
     assert err["param"] == "tools"
 
 
+def test_repeated_tool_call_ids_are_400(served):
+    """Two calls with one id: a tool message answering it could not say which call it answers."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+                {"role": "assistant", "tool_calls": [dict(call, function={"name": "g", "arguments": "{}"})]},
+                {"role": "tool", "tool_call_id": "c1", "content": "r2"}]
+    err = error_of(chat(served[0], messages=messages))
+    assert err["message"] == ("messages[3].tool_calls[0].id: 'c1' is already the id of an earlier tool call "
+                              "(tool call ids must be unique in a conversation)")
+    assert err["param"] == "messages"
+    same_message = [messages[0], {"role": "assistant", "tool_calls": [call, call]}]
+    assert error_of(chat(served[0], messages=same_message))["message"].startswith("messages[1].tool_calls[1].id")
+
+
 def test_longest_tool_name_and_auto_without_tools_are_served(served, tok):
     name = "A-z_09" + "x" * 58
     r = chat(served[0], messages=[{"role": "user", "content": "q"}],

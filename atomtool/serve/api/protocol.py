@@ -475,7 +475,8 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
 def tool_definition_problem(tools: list[ToolDefinition] | None) -> str | None:
     """Why the request's ``tools`` cannot be served together, or None: two tools with the same name (OpenAI
     refuses this; a chat template would list both and the model could not tell which one a call means).
-    Returns the message of the 400, naming the repeated ``tools[i].function.name``."""
+    Returns the message of the 400, naming the repeated ``tools[i].function.name``. An empty list is served as
+    no tools (as vLLM does; OpenAI refuses it), since some clients send ``tools=[]`` when none are bound."""
     first: dict[str, int] = {}
     for i, tool in enumerate(tools or ()):
         name = tool.function.name
@@ -491,12 +492,17 @@ def tool_message_problem(messages: list[ChatMessage]) -> str | None:
 
     As OpenAI's API does, each ``tool`` message must answer a tool call: its ``tool_call_id`` must be the
     ``id`` of a ``tool_calls`` entry of an earlier assistant message (a typo'd or stale id would otherwise
-    render a result the model cannot connect to any call). Returns the message of the 400.
+    render a result the model cannot connect to any call), and tool call ids are unique in the conversation.
+    Returns the message of the 400.
     """
     seen: list[str] = []
     for i, msg in enumerate(messages):
         if msg.role == "assistant" and msg.tool_calls:
-            seen.extend(call.id for call in msg.tool_calls)
+            for j, call in enumerate(msg.tool_calls):
+                if call.id in seen:  # a tool message answering it could not say which call it answers
+                    return (f"messages[{i}].tool_calls[{j}].id: {call.id!r} is already the id of an earlier tool "
+                            "call (tool call ids must be unique in a conversation)")
+                seen.append(call.id)
         elif msg.role == "tool" and msg.tool_call_id not in seen:
             known = ", ".join(repr(x) for x in seen) if seen else "none"
             return (f"messages[{i}]: tool_call_id {msg.tool_call_id!r} does not match the id of any tool call "
