@@ -66,6 +66,22 @@ def test_unknown_architecture(ckpt, tmp_path):
         get_model_class("GPT2LMHeadModel")
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "top level is not a JSON object"),
+    ('"config"', "top level is not a JSON object"),
+    ("{oops", "not valid JSON"),
+])
+def test_config_json_that_is_not_an_object_is_one_error_line(ckpt, tmp_path, text, message):
+    import shutil
+
+    bad = shutil.copytree(ckpt, tmp_path / "bad")
+    (bad / "config.json").write_text(text)
+    res = cli(bad, "--prompt", "x")
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.output
+
+
 def test_missing_tensor_is_named(ckpt, tmp_path):
     import shutil
 

@@ -169,6 +169,10 @@ def test_body_over_the_limit_is_a_413(served):
      "messages", "messages[0].content"),
     ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": '
      '[{"type": "text", "text": "x\\udc80"}]}]}', "messages", "messages[0].content[0].text"),
+    # the model name is checked before the 404 that would quote it
+    ("/v1/completions", '{"model": "\\udc00", "prompt": "hi"}', "model", "model"),
+    ("/v1/chat/completions", '{"model": "x\\udc00y", "messages": [{"role": "user", "content": "q"}]}',
+     "model", "model"),
 ])
 def test_lone_surrogate_is_a_400_naming_the_field(served, path, raw, param, field):
     url, _ = served
@@ -178,6 +182,14 @@ def test_lone_surrogate_is_a_400_naming_the_field(served, path, raw, param, fiel
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert err["message"].startswith(f"{field}: the text is not valid Unicode: lone surrogate \\u")
     assert http_count(url, path, 400) == before + 1
+
+
+def test_error_message_quoting_a_lone_surrogate_is_escaped():
+    """An error whose message quotes client text holding a lone surrogate still serializes (as \\udc00)."""
+    from atomtool.serve.api.app import APIError
+
+    r = APIError(404, "The model `\udc00` does not exist.", param="model").response()
+    assert json.loads(r.body)["error"]["message"] == "The model `\\udc00` does not exist."
 
 
 def test_internal_error_is_a_counted_500_without_asgi_traceback(tok):
@@ -452,6 +464,18 @@ def test_nan_and_infinity_are_not_json(served_unlimited, path, fragment, constan
     assert err["message"] == (f"invalid JSON body: {constant} is not valid JSON (JSON has no NaN or Infinity; "
                               "send a finite number)")
     assert "less than or equal" not in err["message"]
+
+
+@pytest.mark.parametrize("fragment, message", [
+    ('"prompt": "a\tb"', "invalid JSON body: Invalid control character at position "),  # no "at at"
+    ('"prompt": "hi", "seed": ' + "7" * 5000, "invalid JSON body: an integer with 5000 digits (at most 4300)"),
+])
+def test_json_body_messages_are_plain(served_unlimited, fragment, message):
+    r = httpx.post(served_unlimited + "/v1/completions", content='{"model": "m", ' + fragment + "}",
+                   headers={"content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["message"].startswith(message), err["message"]
+    assert "set_int_max_str_digits" not in err["message"]
 
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])

@@ -83,9 +83,12 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise SourceError(f"{path}: no config.json (not a checkpoint or atomtool layout)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON: {one_line(exc)}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: top level is not a JSON object")
+    return config
 
 
 def _layout_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

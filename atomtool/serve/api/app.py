@@ -87,6 +87,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
+        # a message quoting client text may hold a lone surrogate, which JSON-as-UTF-8 cannot carry: escape it
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> ErrorResponse:
@@ -120,6 +122,7 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
         if e.get("type") == "json_invalid":
             where = f" at position {loc[1]}" if len(loc) > 1 else ""
             reason = (e.get("ctx") or {}).get("error") or "malformed JSON"
+            reason = reason.removesuffix(" at")  # json's "Invalid control character at" + our " at position"
             return APIError(400, f"invalid JSON body: {reason}{where}")
         if loc == ["body"]:  # the body as a whole: form-encoded, a JSON array/string, or missing
             return APIError(400, "the request body must be a JSON object (Content-Type: application/json)")
@@ -520,8 +523,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def check_request(req: Any) -> None:
+        check_unicode(req)  # first: the model check quotes the client's text
         check_model(req.model)
-        check_unicode(req)
         bad = unsupported_fields(req)
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0])

@@ -40,6 +40,16 @@ def _reject_constant(name: str) -> Any:
     raise BodyNotJSON(f"{name} is not valid JSON (JSON has no NaN or Infinity; send a finite number)")
 
 
+#: longest integer literal accepted: Python's own int-from-text limit (sys.get_int_max_str_digits default)
+MAX_INT_DIGITS = 4300
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise BodyNotJSON(f"an integer with {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def _path_text(link: tuple | None) -> str:
     """``('a', (0, ('tools', None)))`` -> ``tools[0].a``."""
     parts = []
@@ -89,9 +99,10 @@ def loads_strict(body: bytes | str) -> Any:
 
     Raises:
         json.JSONDecodeError: malformed JSON (as ``json.loads``).
-        BodyNotJSON: a NaN/Infinity constant, or nesting too deep (names the field).
+        BodyNotJSON: a NaN/Infinity constant, an integer longer than :data:`MAX_INT_DIGITS` digits, or nesting
+            too deep (names the field).
     """
-    value = json.loads(body, parse_constant=_reject_constant)
+    value = json.loads(body, parse_constant=_reject_constant, parse_int=_parse_int)
     raw = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass")
     # fast path (C speed): a body with at most `limit` brackets cannot nest deeper than that
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and isinstance(value, dict | list):
