@@ -106,9 +106,13 @@ def test_wrong_shaped_weight_edited_into_a_layout_is_named(qwen3_layout, tmp_pat
 BAD_VALUES = [
     ({"num_attention_heads": -4}, "num_attention_heads must be a positive integer, got -4"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0"),
-    ({"rope_theta": -1}, "rope_theta must be a positive number, got -1"),
+    ({"rope_theta": -1}, "rope_theta must be a positive finite number, got -1"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
-     "rope_parameters.rope_theta must be a positive number, got 0.0"),
+     "rope_parameters.rope_theta must be a positive finite number, got 0.0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive finite number, got nan"),  # json writes NaN
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive finite number, got -1.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "rope_parameters.rope_theta must be a positive finite number, got inf"),
 ]
 
 
@@ -133,9 +137,9 @@ def test_config_check_flags_rope_theta_wherever_it_lives():
         "rope_theta": True,
         "rope_parameters": {"full_attention": {"rope_theta": -5}, "sliding_attention": {"rope_theta": 1e4}},
         "rope_scaling": {"rope_theta": "big"}})]
-    assert msgs == ["config.json: rope_theta must be a positive number, got True",
-                    "config.json: rope_parameters.full_attention.rope_theta must be a positive number, got -5",
-                    "config.json: rope_scaling.rope_theta must be a positive number, got 'big'"]
+    assert msgs == ["config.json: rope_theta must be a positive finite number, got True",
+                    "config.json: rope_parameters.full_attention.rope_theta must be a positive finite number, got -5",
+                    "config.json: rope_scaling.rope_theta must be a positive finite number, got 'big'"]
     assert all(f.code == "config-invalid" and f.severity == "error"
                for f in invalid_size_fields({"max_position_embeddings": 0, "rope_theta": 0}))
 
@@ -168,3 +172,13 @@ def test_one_line_squeezes_whitespace():
     assert one_line(ValueError("Class validation error:\n  ValueError: bad\n\tthing  ")) == \
         "Class validation error: ValueError: bad thing"
     assert one_line("already one line") == "already one line"
+
+
+def test_config_check_flags_more_experts_per_token_than_experts():
+    """inspect and the loader share this check (the router could not pick 999 of 8 experts)."""
+    assert invalid_size_fields({"n_routed_experts": 8, "num_experts_per_tok": 8}) == []
+    assert [f.message for f in invalid_size_fields({"n_routed_experts": 8, "num_experts_per_tok": 999})] == [
+        "config.json: num_experts_per_tok (999) exceeds the number of routed experts (8)"]
+    assert [f.message for f in invalid_size_fields({"num_experts": 4, "num_experts_per_tok": 5})] == [
+        "config.json: num_experts_per_tok (5) exceeds the number of routed experts (4)"]
+

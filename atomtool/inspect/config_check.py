@@ -8,6 +8,7 @@ Field names follow HF transformers' configs (LlamaConfig, Qwen3Config, DeepseekV
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from atomtool.inspect import memory as mem
@@ -25,13 +26,19 @@ NONNEGATIVE_FIELDS = ("intermediate_size", "moe_intermediate_size", "kv_lora_ran
                       "num_local_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
                       "num_nextn_predict_layers", "index_rope_dim")
 
+#: RMSNorm / LayerNorm epsilons: positive finite numbers when present
+NORM_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+#: the routed-expert count, by family (DeepSeek/GLM, Qwen-MoE, Mixtral)
+EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
+
 #: layer counts, bounded by :data:`atomtool.inspect.dsa.MAX_LAYERS` (real models have < 200 layers)
 LAYER_FIELDS = ("num_hidden_layers", "num_nextn_predict_layers")
 
 
 def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
     """``config-invalid`` error findings, one per size field of ``flat`` that is not a suitable integer,
-    and one per ``rope_theta`` (top level or in ``rope_parameters``) that is not a positive number.
+    one per ``rope_theta`` (top level or in ``rope_parameters``) or norm epsilon that is not a positive finite
+    number, and one when ``num_experts_per_tok`` exceeds the routed-expert count.
     (The attention-layout fields are :func:`invalid_attention_fields`; the engine's loader leaves those to
     transformers' own config validation.)
 
@@ -52,11 +59,22 @@ def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
             elif key in LAYER_FIELDS and v > MAX_LAYERS:  # sizes, schedule and estimates would be meaningless
                 out.append(Finding("config-invalid", "error", None,
                                    f"config.json: {key} must be at most {MAX_LAYERS}, got {v!r}"))
-    for key, v in _rope_thetas(flat):
-        # the rope base: inv_freq = theta ** (-2i / d) is NaN or inverted for theta <= 0
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+    # the rope base (inv_freq = theta ** (-2i / d) is NaN or inverted for theta <= 0, all ones for inf) and the
+    # norm epsilon (x / sqrt(mean(x^2) + eps): NaN, or a division by ~0, for a NaN, negative or infinite eps)
+    # (an epsilon of the wrong type is left to transformers' config validation, whose message names the type)
+    eps = [(k, flat[k]) for k in NORM_EPS_FIELDS
+           if isinstance(flat.get(k), int | float) and not isinstance(flat.get(k), bool)]
+    for key, v in [*_rope_thetas(flat), *eps]:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 or not math.isfinite(v):
             out.append(Finding("config-invalid", "error", None,
-                               f"config.json: {key} must be a positive number, got {v!r}"))
+                               f"config.json: {key} must be a positive finite number, got {v!r}"))
+    k = flat.get("num_experts_per_tok")
+    experts = next((flat[f] for f in EXPERT_COUNT_FIELDS if isinstance(flat.get(f), int)
+                    and not isinstance(flat.get(f), bool) and flat[f] > 0), None)
+    if isinstance(k, int) and not isinstance(k, bool) and experts is not None and k > experts:
+        out.append(Finding("config-invalid", "error", None,
+                           f"config.json: num_experts_per_tok ({k}) exceeds the number of routed experts "
+                           f"({experts})"))
     return out
 
 
