@@ -14,16 +14,22 @@ from __future__ import annotations
 from typing import Any
 
 from atomtool.errors import one_line
-from atomtool.inspect.hf_registry import _config_class, config_fields
+from atomtool.inspect.hf_registry import config_class, config_fields
 from atomtool.inspect.types import Finding
 
-#: fields whose value is a weight-matrix dimension or count: the engine's loader refuses a config.json without
-#: them rather than assume transformers' defaults (one reference model's sizes, e.g. ``LlamaConfig.vocab_size``
-#: 32000); the same list as ``atomtool.serve.model_config.SIZE_FIELDS``. Checked where the model_type's config
-#: class declares them; for a model_type transformers does not know, :data:`DENSE_SIZE_FIELDS` only.
-WEIGHT_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                      "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim")
+#: fields whose value is a weight-matrix dimension or count: the engine's loader
+#: (``atomtool.serve.model_config.check_size_fields``) refuses a config.json without them rather than assume
+#: transformers' defaults (one reference model's sizes, e.g. ``LlamaConfig.vocab_size`` 32000). Checked where
+#: the model_type's config class declares them; for a model_type transformers does not know,
+#: :data:`DENSE_SIZE_FIELDS` only.
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim")
+#: :data:`SIZE_FIELDS` as inspect checks them: without ``num_key_value_heads``, which inspect fills from
+#: transformers' default with a warning (:func:`fill_transformers_defaults`) where the loader refuses it when
+#: that default is a fixed number (Mistral, Qwen2/3): a known disagreement, see the issue notes.
+WEIGHT_SIZE_FIELDS = tuple(f for f in SIZE_FIELDS if f != "num_key_value_heads")
 DENSE_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 #: keys transformers' config classes take from config.json but not as constructor arguments
@@ -35,7 +41,7 @@ def build_hf_config(flat: dict[str, Any]) -> tuple[Any | None, str | None]:
     (``CONFIG_MAPPING``) accepts ``flat`` as keyword arguments, ``(None, message)`` when it raises
     (message: transformers' own, on one line), ``(None, None)`` when transformers does not know the
     model_type (remote-code configs: nothing to validate against)."""
-    cls = _config_class(str(flat.get("model_type", "")))
+    cls = config_class(str(flat.get("model_type", "")))
     if cls is None:
         return None, None
     kwargs = {k: v for k, v in flat.items() if k not in _NOT_KWARGS}

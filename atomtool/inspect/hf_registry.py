@@ -27,7 +27,7 @@ def config_fields(model_type: str) -> frozenset[str] | None:
     ``LlamaConfig``: logits are bitwise identical with and without it). For a composite (multimodal) config
     class, the fields of its ``text_config`` sub-config are included: the text model is what inspect sizes.
     """
-    cls = _config_class(model_type)
+    cls = config_class(model_type)
     if cls is None:
         return None
     names = set(_fields(cls))
@@ -38,7 +38,9 @@ def config_fields(model_type: str) -> frozenset[str] | None:
     return frozenset(names)
 
 
-def _config_class(model_type: str) -> type | None:
+def config_class(model_type: str) -> type | None:
+    """transformers' config class for ``model_type`` (``CONFIG_MAPPING``: ``LlamaConfig``, ``DeepseekV3Config``,
+    ...), or None when transformers does not know it (or is missing)."""
     if not isinstance(model_type, str) or not model_type:
         return None
     try:
@@ -60,7 +62,7 @@ def _fields(cls: type) -> set[str]:
 
 def config_field_default(model_type: str, name: str) -> Any:
     """The default of field ``name`` in transformers' config class for ``model_type`` (None if unknown)."""
-    cls = _config_class(model_type)
+    cls = config_class(model_type)
     if cls is None:
         return None
     for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():

@@ -5,7 +5,7 @@ means what transformers' config class for its ``model_type`` says it means (e.g.
 defaults to 128, not ``hidden_size // num_attention_heads``; ``LlamaConfig.head_dim`` is derived), so
 :func:`complete_config` takes every absent field from that class (one source of truth, the oracle is HF).
 
-The exception are the fields that size the weight matrices (:data:`SIZE_FIELDS`): transformers' defaults for
+The exception are the fields that size the weight matrices (``atomtool.inspect.hf_config.SIZE_FIELDS``): transformers' defaults for
 them are one reference model's sizes (``LlamaConfig.vocab_size`` 32000, ``DeepseekV3Config.hidden_size``
 7168), which a checkpoint that omits them almost never has, and building a model from them would allocate a
 full-size model only to fail on the first mis-shaped tensor. :func:`check_size_fields` refuses them up front,
@@ -17,16 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from atomtool.errors import ConfigError, one_line
-
-#: fields whose value is a weight matrix dimension or count; never defaulted (see the module docstring).
-#: Checked only where the model_type's transformers config class declares them (MLA fields for MLA models)
-#: with a fixed default: a None default means transformers derives the value from the others
-#: (``LlamaConfig.num_key_value_heads`` = ``num_attention_heads``), which :func:`complete_config` takes.
-SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "intermediate_size",
-               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-               "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim")
+from atomtool.errors import ConfigError
+from atomtool.inspect.hf_config import SIZE_FIELDS, build_hf_config
+from atomtool.inspect.hf_registry import config_class
 
 #: config-class fields never copied from transformers' defaults: token ids and generation settings (the engine
 #: reads those from the checkpoint's generation_config / tokenizer), training-only knobs, the rope dict (the
@@ -35,16 +28,6 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
 _NOT_FILLED = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
                          "attention_dropout", "pretraining_tp", "rope_parameters", "layer_types",
                          "mlp_layer_types", "indexer_types", "dtype", "torch_dtype"})
-
-
-def _config_class(model_type: Any):
-    """transformers' config class for ``model_type`` (``LlamaConfig``, ``DeepseekV3Config``, ...), or None."""
-    from transformers import CONFIG_MAPPING
-
-    # CONFIG_MAPPING is a lazy mapping whose .get() always answers None; index it instead.
-    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-        return CONFIG_MAPPING[model_type]
-    return None
 
 
 def _class_fields(cls) -> set[str]:
@@ -60,7 +43,10 @@ def _class_fields(cls) -> set[str]:
 
 
 def check_size_fields(text_config: dict[str, Any], config_path: Path | str) -> None:
-    """Refuse a config.json that leaves out a field sizing the weights (:data:`SIZE_FIELDS`).
+    """Refuse a config.json that leaves out a field sizing the weights (``atomtool.inspect.hf_config.SIZE_FIELDS``,
+    checked only where the model_type's transformers config class declares them with a fixed default: a None
+    default means transformers derives the value from the others, e.g. ``LlamaConfig.num_key_value_heads`` =
+    ``num_attention_heads``, which :func:`complete_config` takes).
 
     text_config: the text config dict (``atomtool.inspect.dsa.text_config`` of config.json).
     A model_type transformers does not know is checked against the dense fields only.
@@ -68,7 +54,7 @@ def check_size_fields(text_config: dict[str, Any], config_path: Path | str) -> N
     Raises:
         ConfigError: one line naming the file, every absent field, and transformers' default for it.
     """
-    cls = _config_class(text_config.get("model_type"))
+    cls = config_class(text_config.get("model_type"))
     declared = _class_fields(cls) if cls is not None else {"vocab_size", "hidden_size", "num_hidden_layers",
                                                             "num_attention_heads"}
     if "kv_lora_rank" in declared:  # MLA: the latent cache, not num_key_value_heads, shapes the weights
@@ -95,17 +81,15 @@ def complete_config(config_flat: dict[str, Any], config_path: Path | str) -> tup
     Raises:
         ConfigError: transformers cannot build a config from it (names the file; one line).
     """
-    cls = _config_class(config_flat.get("model_type"))
+    cls = config_class(config_flat.get("model_type"))
     if cls is None:
         return dict(config_flat), {}
     # size fields reach here absent only where transformers derives them (a None class default)
     fields = _class_fields(cls) - _NOT_FILLED
     absent = sorted(f for f in fields if f not in config_flat)
-    kwargs = {k: v for k, v in config_flat.items() if k not in ("model_type", "transformers_version")}
-    try:  # also validates the present fields' types, before any model is built (named file, one line)
-        hf = cls(**kwargs)
-    except Exception as exc:  # a config transformers cannot parse: its message, on one line
-        raise ConfigError(f"{config_path}: transformers cannot build its config ({cls.__name__}): "
-                          f"{one_line(exc)}") from exc
+    # building it also validates the present fields' types, before any model is built (named file, one line)
+    hf, err = build_hf_config(config_flat)
+    if err is not None:  # a config transformers cannot parse: its message, on one line
+        raise ConfigError(f"{config_path}: transformers cannot build its config ({cls.__name__}): {err}")
     filled = {f: getattr(hf, f) for f in absent if hasattr(hf, f)}
     return {**config_flat, **filled}, filled
