@@ -36,6 +36,12 @@ DENSE_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atte
 _NOT_KWARGS = ("model_type", "transformers_version")
 
 
+def config_kwargs(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` as keyword arguments of a transformers config class (without ``model_type`` and
+    ``transformers_version``, which config.json carries but the classes do not take)."""
+    return {k: v for k, v in flat.items() if k not in _NOT_KWARGS}
+
+
 def build_hf_config(flat: dict[str, Any]) -> tuple[Any | None, str | None]:
     """``(config object, None)`` when transformers' config class for ``flat["model_type"]``
     (``CONFIG_MAPPING``) accepts ``flat`` as keyword arguments, ``(None, message)`` when it raises
@@ -44,9 +50,8 @@ def build_hf_config(flat: dict[str, Any]) -> tuple[Any | None, str | None]:
     cls = config_class(str(flat.get("model_type", "")))
     if cls is None:
         return None, None
-    kwargs = {k: v for k, v in flat.items() if k not in _NOT_KWARGS}
     try:
-        return cls(**kwargs), None
+        return cls(**config_kwargs(flat)), None
     except Exception as exc:  # any refusal by transformers: its message is the finding
         return None, one_line(exc)
 

@@ -22,14 +22,13 @@ _DYNAMIC = ("dynamic", "longrope")
 
 def hf_config_from_flat(config_flat: dict[str, Any]):
     """A transformers config object for ``config_flat`` (its model_type's class, else ``PretrainedConfig``)."""
-    from transformers import CONFIG_MAPPING, PretrainedConfig
+    from transformers import PretrainedConfig
 
-    kwargs = {k: v for k, v in config_flat.items() if k not in ("model_type", "transformers_version")}
-    model_type = config_flat.get("model_type")
-    # CONFIG_MAPPING is a lazy mapping whose .get() always answers None; index it instead.
-    cls = CONFIG_MAPPING[model_type] if model_type and model_type in CONFIG_MAPPING else None
+    from atomtool.inspect.hf_config import config_kwargs
+    from atomtool.inspect.hf_registry import config_class
+
     try:
-        return (cls or PretrainedConfig)(**kwargs)
+        return (config_class(config_flat.get("model_type")) or PretrainedConfig)(**config_kwargs(config_flat))
     except Exception as exc:  # a config transformers cannot parse
         raise ConfigError(f"config.json: transformers cannot build its config: {one_line(exc)}") from exc
 
