@@ -212,3 +212,19 @@ def _main() -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+def record_snapshot_downloads(monkeypatch, local_dir: Path) -> list[dict]:
+    """Replace ``huggingface_hub.snapshot_download`` with a stub that answers ``local_dir`` and records each
+    call's ``repo_id``, ``revision``, ``allow_patterns`` and ``ignore_patterns`` (a dict per call, in order)."""
+    import huggingface_hub
+
+    calls: list[dict] = []
+
+    def fake(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
+        calls.append(dict(repo_id=repo_id, revision=revision, allow_patterns=allow_patterns,
+                          ignore_patterns=ignore_patterns))
+        return str(local_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    return calls

@@ -27,6 +27,7 @@ from atomtool.cli import app
 from atomtool.convert.layout import MANIFEST_NAME
 from tests.checkpoints import write_hf_checkpoint
 from tests.engine_fixtures import make_engine
+from tests.fake_hub import record_snapshot_downloads
 
 runner = CliRunner()
 
@@ -261,19 +262,12 @@ def test_symlink_cycle_terminates(tmp_path):
 
 def test_hub_download_fetches_non_weight_files_but_never_pickles(src, tmp_path, monkeypatch):
     """The patterns go through huggingface_hub's own filter (what snapshot_download applies)."""
-    import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
-    calls = []
-
-    def fake(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
-        calls.append((allow_patterns, ignore_patterns))
-        return str(src)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    calls = record_snapshot_downloads(monkeypatch, src)
     r = run("convert", "deepseek-ai/DeepSeek-V3.2", tmp_path / "out")
     assert r.exit_code == 0, r.output
-    allow, ignore = calls[0]
+    allow, ignore = calls[0]["allow_patterns"], calls[0]["ignore_patterns"]
     repo = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json",
             "encoding/encoding_dsv32.py", "configuration_deepseek.py", "modeling_deepseek.py", "README.md",
             "LICENSE", "original/params.json", "hf_quant_config.json", "tokenizer.json", "assets/fig.png",

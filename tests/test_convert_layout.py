@@ -29,6 +29,7 @@ from tests.checkpoints import (
     write_fp8_block_checkpoint,
     write_hf_checkpoint,
 )
+from tests.fake_hub import record_snapshot_downloads
 
 runner = CliRunner()
 
@@ -412,18 +413,11 @@ def test_verify_detects_corruption(ckpts, converted, tmp_path):
 
 
 def test_hub_repo_id_is_downloaded_first(ckpts, tmp_path, monkeypatch):
-    import huggingface_hub
-
-    calls = []
-
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
-        calls.append((repo_id, revision, tuple(allow_patterns or ())))
-        return str(ckpts["qwen3"])
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    calls = record_snapshot_downloads(monkeypatch, ckpts["qwen3"])
     r = convert("tiny-org/tiny-qwen3", tmp_path / "out", "--revision", "main")
     assert r.exit_code == 0, r.output
-    assert calls and calls[0][:2] == ("tiny-org/tiny-qwen3", "main") and "*.safetensors" in calls[0][2]
+    assert calls and (calls[0]["repo_id"], calls[0]["revision"]) == ("tiny-org/tiny-qwen3", "main")
+    assert "*.safetensors" in (calls[0]["allow_patterns"] or ())
     manifest = json.loads((tmp_path / "out" / "atomtool.json").read_text())
     assert manifest["source"]["repo_id"] == "tiny-org/tiny-qwen3" and manifest["source"]["revision"] == "main"
 

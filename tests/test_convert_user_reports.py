@@ -27,6 +27,7 @@ from atomtool.convert.layout import is_layout
 from atomtool.convert.plan import build_plan
 from atomtool.inspect.classify import inspect_checkpoint
 from tests.checkpoints import write_fp8_block_checkpoint, write_hf_checkpoint
+from tests.fake_hub import record_snapshot_downloads
 
 runner = CliRunner()
 
@@ -236,17 +237,9 @@ def test_tokenizer_and_model_remote_code_files_are_copied(llama, tmp_path):
 def test_hub_download_includes_code_and_excludes_pickle_weights(llama, tmp_path, monkeypatch):
     from fnmatch import fnmatch
 
-    import huggingface_hub
-
-    calls = []
-
-    def fake(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
-        calls.append((allow_patterns, ignore_patterns))
-        return str(llama)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    calls = record_snapshot_downloads(monkeypatch, llama)
     assert run("convert", "moonshotai/Kimi-K2-Instruct", tmp_path / "out").exit_code == 0
-    allow, ignore = calls[0]
+    allow, ignore = calls[0]["allow_patterns"], calls[0]["ignore_patterns"]
 
     def fetched(name):
         return any(fnmatch(name, p) for p in allow) and not any(fnmatch(name, p) for p in ignore or [])

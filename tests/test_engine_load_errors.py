@@ -19,6 +19,7 @@ from atomtool.cli import app
 from atomtool.errors import EngineError, LayoutError
 from tests.checkpoints import write_hf_checkpoint
 from tests.engine_fixtures import make_engine
+from tests.fake_hub import record_snapshot_downloads
 
 REPO = Path(__file__).resolve().parents[1]
 DSV32_CONFIG = REPO / "tests" / "data" / "realworld" / "configs" / "deepseek-ai__DeepSeek-V3.2.json"
@@ -240,20 +241,12 @@ def test_generate_takes_a_cached_hub_repo_id(qwen3, hf_offline, tmp_path, monkey
 
 
 def test_downloadable_hub_repo_id_goes_through_resolve_source(qwen3, tmp_path, monkeypatch):
-    import huggingface_hub
-
-    calls = []
-
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
-        calls.append((repo_id, tuple(allow_patterns or ())))
-        return str(qwen3)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    calls = record_snapshot_downloads(monkeypatch, qwen3)
     monkeypatch.chdir(tmp_path)
     res = run("generate", "tiny-org/tiny-qwen3", "--prompt", "ab", "--max-tokens", "2", "--device", "cpu")
     assert res.exit_code == 0, res.output
-    assert calls and calls[0][0] == "tiny-org/tiny-qwen3"
-    assert {"*.safetensors", "*.json"} <= set(calls[0][1])  # weights, configs and tokenizer
+    assert calls and calls[0]["repo_id"] == "tiny-org/tiny-qwen3"
+    assert {"*.safetensors", "*.json"} <= set(calls[0]["allow_patterns"] or ())  # weights, configs and tokenizer
 
 
 def test_offline_repo_id_not_in_cache_is_one_line(hf_offline, tmp_path, monkeypatch):
