@@ -230,13 +230,13 @@ def test_malformed_tool_messages_are_400(served, messages, message):
 
 @pytest.mark.parametrize("messages, message", [
     ([{"role": "user", "content": "q"}, {"role": "tool", "content": "r", "tool_call_id": "c1"}],
-     "messages[1]: tool_call_id 'c1' does not match the id of any tool call in an earlier assistant message "
-     "(tool call ids so far: none)"),
+     "messages[1]: a 'tool' message must answer a tool call of the assistant message just before it (or before "
+     "the tool messages that follow that one); messages[0] has role 'user'"),
     (_with_calls([_call()])[:2] + [{"role": "tool", "content": "r", "tool_call_id": "c2"}],
-     "messages[2]: tool_call_id 'c2' does not match the id of any tool call in an earlier assistant message "
-     "(tool call ids so far: 'c1')"),
+     "messages[2]: tool_call_id 'c2' does not match the id of any tool call in the assistant message it follows "
+     "(messages[1] has tool call ids 'c1')"),
     ([{"role": "user", "content": "q"}, {"role": "tool", "content": "r", "tool_call_id": "c1"},
-      {"role": "assistant", "tool_calls": [_call()]}], "messages[1]: tool_call_id 'c1' does not match"),
+      {"role": "assistant", "tool_calls": [_call()]}], "messages[1]: a 'tool' message must answer a tool call"),
 ])
 def test_tool_result_must_answer_an_earlier_call(served, messages, message):
     err = error_of(chat(served[0], messages=messages))

@@ -8,11 +8,12 @@ Robustness: chat-template rendering and prompt tokenization (blocking, CPU-bound
 the client) run in daemon worker threads, never on the event loop, so /health, other requests and
 shutdown signals stay responsive, and a render still running cannot keep the process alive at exit;
 template rendering is bounded (:mod:`atomtool.serve.api.chat`); request bodies above ``max_body_bytes``
-(default :data:`DEFAULT_MAX_BODY_BYTES`) get a 413; text that is not valid Unicode (a lone UTF-16
-surrogate such as ``"\\ud800"`` in the JSON) is a 400 naming the field; a body that is not strict JSON
-(malformed, ``NaN``/``Infinity``, nested deeper than :data:`~atomtool.serve.api.strict_json.MAX_JSON_DEPTH`
--- named --, not UTF-8) is one "invalid JSON body: ..." 400; every response, 500s
-included, is counted in ``atomtool:http_requests_total``.
+(default :data:`DEFAULT_MAX_BODY_BYTES`) get a 413; a compressed body (any ``Content-Encoding`` but
+``identity``) gets a 415 naming the coding; text that is not valid Unicode (a lone UTF-16 surrogate such
+as ``"\\ud800"`` in the JSON) is a 400 naming the field; a body that is not strict JSON (malformed,
+``NaN``/``Infinity``, nested deeper than :data:`~atomtool.serve.api.strict_json.MAX_JSON_DEPTH` -- named --,
+not UTF-8, an object key holding a lone surrogate -- named --) is one "invalid JSON body: ..." 400; every
+response, 500s included, is counted in ``atomtool:http_requests_total``.
 
 Requests become one engine request per choice (``n`` x prompts, ids ``<response id>-<choice index>``)
 submitted through :class:`~atomtool.serve.api.async_engine.AsyncEngine`; every error is OpenAI's JSON
@@ -70,7 +71,7 @@ from atomtool.serve.api.protocol import (
     tool_message_problem,
     unsupported_fields,
 )
-from atomtool.serve.api.strict_json import BodyNotJSON, StrictJSONRoute
+from atomtool.serve.api.strict_json import BodyNotJSON, StrictJSONRoute, surrogate_problem
 from atomtool.serve.sampling_params import SamplingParams
 
 logger = logging.getLogger("atomtool.serve")
@@ -179,6 +180,33 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, _too_large_message(limit), code="request_too_large")
 
 
+def _content_codings(raw_headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The content codings a request says its body is in (every ``Content-Encoding`` header, comma lists
+    split, lower-cased), without ``identity`` (no coding)."""
+    codings = []
+    for name, value in raw_headers:
+        if name.lower() == b"content-encoding":
+            codings += [c.strip().lower() for c in value.decode("latin-1").split(",")]
+    return [c for c in codings if c and c != "identity"]
+
+
+def _unsupported_coding(codings: list[str]) -> Response:
+    """The 415 for a compressed request body (RFC 9110 section 15.5.16), with RFC 7694's
+    ``Accept-Encoding: identity`` response header telling the client what it may send instead.
+
+    Request bodies are not decompressed, as in vLLM, FastAPI and uvicorn (none decode a request's
+    Content-Encoding) and OpenAI's clients never compress requests: supporting gzip would need a streaming
+    decoder bounded against zip bombs for no client that uses it, while passing compressed bytes on
+    unread would answer with a misleading "not UTF-8" 400, or parse a body that was never compressed.
+    """
+    named = ", ".join(repr(c) for c in codings)
+    err = APIError(415, f"Content-Encoding {named} is not supported: send the request body uncompressed "
+                   "(no Content-Encoding header, or 'identity')", code="unsupported_content_encoding")
+    response = err.response()
+    response.headers["Accept-Encoding"] = "identity"
+    return response
+
+
 class Traffic:
     """HTTP requests the app is serving now (``in_flight``) and those cancelled mid-way (``cancelled``: a
     forced shutdown, the second Ctrl-C, cancels every request task); ``atomtool serve`` reports them."""
@@ -189,8 +217,9 @@ class Traffic:
 
 
 class _AuthAndCount:
-    """Pure-ASGI middleware: Bearer-key check on ``/v1/*``, the request-body size limit, a response counter
-    by status, and the last-resort 500 for an unexpected exception (counted, logged once).
+    """Pure-ASGI middleware: Bearer-key check on ``/v1/*``, the 415 for a compressed request body
+    (:func:`_unsupported_coding`), the request-body size limit, a response counter by status, and the
+    last-resort 500 for an unexpected exception (counted, logged once).
 
     (Pure ASGI rather than ``@app.middleware`` so streaming responses and disconnect detection pass
     through untouched. It sits inside Starlette's ServerErrorMiddleware, which would otherwise answer
@@ -224,6 +253,12 @@ class _AuthAndCount:
                 self.metrics.http_requests.labels(endpoint=endpoint, status="401").inc()
                 await err.response()(scope, receive, send)
                 return
+
+        codings = _content_codings(scope.get("headers") or [])
+        if codings:
+            self.metrics.http_requests.labels(endpoint=endpoint, status="415").inc()
+            await _unsupported_coding(codings)(scope, receive, send)
+            return
 
         limit = self.max_body_bytes
         try:
@@ -302,9 +337,10 @@ async def run_blocking(fn: Any, *args: Any) -> Any:
     return await future
 
 
-def _bad_text(value: Any, path: str) -> tuple[str, int, str] | None:
+def _bad_text(value: Any, path: str) -> tuple[str, str] | None:
     """The first string in a request (walking models, dicts, lists) that cannot be encoded as UTF-8 (a
-    lone surrogate), as (field path such as ``messages[0].content``, character index, the character).
+    lone surrogate), as (field path such as ``messages[0].content``, what is wrong: ``lone surrogate
+    \\ud800 at character 3``).
 
     Iterative (an explicit stack, children visited in order), so no nesting depth can exhaust Python's
     recursion limit."""
@@ -312,10 +348,9 @@ def _bad_text(value: Any, path: str) -> tuple[str, int, str] | None:
     while stack:
         node, where = stack.pop()
         if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                return where, exc.start, node[exc.start]
+            problem = surrogate_problem(node)
+            if problem is not None:
+                return where, problem
             continue
         if isinstance(node, BaseModel):
             pairs: Any = [(k, getattr(node, k)) for k in type(node).model_fields]
@@ -344,9 +379,9 @@ def check_unicode(req: Any) -> None:
     """
     found = _bad_text(req, "")
     if found is not None:
-        path, index, char = found
-        raise APIError(400, f"{path}: the text is not valid Unicode: lone surrogate \\u{ord(char):04x} at "
-                       f"character {index} (send well-formed UTF-8)", param=path.split(".")[0].split("[")[0])
+        path, problem = found
+        raise APIError(400, f"{path}: the text is not valid Unicode: {problem} (send well-formed UTF-8)",
+                       param=path.split(".")[0].split("[")[0])
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -777,7 +812,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_request(req)
-        problem = tool_message_problem(req.messages)
+        problem = tool_message_problem(req.messages, calls_may_end=not req.add_generation_prompt)
         if problem is not None:
             raise APIError(400, problem, param="messages")
         problem = tool_definition_problem(req.tools)

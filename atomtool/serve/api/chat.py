@@ -147,28 +147,31 @@ def compile_chat_template(template: str, *, origin: str = "chat template") -> No
         raise ConfigError(f"{origin} is not a valid Jinja template{where}: {msg}") from None
 
 
-def _message_text(index: int, content: Any) -> str:
-    """A message's content as one string: OpenAI allows a string or a list of typed parts (only ``text``
-    parts here, each with a ``text`` string).
+def _message_text(index: int, content: Any, role: str = "user") -> str:
+    """A message's content as one string: OpenAI allows a string or a list of typed parts (``text`` parts,
+    each with a ``text`` string; in an assistant message also ``refusal`` parts, each with a ``refusal``
+    string, which are text the assistant said, as vLLM reads them).
 
     Raises:
-        InvalidRequestError: a part that is not a text part, or a text part without a ``text`` string;
-            ``param`` is the part's path, ``messages[i].content[j]``.
+        InvalidRequestError: a part of another type (image, audio, file: this server serves text only), or
+            a part without its string; ``param`` is the part's path, ``messages[i].content[j]``.
     """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    kinds = ("text", "refusal") if role == "assistant" else ("text",)
     parts = []
     for j, part in enumerate(content):
         path = f"messages[{index}].content[{j}]"
         kind = part.get("type")
-        if kind != "text":
+        if kind not in kinds:
             what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part without a 'type' string"
-            raise _invalid(f"{path}: only text parts are supported, got {what}", path)
-        if not isinstance(part.get("text"), str):
-            raise _invalid(f"{path}: a text part needs a 'text' string", path)
-        parts.append(part["text"])
+            allowed = " and ".join(kinds)
+            raise _invalid(f"{path}: only {allowed} parts are supported, got {what}", path)
+        if not isinstance(part.get(kind), str):
+            raise _invalid(f"{path}: a {kind} part needs a {kind!r} string", path)
+        parts.append(part[kind])
     return "".join(parts)
 
 
@@ -243,15 +246,21 @@ def template_arguments(arguments: Any, path: str = "arguments") -> Any:
 
 def template_message(index: int, message: Any) -> dict[str, Any]:
     """One OpenAI chat message (pydantic ``ChatMessage`` or a dict) as the dict the chat template renders:
-    ``role``, ``content`` (text; ``""`` when absent), and when present ``name``, ``tool_calls`` (arguments
-    decoded by :func:`template_arguments`) and ``tool_call_id``.
+    ``role``, ``content`` (text; an assistant's ``refusal`` when it has no content; ``""`` when absent), and
+    when present ``name``, ``tool_calls`` (arguments decoded by :func:`template_arguments`) and
+    ``tool_call_id``.
 
     Raises:
         InvalidRequestError: the content holds a non-text part, or a tool call's arguments are a 400 for
             :func:`template_arguments`.
     """
     m = message if isinstance(message, dict) else message.model_dump(exclude_none=True)
-    item: dict[str, Any] = {"role": m["role"], "content": _message_text(index, m.get("content"))}
+    item: dict[str, Any] = {"role": m["role"], "content": _message_text(index, m.get("content"), m["role"])}
+    if not item["content"] and m.get("refusal"):
+        # An assistant's refusal (OpenAI sends it instead of content) is what it said: the model must see
+        # it, or the turn would read as an empty reply. Chat templates have no refusal field, so it is the
+        # content; a message with content of its own keeps that (OpenAI never sends both).
+        item["content"] = m["refusal"]
     if m.get("name"):
         item["name"] = m["name"]
     if m.get("tool_calls"):  # an empty list is no call: the template takes its plain assistant path

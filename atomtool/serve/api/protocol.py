@@ -44,6 +44,15 @@ TOOL_CHOICES_SERVED = ("none", "auto")
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
+def _tool_name(name: str) -> str:
+    """``name`` if it is a valid function name (:data:`TOOL_NAME_PATTERN`, OpenAI's rule for tool definitions
+    and the calls that name them), else ValueError (pydantic's message for the field)."""
+    if not re.fullmatch(TOOL_NAME_PATTERN, name):
+        raise ValueError(f"must match {TOOL_NAME_PATTERN} (letters, digits, underscores and dashes, at most "
+                         f"64 characters), got {name!r}")
+    return name
+
+
 def _json_type(value: Any) -> str:
     """The JSON name of a decoded value's type, for error messages (``an object``, ``null``...)."""
     if value is None:
@@ -187,10 +196,15 @@ class CompletionResponse(BaseModel):
 class FunctionCall(OpenAIModel):
     """The function an assistant message's tool call invoked (openai's ``Function`` of
     ``ChatCompletionMessageFunctionToolCallParam``): ``arguments`` is the JSON text the model wrote, a
-    string as OpenAI sends it (:mod:`atomtool.serve.api.chat` decodes it for the template)."""
+    string as OpenAI sends it (:mod:`atomtool.serve.api.chat` decodes it for the template). ``name`` must be
+    a function name as in ``tools`` (:data:`TOOL_NAME_PATTERN`): a call can only name a function that could
+    have been defined, and OpenAI refuses any other name in history too.
+    """
 
     name: str = Field(min_length=1)
     arguments: str
+
+    _name = field_validator("name")(_tool_name)
 
     @field_validator("arguments", mode="before")
     @classmethod
@@ -237,13 +251,7 @@ class FunctionDefinition(OpenAIModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @field_validator("name")
-    @classmethod
-    def _openai_name(cls, name: str) -> str:
-        if not re.fullmatch(TOOL_NAME_PATTERN, name):
-            raise ValueError(f"must match {TOOL_NAME_PATTERN} (letters, digits, underscores and dashes, at most "
-                             f"64 characters), got {name!r}")
-        return name
+    _name = field_validator("name")(_tool_name)
 
 
 class ToolDefinition(_FunctionTyped):
@@ -260,8 +268,11 @@ class ChatMessage(OpenAIModel):
     ``role`` must be one of :data:`CHAT_ROLES`; ``content`` is required for :data:`CONTENT_REQUIRED_ROLES`
     (an assistant message may omit it). ``tool_calls`` (assistant messages only) and ``tool_call_id``
     (required on, and only on, ``tool`` messages) reach the chat template with role, content and name.
-    The deprecated ``function_call`` is refused (send ``tool_calls``); ``refusal`` and ``audio`` are
-    accepted and not rendered (chat templates have no place for them).
+    The deprecated ``function_call`` is refused (send ``tool_calls``). ``audio`` (openai's reference to an
+    earlier audio reply) is refused: this server serves text only, and dropping it would hide from the model
+    what the assistant said. ``refusal`` (assistant messages only, as in OpenAI's API, which accepts it in
+    history) is what the assistant said when it declined: :mod:`atomtool.serve.api.chat` renders it as the
+    message's content when the message has no content of its own.
     """
 
     role: str
@@ -293,7 +304,17 @@ class ChatMessage(OpenAIModel):
         if self.function_call is not None:
             raise ValueError("function_call in messages (deprecated by OpenAI) is not supported; send "
                              "the call as tool_calls")
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages may have refusal, not a {self.role!r} message")
         return self
+
+    @field_validator("audio", mode="before")  # before: any non-null value gets this message, not a type error
+    @classmethod
+    def _no_audio(cls, audio: Any) -> Any:
+        if audio is not None:
+            raise ValueError("audio is not supported: this server serves text only (send what the assistant "
+                             "said as content, e.g. the audio's transcript)")
+        return audio
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -463,9 +484,10 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
             param = "functions" if req.functions else "function_call"
             return param, "function calling is not supported by this server yet"
         if req.modalities and any(m != "text" for m in req.modalities):
-            return "modalities", "only the 'text' modality is supported"
+            other = ", ".join(repr(m) for m in req.modalities if m != "text")
+            return "modalities", f"only the 'text' modality is supported (this server serves text only), got {other}"
         if req.audio is not None:
-            return "audio", "audio output is not supported by this server"
+            return "audio", "audio output is not supported by this server (it serves text only)"
         for name in ("prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation"):
             if getattr(req, name) is not None:
                 return name, f"{name} is not supported by this server"
@@ -487,24 +509,60 @@ def tool_definition_problem(tools: list[ToolDefinition] | None) -> str | None:
     return None
 
 
-def tool_message_problem(messages: list[ChatMessage]) -> str | None:
-    """Why the conversation's ``tool`` messages are inconsistent, or None when they are not.
+def tool_message_problem(messages: list[ChatMessage], *, calls_may_end: bool = False) -> str | None:
+    """Why the conversation's tool calls and ``tool`` messages do not pair up, or None when they do.
 
-    As OpenAI's API does, each ``tool`` message must answer a tool call: its ``tool_call_id`` must be the
-    ``id`` of a ``tool_calls`` entry of an earlier assistant message (a typo'd or stale id would otherwise
-    render a result the model cannot connect to any call), and tool call ids are unique in the conversation.
-    Returns the message of the 400.
+    OpenAI's API rules, which it enforces with a 400 (and the chat templates of tool-calling models
+    assume): an assistant message with ``tool_calls`` must be followed by ``tool`` messages answering each
+    of its calls (``tool_call_id`` = the call's ``id``, in any order) before any other message or the end of
+    the conversation ("The following tool_call_ids did not have response messages"); a ``tool`` message
+    must be one of those answers ("must be a response to a preceding message with 'tool_calls'"): a typo'd
+    or stale id would render a result the model cannot connect to any call. Tool call ids are unique in
+    the conversation, or a result could not say which call it answers. An assistant message whose
+    ``tool_calls`` is empty has no calls to answer. Returns the message of the 400, naming the message
+    (``messages[i]``) and the id.
+
+    ``calls_may_end``: the conversation may end with unanswered calls (the request has
+    ``add_generation_prompt`` false, vLLM's extension: the last assistant turn is rendered as it is, or
+    continued with ``continue_final_message``, rather than followed by a new turn that would need the
+    results). OpenAI has no such request, so by default unanswered calls at the end are refused too.
     """
-    seen: list[str] = []
+    seen: set[str] = set()
+    calls: dict[str, int] = {}  # the open assistant message's call ids -> their index in its tool_calls
+    unanswered: list[str] = []  # of those, the ones no tool message has answered yet
+    asked = -1  # index of the assistant message whose calls are open (-1: none)
+
+    def missing(before: str) -> str:
+        ids = ", ".join(f"{cid!r} (messages[{asked}].tool_calls[{calls[cid]}])" for cid in unanswered)
+        return (f"messages[{asked}]: an assistant message with tool_calls must be followed by tool messages "
+                f"answering each of its calls (tool_call_id = the call's id) before {before}; no tool message "
+                f"answers {ids}")
+
     for i, msg in enumerate(messages):
+        if msg.role == "tool":
+            if asked < 0:
+                before = f"messages[{i - 1}] has role {messages[i - 1].role!r}" if i else "it is the first message"
+                return (f"messages[{i}]: a 'tool' message must answer a tool call of the assistant message "
+                        f"just before it (or before the tool messages that follow that one); {before}")
+            if msg.tool_call_id not in calls:
+                known = ", ".join(repr(x) for x in calls)
+                return (f"messages[{i}]: tool_call_id {msg.tool_call_id!r} does not match the id of any tool "
+                        f"call in the assistant message it follows (messages[{asked}] has tool call ids {known})")
+            if msg.tool_call_id in unanswered:
+                unanswered.remove(msg.tool_call_id)
+            continue
+        if unanswered:
+            return missing(f"another message (messages[{i}] has role {msg.role!r})")
+        calls, asked = {}, -1
         if msg.role == "assistant" and msg.tool_calls:
             for j, call in enumerate(msg.tool_calls):
                 if call.id in seen:  # a tool message answering it could not say which call it answers
                     return (f"messages[{i}].tool_calls[{j}].id: {call.id!r} is already the id of an earlier tool "
                             "call (tool call ids must be unique in a conversation)")
-                seen.append(call.id)
-        elif msg.role == "tool" and msg.tool_call_id not in seen:
-            known = ", ".join(repr(x) for x in seen) if seen else "none"
-            return (f"messages[{i}]: tool_call_id {msg.tool_call_id!r} does not match the id of any tool call "
-                    f"in an earlier assistant message (tool call ids so far: {known})")
+                seen.add(call.id)
+                calls[call.id] = j
+            unanswered, asked = list(calls), i
+    if unanswered and not calls_may_end:
+        return missing("the end of the conversation (or send add_generation_prompt false to render the "
+                       "assistant's turn as it is)")
     return None

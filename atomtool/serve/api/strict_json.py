@@ -6,7 +6,11 @@ Python's ``json.loads`` (what Starlette's ``Request.json`` calls) accepts ``NaN`
 nesting up to the interpreter's recursion limit (~1000 levels), while everything after parsing (validation,
 the Unicode check, chat-template rendering, ``json.dumps`` of tool schemas) recurses too and would fail on a
 body only a few levels shallower than that: nesting beyond :data:`MAX_JSON_DEPTH` is refused up front,
-naming the field where it happens.
+naming the field where it happens. An object key holding a lone UTF-16 surrogate (``{"\\ud800": 1}``: JSON
+lets a ``\\u`` escape name half a pair, but such a key is not Unicode text) is refused here too, naming the
+object it is in: validation would otherwise report it as "not a JSON object" (the top level) or as a string
+"unable to parse raw data" (inside a message). Lone surrogates in string *values* are the app's
+``check_unicode`` 400, which names the field.
 
 FastAPI reads the body through ``Request.json()``; :class:`StrictJSONRoute` (FastAPI's documented
 custom-``APIRoute`` hook) hands each endpoint a :class:`StrictJSONRequest` instead. Errors raised here reach
@@ -17,6 +21,7 @@ which the app turns into "invalid JSON body: <message>".
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import Request
@@ -87,6 +92,52 @@ def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
                 stack.append((child, depth + 1, (key, link)))
 
 
+def surrogate_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode (the first lone UTF-16 surrogate in it, which UTF-8 cannot encode),
+    or None; e.g. ``lone surrogate \\ud800 at character 0``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"lone surrogate \\u{ord(text[exc.start]):04x} at character {exc.start}"
+    return None
+
+
+def check_keys(value: Any) -> None:
+    """Refuse a parsed JSON value with an object key that is not valid Unicode (iterative: no recursion).
+
+    Raises:
+        BodyNotJSON: names the object holding the key (``messages[0]: the object key '\\ud800'``, or ``the
+            top-level key '\\ud800'``) and the surrogate; ``param`` is the top-level field it is under (None
+            for a top-level key).
+    """
+    stack: list[tuple[Any, tuple | None]] = [(value, None)]
+    while stack:
+        node, link = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            problem = surrogate_problem(key) if isinstance(key, str) else None
+            if problem is not None:
+                shown = repr(key if len(key) <= 40 else key[:40] + "...")  # repr escapes the surrogate
+                where = f"{_path_text(link)}: the object key" if link else "the top-level key"
+                raise BodyNotJSON(f"{where} {shown} is not valid Unicode: {problem} (an unpaired \\u escape; "
+                                  "send well-formed UTF-16 pairs)", param=_path_text(_outermost(link)) or None)
+            if child.__class__ is dict or child.__class__ is list:
+                stack.append((child, (key, link)))
+
+
+#: What may hold a lone surrogate in a UTF-8 body: a ``\\uD800``-``\\uDFFF`` escape, or the three-byte UTF-8
+#: form of a surrogate (invalid UTF-8, yet json.loads decodes bytes with ``surrogatepass``).
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
+
+
+def _may_hold_surrogate(raw: bytes) -> bool:
+    """Whether a body could decode to text holding a lone surrogate (a fast scan at C speed; UTF-16/32
+    bodies, which can carry one without an escape, always could)."""
+    if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):
+        return True
+    return _MAYBE_SURROGATE.search(raw) is not None
+
+
 def _outermost(link: tuple | None) -> tuple | None:
     """The path link of the top-level key only."""
     while link is not None and link[1] is not None:
@@ -95,18 +146,21 @@ def _outermost(link: tuple | None) -> tuple | None:
 
 
 def loads_strict(body: bytes | str) -> Any:
-    """``json.loads`` that refuses NaN/Infinity and nesting deeper than :data:`MAX_JSON_DEPTH`.
+    """``json.loads`` that refuses NaN/Infinity, nesting deeper than :data:`MAX_JSON_DEPTH` and object keys
+    holding a lone surrogate.
 
     Raises:
         json.JSONDecodeError: malformed JSON (as ``json.loads``).
-        BodyNotJSON: a NaN/Infinity constant, an integer longer than :data:`MAX_INT_DIGITS` digits, or nesting
-            too deep (names the field).
+        BodyNotJSON: a NaN/Infinity constant, an integer longer than :data:`MAX_INT_DIGITS` digits, nesting
+            too deep (names the field), or an object key that is not valid Unicode (:func:`check_keys`).
     """
     value = json.loads(body, parse_constant=_reject_constant, parse_int=_parse_int)
     raw = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass")
     # fast path (C speed): a body with at most `limit` brackets cannot nest deeper than that
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and isinstance(value, dict | list):
         check_depth(value)
+    if isinstance(value, dict | list) and _may_hold_surrogate(raw):
+        check_keys(value)
     return value
 
 
