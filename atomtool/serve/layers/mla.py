@@ -27,6 +27,7 @@ from atomtool.serve.engine.batch import ForwardBatch
 from atomtool.serve.layers.indexer import Indexer, fp32_head_weight
 from atomtool.serve.layers.linear import fused_row_ranges, make_linear
 from atomtool.serve.layers.norm import RMSNorm
+from atomtool.serve.layers.overlap import fork
 from atomtool.serve.ops import (
     get_op,
     torch_ref_mla,  # noqa: F401  (registers mla_attention)
@@ -154,12 +155,26 @@ class MLAAttention(nn.Module):
         s, e = self.splits[name]
         return y[:, s:e]
 
+    def _select(self, x: torch.Tensor, y: torch.Tensor, c_q: torch.Tensor, idx_cos: torch.Tensor | None,
+                idx_sin: torch.Tensor | None, batch: ForwardBatch, index_k: torch.Tensor) -> torch.Tensor | None:
+        """A full layer's indexer: store the step's index keys and return the top-k (or None: dense)."""
+        k_raw = w_raw = None
+        if self.indexer.fused:
+            k_raw = self._part(y, IDX_WK)
+            # float32 head weights for a bf16/fp16 model (fp32_head_weight, cast at load)
+            w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
+                     else self._part(y, IDX_WPROJ))
+        return self.indexer(x, c_q, k_raw, w_raw, idx_cos, idx_sin, batch, index_k)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_cos: torch.Tensor | None,
                 idx_sin: torch.Tensor | None, batch: ForwardBatch, kv_cache: dict[str, torch.Tensor],
-                prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                prev_topk: torch.Tensor | None,
+                aux_stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [T, hidden] (post input_layernorm); cos/sin: [T, rope/2] MLA rotary tables; idx_cos/idx_sin:
         the indexer's; kv_cache: this layer's planes; prev_topk: the previous full layer's selection
-        (used by shared layers). Returns (out [T, hidden], the top-k this layer used or None for dense)."""
+        (used by shared layers); aux_stream: where a full layer runs its indexer beside the query path
+        (:mod:`atomtool.serve.layers.overlap`; None: in order). Returns (out [T, hidden], the top-k this
+        layer used or None for dense)."""
         dev = x.device
         T = x.shape[0]
         H = self.num_heads
@@ -168,27 +183,18 @@ class MLAAttention(nn.Module):
         y = self.fused_qkv_a_proj(x)
         c_q = self.q_a_layernorm(self._part(y, Q_A))
         latent = kv_cache["latent"]
+        # a full layer's indexer depends on nothing below until sparse attention: it may run beside them
+        selection = (fork(aux_stream, self._select, x, y, c_q, idx_cos, idx_sin, batch, kv_cache["index_k"])
+                     if self.role == "full" else None)
         q = self.q_b_proj(c_q).view(T, H, self.nope + self.rope)
         q_nope = q[..., : self.nope]
         # one fused op: rope(q_pe), and the cache row [RMSNorm(c_kv) | rope(k_pe)] stored at the token's slot
         q_pe = get_op("mla_rope_store", dev)(q[..., self.nope:], self._part(y, KV_A), self.kv_a_layernorm.weight,
                                              self.kv_a_layernorm.eps, cos, sin, self.rope_interleaved, latent,
                                              batch.slot_mapping)
-
-        topk = None
-        if self.role == "full":
-            k_raw = w_raw = None
-            if self.indexer.fused:
-                k_raw = self._part(y, IDX_WK)
-                # float32 head weights for a bf16/fp16 model (fp32_head_weight, cast at load)
-                w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
-                         else self._part(y, IDX_WPROJ))
-            topk = self.indexer(x, c_q, k_raw, w_raw, idx_cos, idx_sin, batch, kv_cache["index_k"])
-        elif self.role == "shared":
-            topk = prev_topk
-
         w_kvb = self._w_kvb
         q_abs = torch.einsum("thd,hdr->thr", q_nope, w_kvb[:, : self.nope])
+        topk = selection.join() if selection is not None else prev_topk if self.role == "shared" else None
         o_lat = get_op("mla_attention", dev)(q_abs, q_pe, latent, batch.cu_seqlens_q, batch.seq_lens,
                                              batch.block_tables, self.scale, topk)
         # o[t, h] = W_UV[h] o_lat[t, h]: the einsum's own batched GEMM (batch h), written straight into a

@@ -14,6 +14,7 @@ from torch import nn
 
 from atomtool.convert.plan_types import OutputTensor
 from atomtool.serve.layers.linear import fp8_block_size, fused_row_ranges, make_linear
+from atomtool.serve.layers.overlap import fork
 from atomtool.serve.ops import (
     get_op,
     torch_ref_mla,  # noqa: F401  (registers the MLA/MoE reference ops)
@@ -140,16 +141,18 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (SwiGLUMLP(cfg, f"{prefix}.shared_experts", specs, inter * n_shared, dtype, device)
                                if n_shared else None)
 
-    def forward(self, x: torch.Tensor, split: bool = False):
+    def forward(self, x: torch.Tensor, split: bool = False, aux_stream: torch.cuda.Stream | None = None):
         """x: [T, H] -> routed + shared [T, H]; ``split``: the pair ``(routed, shared or None)`` unsummed, for
-        a caller that folds the sum into the next residual add (``RMSNorm(h, residual, extra)``)."""
+        a caller that folds the sum into the next residual add (``RMSNorm(h, residual, extra)``);
+        ``aux_stream``: where the shared expert runs beside the routed ones (:mod:`.overlap`; None: in order)."""
+        shared = fork(aux_stream, self.shared_experts, x) if self.shared_experts is not None else None
         logits = self.gate(x)
         weights, ids = get_op("grouped_topk", x.device)(
             logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.routed_scaling_factor)
         out = get_op("fused_moe", x.device)(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids,
                                             **self.experts.scales())
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        shared = shared.join() if shared is not None else None
         if split:
             return out, shared
         return out if shared is None else out + shared

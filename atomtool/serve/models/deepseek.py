@@ -37,6 +37,7 @@ from atomtool.serve.layers.linear import fp8_block_size
 from atomtool.serve.layers.mla import MLAAttention
 from atomtool.serve.layers.moe import DeepseekMoE, SwiGLUMLP
 from atomtool.serve.layers.norm import RMSNorm
+from atomtool.serve.layers.overlap import aux_stream_for
 from atomtool.serve.layers.rotary import RotaryEmbedding
 from atomtool.serve.models.base import CausalLM
 
@@ -124,6 +125,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         rope = int(cfg["qk_rope_head_dim"])
         self.rotary = RotaryEmbedding(cfg, device, head_dim=rope, interleaved=mla_interleave)
         self._idx_rope = int(cfg.get("index_rope_dim", rope)) if FULL in self.roles else 0
+        #: side stream for the indexer and the shared experts (overlap.aux_stream_for; None on CPU)
+        self.aux_stream = aux_stream_for(self.device)
         self.index_rotary = None
         if self._idx_rope and self._idx_rope != rope:
             self.index_rotary = RotaryEmbedding(cfg, device, head_dim=self._idx_rope, interleaved=idx_interleave)
@@ -166,12 +169,12 @@ class DeepseekV3ForCausalLM(CausalLM):
                 x, residual = layer.input_layernorm(h), h
             else:
                 x, residual = layer.input_layernorm(h, residual, extra)
-            a, topk = layer.self_attn(x, cos, sin, icos, isin, batch, kv_caches[i], prev)
+            a, topk = layer.self_attn(x, cos, sin, icos, isin, batch, kv_caches[i], prev, self.aux_stream)
             if role == FULL:
                 topks[i] = topk
             x, residual = layer.post_attention_layernorm(a, residual)
             if isinstance(layer.mlp, DeepseekMoE):
-                h, extra = layer.mlp(x, split=True)
+                h, extra = layer.mlp(x, split=True, aux_stream=self.aux_stream)
             else:
                 h, extra = layer.mlp(x), None
         if residual is None:
