@@ -13,9 +13,19 @@ from typing import Any
 
 from atomtool.errors import ConfigError, LayoutError, SourceError
 from atomtool.inspect import memory as mem
-from atomtool.inspect.config_check import invalid_attention_fields, invalid_size_fields
+from atomtool.inspect.config_check import (
+    invalid_attention_fields,
+    invalid_quantization_config,
+    invalid_size_fields,
+)
 from atomtool.inspect.dsa import DENSE, FULL, SHARED, flatten_dsa_config, is_dsa_config, text_config
-from atomtool.inspect.families import SERVABLE_SCHEMES, Family, family_for, supported_architectures
+from atomtool.inspect.families import (
+    SERVABLE_SCHEMES,
+    Family,
+    family_for,
+    supported_architectures,
+    unsupported_activation,
+)
 from atomtool.inspect.hf_config import (
     WEIGHT_SIZE_FIELDS,
     engine_missing_size_fields,
@@ -34,6 +44,7 @@ from atomtool.inspect.quant import (
     parse_quant_config,
 )
 from atomtool.inspect.required import missing_tensor_findings
+from atomtool.inspect.shapes import config_shape_findings
 from atomtool.inspect.types import DsaInfo, Finding, InspectReport, ModuleInfo, TensorInfo
 
 _INDEXER_RE = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.indexer\.")
@@ -307,8 +318,8 @@ def build_report(
             schedule_ok = True
         except ConfigError as exc:  # report what can be known; the schedule itself is unusable
             findings.append(Finding("config-invalid", "error", None, str(exc)))
-    bad_sizes = invalid_size_fields(flat) + invalid_attention_fields(flat) if config is not None and not_hf is None \
-        else []  # no sizes computed from these
+    bad_sizes = (invalid_size_fields(flat) + invalid_attention_fields(flat) + invalid_quantization_config(raw)
+                 if config is not None and not_hf is None else [])  # no sizes computed from these
     findings.extend(bad_sizes)
     filled: list[tuple[str, Any, str]] = []
     engine_missing: list[str] = []
@@ -320,7 +331,11 @@ def build_report(
         fields = tuple(dict.fromkeys((*SIZE_FIELDS, *WEIGHT_SIZE_FIELDS)))
         fields += () if mem.is_mla(flat) else ("num_key_value_heads",)
         filled = fill_transformers_defaults(flat, fields)
-        findings.extend(transformers_config_findings(flat) or head_count_findings(flat))
+        invalid = transformers_config_findings(flat)
+        # weights that disagree with the config as the engine completes it (first: they name the tensors)
+        roles_now = list(flat["indexer_types"]) if schedule_ok and "indexer_types" in flat else None
+        shapes = [] if invalid else config_shape_findings(tensors, flat, fam, filled, roles_now)
+        findings.extend(invalid or shapes + head_count_findings(flat))
     dsa = None
     roles: list[str] | None = None
     if schedule_ok and is_dsa_config(flat) and "indexer_types" in flat:
@@ -342,6 +357,9 @@ def build_report(
     model_dtype = mem.model_dtype_tag(flat, raw)
     keep = tuple(fam.fp32_keep) if fam is not None else ()
     findings.extend(dtype_findings(tensors, model_dtype, keep))
+    act = unsupported_activation(fam, flat) if config is not None and not config_bad else None
+    if act is not None:
+        findings.append(Finding("activation-not-servable", "warning", None, act))
     unservable = unservable_modules(modules)
     if unservable:
         schemes = sorted({m.scheme for m in unservable})
@@ -404,7 +422,7 @@ def build_report(
     return InspectReport(
         source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",
         # any error finding (invalid config, missing tensors, broken layout, ...) means serve refuses it
-        servable=bool(fam and fam.servable) and not unservable and not declared_bad
+        servable=bool(fam and fam.servable) and not unservable and not declared_bad and act is None
         and not any(f.severity == "error" for f in findings),
         config=raw, config_flat=flat,
         dsa=dsa, tensors=dict(tensors),

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from atomtool.inspect import memory as mem
-from atomtool.inspect.dsa import MAX_LAYERS
+from atomtool.inspect.dsa import MAX_LAYERS, text_config
 from atomtool.inspect.hf_registry import allowed_layer_types, config_fields
 from atomtool.inspect.types import Finding
 
@@ -140,4 +140,21 @@ def invalid_attention_fields(flat: dict[str, Any]) -> list[Finding]:
     if unknown:
         bad(f"layer_types has unknown layer type(s) {', '.join(unknown[:5])}; transformers accepts "
             f"{', '.join(sorted(allowed))}")
+    return out
+
+
+def invalid_quantization_config(raw: dict[str, Any]) -> list[Finding]:
+    """``config-invalid`` (error) when config.json's ``quantization_config`` (top level, or in the
+    ``text_config`` of a multimodal config) is present but not a JSON object (a string such as ``"fp8"``, a
+    list, a number): HF transformers reads it as a dict of ``quant_method``, ``weight_block_size``, ...;
+    ``null`` means "not quantized" and is accepted. The engine's loader refuses the same config with the same
+    message. raw: config.json as a dict."""
+    out = []
+    tc = text_config(raw)
+    for where, cfg in (("", raw), ("text_config.", tc if tc is not raw else {})):
+        q = cfg.get("quantization_config")
+        if q is not None and not isinstance(q, dict):
+            out.append(Finding("config-invalid", "error", None,
+                               f"config.json: {where}quantization_config must be a JSON object (e.g. "
+                               f"{{\"quant_method\": \"fp8\", ...}}), got {type(q).__name__} {q!r}"))
     return out

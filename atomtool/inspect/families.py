@@ -53,6 +53,9 @@ class Family:
     fp32_keep: tuple[str, ...] = ()
     notes: str = ""
     extra_model_types: tuple[str, ...] = field(default=())
+    #: ``hidden_act`` values (transformers' ``ACT2FN`` names) the engine's MLPs run for a servable family:
+    #: the one list inspect's ``activation-not-servable`` and the engine's loader read
+    activations: tuple[str, ...] = ("silu",)
 
 
 _DENSE_FUSIONS = (
@@ -71,7 +74,7 @@ _MLA_FUSIONS = (
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"),
-           "gqa", True, _DENSE_FUSIONS),
+           "gqa", True, _DENSE_FUSIONS, activations=("silu", "swish")),  # ACT2FN: swish is SiLU
     Family("deepseek_mla",
            ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
            "mla", True, _MLA_FUSIONS, ExpertRule(), fp32_keep=("mlp.gate.e_score_correction_bias",)),
@@ -111,3 +114,14 @@ def family_for(architecture: str, *, strict: bool = False) -> Family | None:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}")
     return fam
+
+
+def unsupported_activation(family: Family | None, config_flat: dict) -> str | None:
+    """Why the engine cannot run a servable ``family``'s checkpoint with config.json's ``hidden_act``
+    (transformers' default: silu) -- one line naming the value and the ones it runs (:attr:`Family.activations`,
+    as ``atomtool.serve.models`` implements them) --, or None (supported, or a family serve does not run)."""
+    act = config_flat.get("hidden_act", "silu")
+    if family is None or not family.servable or act in family.activations:
+        return None
+    return (f"config.json: hidden_act {act!r} is not supported: the engine runs {family.name}-family MLPs with "
+            f"{' or '.join(family.activations)} only, so atomtool cannot serve this checkpoint")

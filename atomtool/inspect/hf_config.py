@@ -26,9 +26,12 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "intermediate_size",
                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim")
-#: :data:`SIZE_FIELDS` as inspect checks them: without ``num_key_value_heads``, which inspect fills from
-#: transformers' default with a warning (:func:`fill_transformers_defaults`) where the loader refuses it when
-#: that default is a fixed number (Mistral, Qwen2/3): a known disagreement, see the issue notes.
+#: :data:`SIZE_FIELDS` that inspect and the engine's loader refuse a config.json without: all but
+#: ``num_key_value_heads``, which both take from transformers' config class exactly as transformers does
+#: (``MistralConfig`` 8, ``Qwen2Config``/``Qwen3Config`` 32, ``LlamaConfig`` = ``num_attention_heads``;
+#: inspect says so with a warning) and then check against the k_proj / v_proj shapes
+#: (:func:`atomtool.inspect.shapes.shape_findings`): weights that disagree are a ``shape-mismatch`` error
+#: naming the field, its default and the tensor, in inspect and in the loader alike.
 WEIGHT_SIZE_FIELDS = tuple(f for f in SIZE_FIELDS if f != "num_key_value_heads")
 DENSE_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
@@ -82,9 +85,13 @@ def head_count_findings(flat: dict[str, Any]) -> list[Finding]:
 def engine_missing_size_fields(text_cfg: dict[str, Any]) -> list[str]:
     """The :data:`WEIGHT_SIZE_FIELDS` that the text config (``atomtool.inspect.dsa.text_config`` of
     config.json, before any default is filled in) lacks and that its model_type's transformers config class
-    declares: the fields the engine's loader refuses the config without."""
+    declares with a fixed default (a None default means transformers derives the value from the others):
+    the fields the engine's loader (``atomtool.serve.model_config.check_size_fields``) refuses the config
+    without. A model_type transformers does not know is checked against :data:`DENSE_SIZE_FIELDS` only."""
+    cls = config_class(str(text_cfg.get("model_type", "")))
     declared = config_fields(str(text_cfg.get("model_type", ""))) or frozenset(DENSE_SIZE_FIELDS)
-    return [f for f in WEIGHT_SIZE_FIELDS if f in declared and f not in text_cfg]
+    return [f for f in WEIGHT_SIZE_FIELDS if f in declared and f not in text_cfg
+            and (cls is None or getattr(cls, f, None) is not None)]
 
 
 def fill_transformers_defaults(flat: dict[str, Any], fields: tuple[str, ...]) -> list[tuple[str, Any, str]]:
@@ -107,3 +114,49 @@ def fill_transformers_defaults(flat: dict[str, Any], fields: tuple[str, ...]) ->
             flat[key] = value
             filled.append((key, value, type(cfg).__name__))
     return filled
+
+
+#: config-class fields never copied from transformers' defaults by :func:`complete_config_dict`: token ids and
+#: generation settings (the engine reads those from the checkpoint's generation_config / tokenizer),
+#: training-only knobs, the rope dict (the rotary layer already reads it through transformers' config object),
+#: and the per-layer schedules, which :func:`atomtool.inspect.dsa.flatten_dsa_config` alone derives (one
+#: schedule, DESIGN.md).
+NOT_FILLED = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+                        "attention_dropout", "pretraining_tp", "rope_parameters", "layer_types",
+                        "mlp_layer_types", "indexer_types", "dtype", "torch_dtype"})
+
+
+def class_fields(cls: type) -> set[str]:
+    """The fields a transformers config class declares itself (its annotations, base ``PreTrainedConfig``'s
+    excluded)."""
+    from transformers import PretrainedConfig
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is PretrainedConfig or not (isinstance(klass, type) and issubclass(klass, PretrainedConfig)):
+            continue
+        names.update(getattr(klass, "__annotations__", {}))
+    return names
+
+
+def complete_config_dict(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None, str | None]:
+    """``flat`` (a flattened text config) with every absent field of its model_type's transformers config
+    class filled in with the value transformers gives it (``Qwen3Config.head_dim`` 128, ``LlamaConfig.head_dim``
+    = hidden_size // num_attention_heads, ``MistralConfig.num_key_value_heads`` 8; fields in
+    :data:`NOT_FILLED` excepted): the config the engine builds its model from, and the one inspect computes
+    the expected tensor shapes from (:mod:`atomtool.inspect.shapes`).
+
+    Returns:
+        (the completed config -- a new dict, the input is left alone --, ``{field: value}`` for the fields
+        filled in, the config class name (None when transformers does not know the model_type: nothing is
+        filled), transformers' refusal message on one line or None).
+    """
+    cls = config_class(str(flat.get("model_type", "")))
+    if cls is None:
+        return dict(flat), {}, None, None
+    hf, err = build_hf_config(flat)
+    if err is not None:
+        return dict(flat), {}, cls.__name__, err
+    absent = sorted(f for f in class_fields(cls) - NOT_FILLED if f not in flat)
+    filled = {f: getattr(hf, f) for f in absent if hasattr(hf, f)}
+    return {**flat, **filled}, filled, cls.__name__, None

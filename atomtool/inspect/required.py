@@ -29,13 +29,17 @@ def _int(flat: dict[str, Any], key: str) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
-def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | None = None
-                     ) -> tuple[list[str], list[str]] | None:
-    """(plain tensor names, linear module names) the checkpoint of ``family`` must hold, from the flattened
-    text config; None when the family's layout is not known here or the config lacks the sizes.
+def layout_entries(flat: dict[str, Any], family: Family, roles: list[str] | None = None
+                   ) -> list[tuple[str, str, str]] | None:
+    """Every tensor / linear module of a checkpoint of ``family`` (HF transformers' names), from the flattened
+    text config: ``[(name, kind, rel)]`` where kind is ``plain`` (a tensor, required), ``module`` (a linear
+    module, required; any storage scheme) or ``optional`` (a tensor checked when present, e.g. the DSA
+    indexer's ``k_norm``), and ``rel`` the name without its ``model.layers.N.`` prefix and with expert
+    indices as ``*`` (``mlp.experts.*.gate_proj``): the key :mod:`atomtool.inspect.shapes` sizes it by.
+    None when the family's layout is not known here or the config lacks the layer count.
 
-    roles: the DSA schedule (:func:`atomtool.inspect.dsa.layer_roles`): ``full`` layers need
-    ``self_attn.indexer.*``. MTP layers (index >= num_hidden_layers) are optional and not required.
+    roles: the DSA schedule (:func:`atomtool.inspect.dsa.layer_roles`): ``full`` layers hold
+    ``self_attn.indexer.*``. MTP layers (index >= num_hidden_layers) are optional and not listed.
     """
     n = _int(flat, "num_hidden_layers")
     if family.name not in KNOWN_LAYOUT_FAMILIES or not n:
@@ -44,34 +48,55 @@ def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | No
     experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
     # one rule with the KV/parameter estimates (mlp_layer_types first, as transformers' configs read it)
     kinds = mlp_kinds(flat)
-    plain = ["model.embed_tokens.weight", "model.norm.weight"]
-    modules: list[str] = []
+    out = [(t, "plain", t) for t in ("model.embed_tokens.weight", "model.norm.weight")]
     if not flat.get("tie_word_embeddings", False):
-        modules.append("lm_head")
+        out.append(("lm_head", "module", "lm_head"))
     for i in range(n):
         p = f"model.layers.{i}."
-        plain += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        plain = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        modules: list[str] = []
+        optional: list[str] = []
         if family.attention == "mla":
             q = ["self_attn.q_a_proj", "self_attn.q_b_proj"] if flat.get("q_lora_rank") else ["self_attn.q_proj"]
             if flat.get("q_lora_rank"):
-                plain.append(p + "self_attn.q_a_layernorm.weight")
-            plain.append(p + "self_attn.kv_a_layernorm.weight")
-            modules += [p + m for m in (*q, "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj")]
+                plain.append("self_attn.q_a_layernorm.weight")
+            plain.append("self_attn.kv_a_layernorm.weight")
+            modules += [*q, "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj"]
             if roles is not None and i < len(roles) and roles[i] == "full":
-                modules += [p + "self_attn.indexer.wq_b", p + "self_attn.indexer.wk",
-                            p + "self_attn.indexer.weights_proj"]
+                modules += ["self_attn.indexer.wq_b", "self_attn.indexer.wk", "self_attn.indexer.weights_proj"]
+                optional += ["self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias"]
         else:
-            modules += [p + f"self_attn.{x}_proj" for x in "qkvo"]
+            modules += [f"self_attn.{x}_proj" for x in "qkvo"]
             if mt.startswith("qwen3"):
-                plain += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+                plain += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        n_attn = len(modules)  # the layer's experts are listed after its attention modules
+        expert_entries: list[tuple[str, str, str]] = []
         if experts and i < len(kinds) and kinds[i] == "sparse":
-            plain.append(p + "mlp.gate.weight")
-            modules += [f"{p}mlp.experts.{e}.{x}_proj" for e in range(experts) for x in ("gate", "up", "down")]
+            plain.append("mlp.gate.weight")
+            optional.append("mlp.gate.e_score_correction_bias")
+            expert_entries = [(f"{p}mlp.experts.{e}.{x}_proj", "module", f"mlp.experts.*.{x}_proj")
+                              for e in range(experts) for x in ("gate", "up", "down")]
             if family.attention == "mla" and _int(flat, "n_shared_experts"):
-                modules += [f"{p}mlp.shared_experts.{x}_proj" for x in ("gate", "up", "down")]
+                modules += [f"mlp.shared_experts.{x}_proj" for x in ("gate", "up", "down")]
         else:
-            modules += [f"{p}mlp.{x}_proj" for x in ("gate", "up", "down")]
-    return plain, modules
+            modules += [f"mlp.{x}_proj" for x in ("gate", "up", "down")]
+        out += [(p + r, "plain", r) for r in plain]
+        out += [(p + r, "module", r) for r in modules[:n_attn]] + expert_entries
+        out += [(p + r, "module", r) for r in modules[n_attn:]]
+        out += [(p + r, "optional", r) for r in optional]
+    return out
+
+
+def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | None = None
+                     ) -> tuple[list[str], list[str]] | None:
+    """(plain tensor names, linear module names) the checkpoint of ``family`` must hold, from the flattened
+    text config (:func:`layout_entries` without the optional tensors); None when the family's layout is not
+    known here or the config lacks the sizes."""
+    entries = layout_entries(flat, family, roles)
+    if entries is None:
+        return None
+    return ([name for name, kind, _ in entries if kind == "plain"],
+            [name for name, kind, _ in entries if kind == "module"])
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(\w+)$")

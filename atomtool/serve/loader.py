@@ -124,8 +124,9 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
             rope_theta (named), a repo id neither cached nor downloadable.
         LayoutError: an unreadable, malformed or unsupported-version ``atomtool.json``.
         UnsupportedArchitectureError: the architecture is not served (lists the supported ones).
-        EngineError: no weights, a scheme outside ``SERVABLE_SCHEMES``, missing / unexpected / mis-shaped
-            tensors (named), bad dtype or device.
+        EngineError: no weights, a scheme outside ``SERVABLE_SCHEMES``, a ``hidden_act`` the engine does not
+            run, missing / unexpected / mis-shaped tensors (named; a raw checkpoint's with inspect's
+            ``shape-mismatch`` message, before the model is built), bad dtype or device.
     """
     model_dir = resolve_model_dir(model_path)
     raw_config = read_config(model_dir)
@@ -133,8 +134,12 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     _check_config_values(raw_config)  # raw checkpoints and layouts alike, before anything is sized from it
     config_path = model_dir / "config.json"
     from atomtool.inspect.dsa import text_config
+    from atomtool.inspect.families import family_for, unsupported_activation
 
     check_size_fields(text_config(raw_config), config_path)
+    act = unsupported_activation(family_for(arch), text_config(raw_config))  # inspect's activation-not-servable
+    if act is not None:
+        raise EngineError(act)
     dev = resolve_device(device)
     from atomtool.convert.layout import MANIFEST_NAME
     from atomtool.inspect.dsa import flatten_dsa_config
@@ -209,37 +214,46 @@ def _name_defaults(defaulted: dict[str, Any], config_path: Path) -> Iterator[Non
 
 def _check_config_values(raw_config: dict[str, Any]) -> None:
     """Refuse a config whose size fields or rope base are nonsense (``num_attention_heads: -4``,
-    ``max_position_embeddings: 0``, ``rope_theta: -1``) with inspect's own check
-    (:func:`atomtool.inspect.config_check.invalid_size_fields`, the ``config-invalid`` findings), so the
-    engine never sizes a model, KV cache or rope table from them.
+    ``max_position_embeddings: 0``, ``rope_theta: -1``) or whose ``quantization_config`` is not a JSON object,
+    with inspect's own checks (:func:`atomtool.inspect.config_check.invalid_size_fields` and
+    :func:`~atomtool.inspect.config_check.invalid_quantization_config`, the ``config-invalid`` findings), so
+    the engine never sizes a model, KV cache or rope table from them (nor the tokenizer trips over them).
 
     Raises:
         ConfigError: one line naming every bad field and its value.
     """
-    from atomtool.inspect.config_check import invalid_size_fields
+    from atomtool.inspect.config_check import invalid_quantization_config, invalid_size_fields
     from atomtool.inspect.dsa import flatten_dsa_config, text_config
 
     try:
         flat = flatten_dsa_config(raw_config)
     except ConfigError:  # a bad DSA schedule is refused where the loader flattens the config
         flat = text_config(raw_config)
-    bad = invalid_size_fields(flat)
+    bad = invalid_size_fields(flat) + invalid_quantization_config(raw_config)
     if bad:
         raise ConfigError("; ".join(one_line(f.message) for f in bad))
 
 
 def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
     """Refuse a raw checkpoint the engine cannot run, before the model is built: no safetensors weights
-    (config.json only), or a linear stored in a scheme outside ``SERVABLE_SCHEMES`` (AWQ, GPTQ, NVFP4, ...).
+    (config.json only), tensors whose shapes disagree with config.json (inspect's ``shape-mismatch``
+    finding, the same message: the field, its value -- and when it is transformers' default --, the tensor
+    and its shape), or a linear stored in a scheme outside ``SERVABLE_SCHEMES`` (AWQ, GPTQ, NVFP4, ...).
 
     Raises:
-        EngineError: one line naming the directory (and the first unservable module with its scheme).
+        EngineError: one line naming the directory (and the first mis-shaped tensor, or the first unservable
+            module with its scheme).
     """
     from atomtool.inspect.classify import unservable_modules
+    from atomtool.inspect.shapes import SHAPE_MISMATCH
 
     if not report.tensors:
         raise EngineError(f"{model_path}: no safetensors weights (*.safetensors) found; config.json alone "
                           "describes the model but there is nothing to load")
+    mismatch = [f for f in report.findings if f.code == SHAPE_MISMATCH]
+    if mismatch:
+        more = f" (+{len(mismatch) - 1} more, see `atomtool inspect {model_path}`)" if len(mismatch) > 1 else ""
+        raise EngineError(f"{model_path}: {mismatch[0].message}{more}")
     bad = unservable_modules(report.modules)
     if bad:
         raise EngineError(f"{model_path}: layer {bad[0].name} is stored as {bad[0].scheme}; {_SCHEME_HINT}")
