@@ -33,7 +33,7 @@ from atomtool.inspect.hf_config import (
     head_count_findings,
     transformers_config_findings,
 )
-from atomtool.inspect.hf_registry import is_transformers_architecture
+from atomtool.inspect.hf_registry import config_field_default, is_transformers_architecture
 from atomtool.inspect.quant import (
     QUANTIZED_SCHEMES,
     QuantSpec,
@@ -225,8 +225,9 @@ def attention_notes(flat: dict[str, Any], fam: Family | None,
                            f"assume a reference model's size for a field that shapes the weights); add it to "
                            f"config.json"))
     for key, (value, cls) in defaults.items():
-        if key in refused or (key == "num_key_value_heads" and value == flat.get("num_attention_heads")):
-            continue  # (no key/value heads given and as many as query heads: plain multi-head attention)
+        if key in refused or (key == "num_key_value_heads" and value == flat.get("num_attention_heads")
+                              and config_field_default(str(flat.get("model_type", "")), key) is None):
+            continue  # (transformers derives as many key/value heads as query heads: plain multi-head attention)
         out.append(Finding("config-missing-field", "warning", None,
                            f"config.json has no {key}: using transformers' {cls} default {value}, as transformers "
                            f"does; set it in config.json if the checkpoint differs"))
