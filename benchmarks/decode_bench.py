@@ -234,6 +234,8 @@ def profile_step(name: str, runner, cfg: dict, bs: int) -> None:
         print(table.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
         full = table.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=90)
         (C.out_dir() / f"profile_{name}_{mode}.txt").write_text(full)
+        if mode == "graph":  # per-stream timeline (the side stream's overlap), for chrome://tracing / perfetto
+            prof.export_chrome_trace(str(C.out_dir() / f"trace_{name}_{mode}.json"))
 
 
 def main(argv: list[str] | None = None) -> int:

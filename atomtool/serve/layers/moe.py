@@ -145,11 +145,13 @@ class DeepseekMoE(nn.Module):
         """x: [T, H] -> routed + shared [T, H]; ``split``: the pair ``(routed, shared or None)`` unsummed, for
         a caller that folds the sum into the next residual add (``RMSNorm(h, residual, extra)``);
         ``aux_stream``: where the shared expert runs beside the routed ones (:mod:`.overlap`; None: in order)."""
-        shared = fork(aux_stream, self.shared_experts, x) if self.shared_experts is not None else None
         logits = self.gate(x)
         weights, ids = get_op("grouped_topk", x.device)(
             logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.routed_scaling_factor)
+        # forked after the (latency-bound) routing, so the shared expert's GEMVs share the SMs with the routed
+        # experts' GEMMs and fill their last partial wave, not delay the router's small kernels
+        shared = fork(aux_stream, self.shared_experts, x) if self.shared_experts is not None else None
         out = get_op("fused_moe", x.device)(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids,
                                             **self.experts.scales())
         shared = shared.join() if shared is not None else None

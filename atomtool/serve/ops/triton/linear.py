@@ -263,11 +263,23 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                                      BLOCK_K=block_k, DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, FUSED_SUM=fused,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
         if not fused:
-            block = 1024
-            _sum_splits_kernel[(triton.cdiv(rows * N, block),)](ws, bias_arg, out_r, rows * N, N, n_splits,
-                                                                HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-                                                                **pdl)
+            sum_planes(ws, out_r, bias)
     return out.view(*lead, N)
+
+
+def sum_planes(planes: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = ((planes[0] + planes[1]) + planes[2]) + ... (+ bias)``, cast to ``out``'s dtype, in one kernel.
+
+    planes: [S, M, N] float32 contiguous (split-K partials, or the MoE's per-slot expert outputs); out: [M, N]
+    contiguous; bias: [N] or None. The sum runs in plane order in float32 whatever M is, so a row's bits
+    depend on neither the other rows nor M (batch invariance).
+    """
+    S, M, N = planes.shape
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](planes, bias if bias is not None else planes, out, M * N, N,
+                                                     S, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+                                                     **launch_pdl_args(out.device))
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

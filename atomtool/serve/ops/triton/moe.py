@@ -25,6 +25,7 @@ from atomtool.serve.ops.triton._common import (
     launch_pdl_args,
 )
 from atomtool.serve.ops.triton.activation import silu_and_mul
+from atomtool.serve.ops.triton.linear import sum_planes
 from atomtool.serve.ops.triton.moe_align import moe_align
 
 
@@ -98,15 +99,18 @@ def _moe_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         a, b, sc = _moe_load_step(a_rows, b_base, s_rows, kk, k0, K, r_ok, n_ok, bk, FP8)
         acc = _moe_step(acc, a, b, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, SWAP_AB, FP8)
+    # the weighted second GEMM writes pair (token t, slot j) to row j * T + t: one [T, H] plane per slot,
+    # which sum_planes adds in slot order
+    c_rows = (rows % top_k) * (num_pairs // top_k) + rows // top_k if MUL_WEIGHT else rows
     if SWAP_AB:
         if MUL_WEIGHT:
             acc *= tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rows[None, :].to(tl.int64) * s_cm + n[:, None], acc.to(c_ptr.dtype.element_ty),
+        tl.store(c_ptr + c_rows[None, :].to(tl.int64) * s_cm + n[:, None], acc.to(c_ptr.dtype.element_ty),
                  mask=r_ok[None, :] & n_ok[:, None])
     else:
         if MUL_WEIGHT:
             acc *= tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(c_ptr + rows[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+        tl.store(c_ptr + c_rows[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=r_ok[:, None] & n_ok[None, :])
 
 
@@ -212,9 +216,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if (w13_scale_inv is None) != (w2_scale_inv is None):
         raise ValueError("fused_moe: give both w13_scale_inv and w2_scale_inv, or neither")
     k = topk_ids.shape[1]
-    out = torch.zeros((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
-        return out
+        return torch.zeros((T, H), dtype=x.dtype, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     n_pairs = T * k
     block_m = MOE_BLOCK_M
@@ -223,8 +226,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _grouped_gemm(x, w13, w13_scale_inv, h13, sorted_pairs, block_expert, n_pairs, k, True, None, block_m,
                   block_size)
     act = silu_and_mul(h13)
-    y = torch.zeros((n_pairs, H), dtype=torch.float32, device=x.device)
+    # pair p = t * k + j lands in plane j, row t; pairs of experts not served here (-1 / other ranks' ids) are
+    # never written and must add zero
+    y = torch.zeros((k, T, H), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(act, w2, w2_scale_inv, y, sorted_pairs, block_expert, n_pairs, k, False, weights, block_m,
-                  block_size)
-    return y.view(T, k, H).sum(dim=1).to(x.dtype)
+    _grouped_gemm(act, w2, w2_scale_inv, y.view(n_pairs, H), sorted_pairs, block_expert, n_pairs, k, False,
+                  weights, block_m, block_size)
+    return sum_planes(y, torch.empty((T, H), dtype=x.dtype, device=x.device))
