@@ -34,9 +34,9 @@ from atomtool.cli import app
 from atomtool.inspect.classify import build_report
 from atomtool.inspect.dsa import flatten_dsa_config
 from tests.checkpoints import make_tokenizer, randomize_, write_fp8_block_checkpoint, write_hf_checkpoint
+from tests.engine_fixtures import convert_checkpoint
 from tests.inspect_cli import inspect_json, run_inspect
-from tests.test_inspect_realworld import _load as load_real_config
-from tests.test_inspect_realworld import expand_index
+from tests.test_inspect_realworld import REALWORLD, expand_index
 
 PROMPT = "hello there"
 
@@ -142,17 +142,16 @@ def no_model_build(monkeypatch):
 
 
 def assert_refused_alike(model_dir: Path, *needles: str) -> str:
-    """inspect: a ``shape-mismatch`` error, not servable, exit 1; generate: one error line that carries the
-    first such finding's message verbatim. Every needle is in that message. Returns it."""
+    """inspect: ``shape-mismatch`` errors, not servable, exit 1; generate: one error line that carries the
+    first such finding's message verbatim. One of the findings holds every needle; returns its message."""
     found, report, rc = findings(model_dir, "shape-mismatch")
     assert rc == 1 and not report["servable"], report["findings"]
     assert found and all(f["severity"] == "error" for f in found)
-    msg = found[0]["message"]
-    for needle in needles:
-        assert needle in msg, (needle, msg)
     line = generate_error(model_dir)
-    assert line.startswith(f"{model_dir}: {msg}"), (line, msg)
-    return msg
+    assert line.startswith(f"{model_dir}: {found[0]['message']}"), (line, found[0])
+    hits = [f["message"] for f in found if all(needle in f["message"] for needle in needles)]
+    assert len(hits) == 1, (needles, [f["message"] for f in found])
+    return hits[0]
 
 
 # ----------------------------------------------------------------------------- 1. num_key_value_heads defaults
@@ -276,6 +275,31 @@ def test_valid_fixtures_have_no_shape_findings(ckpt):
         assert not found and rc == 0 and report["servable"], (arch, report["findings"])
 
 
+LAYOUT_EDITS = [
+    ("llama", {"num_key_value_heads": 1},
+     "model.layers.0.self_attn.k_proj.weight (rows 64:96 of model.layers.0.self_attn.qkv_proj.weight in the "
+     "layout) is [32, 64]", "num_key_value_heads=1 x head_dim=16 = 16"),
+    ("deepseek_v32", {"moe_intermediate_size": 48},
+     "model.layers.1.mlp.experts.0.gate_proj.weight (rows 0:32 of expert 0 of model.layers.1.mlp.experts.w13.weight "
+     "in the layout) is [32, 64]", "moe_intermediate_size=48"),
+    ("deepseek_v3_fp8", {"kv_lora_rank": 16},  # FP8 block 16: the layout pads q_a and kv_a to block rows
+     "model.layers.0.self_attn.kv_a_proj_with_mqa.weight (rows 32:72 of "
+     "model.layers.0.self_attn.fused_qkv_a_proj.weight in the layout) is [40, 64]",
+     "kv_lora_rank=16 + qk_rope_head_dim=8 = 24"),
+]
+
+
+@pytest.mark.parametrize(("arch", "changes", "tensor", "why"), LAYOUT_EDITS, ids=[a for a, *_ in LAYOUT_EDITS])
+def test_layout_config_edited_after_convert_is_refused_by_both(ckpt, tmp_path, no_model_build, arch, changes,
+                                                               tensor, why):
+    """A layout's fused / stacked tensors are checked through the manifest's parts (padding rows excluded):
+    clean as converted, refused by inspect and the loader alike once config.json disagrees."""
+    layout = convert_checkpoint(ckpt(arch), tmp_path / "layout")
+    report, rc = inspect_json(layout)
+    assert rc == 0 and report["servable"], [f for f in report["findings"] if f["severity"] == "error"]
+    assert_refused_alike(edited(layout, tmp_path / "edited", **changes), tensor, why)
+
+
 REAL_TABLES = ["deepseek-ai__DeepSeek-V3.json", "deepseek-ai__DeepSeek-V3.2.json", "zai-org__GLM-5.1-FP8.json",
                "zai-org__GLM-5.2-FP8.json", "moonshotai__Kimi-K2-Instruct.json"]
 
@@ -284,7 +308,7 @@ REAL_TABLES = ["deepseek-ai__DeepSeek-V3.json", "deepseek-ai__DeepSeek-V3.2.json
 def test_real_tensor_tables_agree_with_their_configs_and_an_edit_is_caught(name):
     """The published tensor tables (FP8 block MLA/DSA/MoE, MTP layers included) raise no shape finding; the
     same table under an edited config (kv_lora_rank 512 -> 256) does, naming the real tensor."""
-    cfg, tensors = load_real_config(name), expand_index(name)
+    cfg, tensors = json.loads((REALWORLD / "configs" / name).read_text()), expand_index(name)
     report = build_report(name, cfg, tensors)
     assert not [f for f in report.findings if f.code == "shape-mismatch"]
     assert report.family == "deepseek_mla"
@@ -346,8 +370,6 @@ def test_quantization_config_null_is_not_quantized(ckpt, tmp_path):
 
 
 def test_quantization_config_not_an_object_in_a_layout_is_refused_by_the_loader(ckpt, tmp_path, no_model_build):
-    from tests.engine_fixtures import convert_checkpoint
-
     layout = convert_checkpoint(ckpt("llama"), tmp_path / "layout")
     cfg = json.loads((layout / "config.json").read_text())
     cfg["quantization_config"] = "fp8"

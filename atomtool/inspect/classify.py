@@ -44,7 +44,7 @@ from atomtool.inspect.quant import (
     parse_quant_config,
 )
 from atomtool.inspect.required import missing_tensor_findings
-from atomtool.inspect.shapes import config_shape_findings
+from atomtool.inspect.shapes import config_shape_findings, layout_source_tensors
 from atomtool.inspect.types import DsaInfo, Finding, InspectReport, ModuleInfo, TensorInfo
 
 _INDEXER_RE = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.indexer\.")
@@ -261,6 +261,7 @@ def build_report(
     gpu_memory_gb: float | None = None,
     extra_findings: list[Finding] | None = None,
     padding: dict[str, tuple[int, int]] | None = None,
+    layout_sources: tuple[dict[str, TensorInfo], dict[str, str]] | None = None,
 ) -> InspectReport:
     """Classify a checkpoint from its config and header tensors (pure; no I/O).
 
@@ -276,6 +277,8 @@ def build_report(
         extra_findings: findings from reading the source (e.g. a stale index.json), appended.
         padding: an atomtool layout's zero rows added for FP8 block alignment, scheme -> (rows, elements)
             (:func:`layout_padding`); subtracted from the parameter totals (``totals["padding_rows"]``).
+        layout_sources: an atomtool layout's source tensors inside its fused / stacked tensors, and where each
+            lives (:func:`atomtool.inspect.shapes.layout_source_tensors`), so their shapes are checked too.
     Returns:
         the :class:`InspectReport` (modules in natural name order, findings sorted by severity).
     Raises:
@@ -335,7 +338,7 @@ def build_report(
         invalid = transformers_config_findings(flat)
         # weights that disagree with the config as the engine completes it (first: they name the tensors)
         roles_now = list(flat["indexer_types"]) if schedule_ok and "indexer_types" in flat else None
-        shapes = [] if invalid else config_shape_findings(tensors, flat, fam, filled, roles_now)
+        shapes = [] if invalid else config_shape_findings(tensors, flat, fam, filled, roles_now, layout_sources)
         findings.extend(invalid or shapes + head_count_findings(flat))
     dsa = None
     roles: list[str] | None = None
@@ -467,25 +470,27 @@ def inspect_checkpoint(source: str, revision: str | None = None, *, gpu_memory_g
                     raise
                 # whether the repo has the file at all is unknown offline (most repos never had one):
                 # say nothing about it; the stored dtypes still classify every module
-    padding = None
+    padding = layout_sources = None
     if src.root is not None and not src.is_remote:
         try:
-            padding = layout_padding(src.root)
+            specs = layout_specs(src.root)
         except LayoutError as exc:  # generate/verify refuse this directory: say so, with convert's message
             extra.append(Finding("layout-manifest-invalid", "error", None,
                                  f"{exc}; generate and verify refuse this layout (re-run atomtool convert)"))
+        else:
+            if specs is not None:
+                padding, layout_sources = layout_padding(specs), layout_source_tensors(specs)
     return build_report(source, src.config, src.tensors, src.root, hf_quant_config=hf_quant,
-                        gpu_memory_gb=gpu_memory_gb, extra_findings=extra, padding=padding)
+                        gpu_memory_gb=gpu_memory_gb, extra_findings=extra, padding=padding,
+                        layout_sources=layout_sources)
 
 
-def layout_padding(root: Any) -> dict[str, tuple[int, int]] | None:
-    """Zero rows ``atomtool convert`` appended to FP8 block parts (so each part starts on a block
-    boundary), from the layout's manifest: scheme -> (padding rows, padding elements of the weights).
-    None when ``root`` is not an atomtool layout (:func:`atomtool.convert.layout.is_layout`).
+def layout_specs(root: Any) -> dict[str, Any] | None:
+    """An atomtool layout's tensor specs by name (``OutputTensor``, from its ``atomtool.json`` manifest through
+    :func:`atomtool.convert.layout.load_layout_specs`), or None when ``root`` is not a layout.
 
     Raises LayoutError (an AtomtoolError) when ``root`` has an ``atomtool.json`` that convert's own reader
-    (:func:`atomtool.convert.layout.load_layout_specs`) refuses: not JSON, wrong format, unsupported
-    version, malformed tensor entries.
+    refuses: not JSON, wrong format, unsupported version, malformed tensor entries.
     """
     from pathlib import Path
 
@@ -493,8 +498,15 @@ def layout_padding(root: Any) -> dict[str, tuple[int, int]] | None:
 
     if not (Path(root) / MANIFEST_NAME).exists():
         return None
+    return load_layout_specs(root)
+
+
+def layout_padding(specs: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Zero rows ``atomtool convert`` appended to FP8 block parts (so each part starts on a block
+    boundary), from the layout's tensor specs (:func:`layout_specs`): scheme -> (padding rows, padding
+    elements of the weights)."""
     out: dict[str, tuple[int, int]] = {}
-    for name, spec in load_layout_specs(root).items():
+    for name, spec in specs.items():
         rows = sum(p.pad_rows for p in spec.parts)
         if rows and name.endswith(".weight") and len(spec.shape) >= 2:  # scales are not parameters
             r, e = out.get(spec.scheme, (0, 0))

@@ -128,7 +128,8 @@ def _render(expr: str, vals: dict[str, int]) -> str:
 
 
 def shape_findings(tensors: dict[str, TensorInfo], cfg: dict[str, Any], family: Family | None,
-                   roles: list[str] | None, defaults: dict[str, str]) -> list[Finding]:
+                   roles: list[str] | None, defaults: dict[str, str],
+                   located: dict[str, str] | None = None) -> list[Finding]:
     """``shape-mismatch`` error findings: stored tensors whose shape is not the one ``cfg`` implies.
 
     Args:
@@ -140,6 +141,8 @@ def shape_findings(tensors: dict[str, TensorInfo], cfg: dict[str, Any], family: 
         roles: the DSA schedule (``full`` layers hold an indexer), or None.
         defaults: field -> where its value comes from when config.json does not set it (``transformers'
             MistralConfig default``), named in the message.
+        located: tensor name -> where an atomtool layout stores it (``rows 64:96 of ...qkv_proj.weight``),
+            for the messages (:func:`layout_source_tensors`).
     Returns:
         one finding per kind of disagreement (the defaulted config fields the wrong dimensions come from, else
         all of their fields), naming
@@ -180,8 +183,9 @@ def shape_findings(tensors: dict[str, TensorInfo], cfg: dict[str, Any], family: 
             key = tuple(sorted(fields & set(defaults) or fields))
             parts = [f"dim {i} = {_render(tdims[i], vals)}" + ("" if _NAME.fullmatch(tdims[i]) else f" = {want[i]}")
                      for i in wrong]
-            groups.setdefault(key, []).append(
-                (tname, f"{tname} is {list(t.shape)} but config.json implies {list(want)} ({'; '.join(parts)})"))
+            where = f" ({located[tname]})" if located and tname in located else ""
+            groups.setdefault(key, []).append((tname, f"{tname}{where} is {list(t.shape)} but config.json implies "
+                                                      f"{list(want)} ({'; '.join(parts)})"))
     out = []
     for key, items in groups.items():
         first_name, first = items[0]
@@ -198,19 +202,53 @@ def shape_findings(tensors: dict[str, TensorInfo], cfg: dict[str, Any], family: 
 
 
 def config_shape_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any], family: Family | None,
-                          filled: list[tuple[str, Any, str]], roles: list[str] | None) -> list[Finding]:
+                          filled: list[tuple[str, Any, str]], roles: list[str] | None,
+                          layout_sources: tuple[dict[str, TensorInfo], dict[str, str]] | None = None
+                          ) -> list[Finding]:
     """:func:`shape_findings` for a (valid) flattened text config as config.json states it: completed with
     transformers' defaults first (:func:`atomtool.inspect.hf_config.complete_config_dict`, as the engine's
-    loader completes it), and every field that is such a default named as one in the messages.
+    loader completes it), and every field that is such a default named as one in the messages. inspect and
+    the engine's loader (raw checkpoints and layouts) both call this.
 
-    filled: ``(field, value, config class name)`` inspect already filled into ``flat``
+    filled: ``(field, value, config class name)`` already filled into ``flat``
     (:func:`atomtool.inspect.hf_config.fill_transformers_defaults`: ``num_key_value_heads`` ...).
+    layout_sources: for an atomtool layout, :func:`layout_source_tensors` of its specs (the tensors inside
+    its fused / stacked ones; the stored tensors in ``tensors`` take precedence).
     """
-    if not tensors or family is None:
+    if family is None or not (tensors or layout_sources):
         return []
     cfg, more, cls_name, err = complete_config_dict(flat)
     if err is not None:
         return []
     defaults = {f: f"transformers' {cls} default" for f, _, cls in filled}
     defaults.update({f: f"transformers' {cls_name} default" for f in more})
-    return shape_findings(tensors, cfg, family, roles, defaults)
+    located = None
+    if layout_sources is not None:
+        tensors, located = {**layout_sources[0], **tensors}, layout_sources[1]
+    return shape_findings(tensors, cfg, family, roles, defaults, located)
+
+
+def layout_source_tensors(specs: dict[str, Any]) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The source tensors inside an atomtool layout's tensors, as its manifest records them
+    (``OutputTensor`` specs, :func:`atomtool.convert.layout.load_layout_specs`): a copied / cast tensor as
+    itself; each part of a ``concat`` (rows of a fused tensor, e.g. ``k_proj`` in ``qkv_proj``) or ``stack``
+    (rows of one expert's slice of ``mlp.experts.w13``) with its own rows and the fused tensor's trailing
+    dims (padding rows excluded), so :func:`shape_findings` checks them by their HF names.
+
+    Returns:
+        (tensor by source name, source name -> where it lives in the layout, for messages).
+    """
+    tensors: dict[str, TensorInfo] = {}
+    located: dict[str, str] = {}
+    for name, spec in specs.items():
+        stacked = spec.op == "stack"
+        trailing = tuple(spec.shape[2:] if stacked else spec.shape[1:])
+        for part in spec.parts:
+            if part.rows is None or (part.source == name and len(spec.parts) == 1):
+                tensors.setdefault(part.source, TensorInfo(part.source, spec.dtype, tuple(spec.shape), ""))
+                continue
+            start, end = part.rows
+            tensors[part.source] = TensorInfo(part.source, spec.dtype, (end - start, *trailing), "")
+            slice_of = f"expert {part.stack_index} of {name}" if stacked else name
+            located[part.source] = f"rows {start}:{end} of {slice_of} in the layout"
+    return tensors, located

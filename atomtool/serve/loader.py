@@ -152,6 +152,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         config = flatten_dsa_config(raw_config)
         specs = load_layout_specs(model_dir)
         _check_layout_servable(model_path, model_dir, specs)
+        _check_layout_shapes(model_path, arch, config, specs)  # before building (allocating) the model
         torch_dtype = resolve_dtype(dtype, config, dev)
         config, defaulted = complete_config(config, config_path)
         model = _build_model(arch, config, specs, torch_dtype, dev, config_path)
@@ -250,13 +251,34 @@ def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
     if not report.tensors:
         raise EngineError(f"{model_path}: no safetensors weights (*.safetensors) found; config.json alone "
                           "describes the model but there is nothing to load")
-    mismatch = [f for f in report.findings if f.code == SHAPE_MISMATCH]
-    if mismatch:
-        more = f" (+{len(mismatch) - 1} more, see `atomtool inspect {model_path}`)" if len(mismatch) > 1 else ""
-        raise EngineError(f"{model_path}: {mismatch[0].message}{more}")
+    _refuse_shape_mismatch(model_path, [f for f in report.findings if f.code == SHAPE_MISMATCH])
     bad = unservable_modules(report.modules)
     if bad:
         raise EngineError(f"{model_path}: layer {bad[0].name} is stored as {bad[0].scheme}; {_SCHEME_HINT}")
+
+
+def _refuse_shape_mismatch(model_path: str | os.PathLike, mismatch: list[Any]) -> None:
+    """Raise EngineError with the first ``shape-mismatch`` finding's message (inspect's own words: the
+    tensor, its stored and implied shape, the config fields and which are transformers' defaults), naming
+    the directory and how many more there are; nothing when ``mismatch`` is empty."""
+    if mismatch:
+        more = f" (+{len(mismatch) - 1} more, see `atomtool inspect {model_path}`)" if len(mismatch) > 1 else ""
+        raise EngineError(f"{model_path}: {mismatch[0].message}{more}")
+
+
+def _check_layout_shapes(model_path: str | os.PathLike, arch: str, config: dict[str, Any],
+                         specs: dict[str, Any]) -> None:
+    """The layout counterpart of the raw path's shape check: the tensors the manifest records (and the
+    sources inside its fused / stacked ones) against the shapes the config implies, by inspect's
+    :func:`~atomtool.inspect.shapes.config_shape_findings` (a config.json edited after convert, or a
+    ``--force``d conversion). Raises EngineError (one line, the message ``atomtool inspect`` prints)."""
+    from atomtool.inspect.families import family_for
+    from atomtool.inspect.shapes import config_shape_findings, layout_source_tensors
+
+    roles = config.get("indexer_types")
+    found = config_shape_findings({}, config, family_for(arch), [], roles if isinstance(roles, list) else None,
+                                  layout_source_tensors(specs))
+    _refuse_shape_mismatch(model_path, found)
 
 
 def _check_layout_servable(model_path: str | os.PathLike, model_dir: Path, specs: dict[str, Any]) -> None:
