@@ -5,7 +5,9 @@
    num_attention_heads not a multiple of num_key_value_heads too;
 2. ``--gpu-memory``'s longest context respects the serving cap at the sliding window;
 3. the required-tensor check reads ``mlp_layer_types`` (one rule with the KV/parameter estimates);
-4. a size field config.json lacks takes transformers' config-class default (MistralConfig: 32 layers).
+4. a size field config.json lacks takes transformers' config-class default (MistralConfig: 32 layers);
+   ``num_key_value_heads`` is taken by inspect and the engine's loader alike (then checked against the
+   weights: tests/test_config_weight_agreement.py).
 """
 
 from __future__ import annotations
@@ -221,9 +223,13 @@ def test_unserved_family_without_num_hidden_layers_takes_the_default_as_a_warnin
 
 
 def test_mistral_without_kv_heads_takes_mistralconfig_default(tmp_path):
+    from atomtool.serve.model_config import check_size_fields, complete_config
+
     cfg = {k: v for k, v in MISTRAL_7B_V01.items() if k != "num_key_value_heads"}
     kv = transformers.MistralConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).num_key_value_heads
     d = _config_only(tmp_path, cfg)
+    check_size_fields(cfg, d / "config.json")  # the engine's loader takes it too, with the same value
+    assert complete_config(cfg, d / "config.json")[1]["num_key_value_heads"] == kv
     res = _run(str(d))
     assert res.exit_code == 0, res.output
     assert f"config.json has no num_key_value_heads: using transformers' MistralConfig default {kv}" in res.stdout

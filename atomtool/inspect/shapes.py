@@ -144,11 +144,10 @@ def shape_findings(tensors: dict[str, TensorInfo], cfg: dict[str, Any], family: 
         located: tensor name -> where an atomtool layout stores it (``rows 64:96 of ...qkv_proj.weight``),
             for the messages (:func:`layout_source_tensors`).
     Returns:
-        one finding per kind of disagreement (the defaulted config fields the wrong dimensions come from, else
-        all of their fields), naming
-        the first tensor (and how many more), its stored and implied shape, each wrong dimension as the
-        config fields and values it is computed from, and the fields that are defaults. [] when everything
-        that can be compared agrees.
+        one finding per cause (the defaulted config fields the wrong dimensions come from, else all of their
+        fields), naming the first tensor (and how many more), its stored and implied shape, each wrong
+        dimension as the config fields and values it is computed from, and the fields that are defaults.
+        [] when everything that can be compared agrees.
     """
     if not tensors or family is None or not any(n.startswith("model.layers.") for n in tensors):
         return []
