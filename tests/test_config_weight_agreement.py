@@ -376,3 +376,22 @@ def test_quantization_config_not_an_object_in_a_layout_is_refused_by_the_loader(
     (layout / "config.json").write_text(json.dumps(cfg))
     assert "quantization_config must be a JSON object" in generate_error(layout)
     shutil.rmtree(layout)
+
+
+def test_quantization_config_not_an_object_is_one_error_line_in_serve(ckpt, tmp_path, no_model_build):
+    bad = edited(ckpt("llama"), tmp_path / "bad", quantization_config="fp8")
+    res = CliRunner().invoke(app, ["serve", str(bad), "--device", "cpu", "--port", "0"])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: config.json: quantization_config must be a JSON object (e.g. {\"quant_method\": "
+                      "\"fp8\", ...}), got str 'fp8'"], res.stderr
+
+
+def test_quantization_config_inside_text_config_is_checked_too():
+    from atomtool.inspect.config_check import invalid_quantization_config
+
+    cfg = {"architectures": ["X"], "text_config": {"model_type": "llama", "quantization_config": "fp8"}}
+    assert [f.message for f in invalid_quantization_config(cfg)] == [
+        "config.json: text_config.quantization_config must be a JSON object (e.g. {\"quant_method\": \"fp8\", "
+        "...}), got str 'fp8'"]
+    assert invalid_quantization_config({"quantization_config": {"quant_method": "fp8"}}) == []
