@@ -13,7 +13,7 @@ fed to both commands (and convert where it refuses up front):
    ``shape-mismatch`` error in inspect and the same message in generate, before any model is built; the real
    published tensor tables raise none, and an edited real config does;
 3. a ``hidden_act`` the engine does not run: the same verdict and message in both (``swish``, SiLU in
-   transformers' ``ACT2FN``, is served by the dense models);
+   transformers' ``ACT2FN``, is served, equal to transformers' float32 greedy output);
 4. a ``quantization_config`` that is not a JSON object is named as such by both (not blamed on the
    tokenizer).
 """
@@ -323,7 +323,7 @@ def test_real_tensor_tables_agree_with_their_configs_and_an_edit_is_caught(name)
 # ----------------------------------------------------------------------------- 3. hidden_act
 
 
-@pytest.mark.parametrize(("arch", "act"), [("llama", "gelu"), ("qwen3", "relu"), ("deepseek_v32", "swish"),
+@pytest.mark.parametrize(("arch", "act"), [("llama", "gelu"), ("qwen3", "relu"), ("deepseek_v32", "relu2"),
                                            ("deepseek_v3", "gelu_pytorch_tanh")])
 def test_unsupported_hidden_act_same_verdict_and_message(ckpt, tmp_path, no_model_build, arch, act):
     bad = edited(ckpt(arch), tmp_path / "bad", hidden_act=act)
@@ -331,15 +331,17 @@ def test_unsupported_hidden_act_same_verdict_and_message(ckpt, tmp_path, no_mode
     assert rc == 0 and not report["servable"]  # a valid transformers checkpoint atomtool does not serve
     assert len(found) == 1 and found[0]["severity"] == "warning"
     msg = found[0]["message"]
-    assert f"hidden_act {act!r} is not supported" in msg
+    assert f"hidden_act {act!r} is not supported" in msg and "MLPs with silu or swish only" in msg
     assert generate_error(bad) == msg
     res = CliRunner().invoke(app, ["convert", str(bad), str(tmp_path / "out")])
     assert res.exit_code == 1 and "would not convert into a servable layout" in res.output
 
 
-def test_swish_is_silu_for_the_dense_engine_as_in_transformers(ckpt, tmp_path):
-    """transformers' ACT2FN maps "swish" to SiLU: the dense engine serves it, with the silu tokens."""
-    src = ckpt("llama")
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_swish_is_silu_as_in_transformers(ckpt, tmp_path, arch):
+    """transformers' ACT2FN maps "swish" to torch.nn.SiLU: served (dense and MLA/MoE) with the silu tokens,
+    which are transformers' own greedy tokens for the swish checkpoint (float32)."""
+    src = ckpt(arch)
     swish = edited(src, tmp_path / "swish", hidden_act="swish")
     report, rc = inspect_json(swish)
     assert rc == 0 and report["servable"]

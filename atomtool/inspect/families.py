@@ -74,7 +74,7 @@ _MLA_FUSIONS = (
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"),
-           "gqa", True, _DENSE_FUSIONS, activations=("silu", "swish")),  # ACT2FN: swish is SiLU
+           "gqa", True, _DENSE_FUSIONS),
     Family("deepseek_mla",
            ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
            "mla", True, _MLA_FUSIONS, ExpertRule(), fp32_keep=("mlp.gate.e_score_correction_bias",)),
@@ -116,12 +116,20 @@ def family_for(architecture: str, *, strict: bool = False) -> Family | None:
     return fam
 
 
+#: ``hidden_act`` names that are another name of an activation the engine runs: transformers' ``ACT2FN``
+#: maps ``swish`` to ``torch.nn.SiLU``, the same function as ``silu`` (x * sigmoid(x)). The engine's loader
+#: hands the model the canonical name.
+ACTIVATION_ALIASES = {"swish": "silu"}
+
+
 def unsupported_activation(family: Family | None, config_flat: dict) -> str | None:
     """Why the engine cannot run a servable ``family``'s checkpoint with config.json's ``hidden_act``
     (transformers' default: silu) -- one line naming the value and the ones it runs (:attr:`Family.activations`,
-    as ``atomtool.serve.models`` implements them) --, or None (supported, or a family serve does not run)."""
+    as ``atomtool.serve.models`` implements them, and their :data:`ACTIVATION_ALIASES`) --, or None
+    (supported, or a family serve does not run)."""
     act = config_flat.get("hidden_act", "silu")
-    if family is None or not family.servable or act in family.activations:
+    if family is None or not family.servable or ACTIVATION_ALIASES.get(act, act) in family.activations:
         return None
+    names = [*family.activations, *(a for a, c in ACTIVATION_ALIASES.items() if c in family.activations)]
     return (f"config.json: hidden_act {act!r} is not supported: the engine runs {family.name}-family MLPs with "
-            f"{' or '.join(family.activations)} only, so atomtool cannot serve this checkpoint")
+            f"{' or '.join(names)} only, so atomtool cannot serve this checkpoint")

@@ -155,6 +155,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         _check_layout_shapes(model_path, arch, config, specs)  # before building (allocating) the model
         torch_dtype = resolve_dtype(dtype, config, dev)
         config, defaulted = complete_config(config, config_path)
+        config = _canonical_activation(config)
         model = _build_model(arch, config, specs, torch_dtype, dev, config_path)
         from atomtool.serve.layout_load import load_layout_weights
 
@@ -173,11 +174,22 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         plan = build_plan(report, plan_dtype)
         config = flatten_dsa_config(plan.config) if plan.config else config
         config, defaulted = complete_config(config, config_path)
+        config = _canonical_activation(config)
         model = _build_model(arch, config, plan.tensors, torch_dtype, dev, config_path)
         with _name_defaults(defaulted, config_path):
             model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
     model.eval()
     return LoadedModel(model, config, arch, model_dir, torch_dtype, dev)
+
+
+def _canonical_activation(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with an aliased ``hidden_act`` (``swish``) replaced by the name the engine's models read
+    (``silu``; :data:`atomtool.inspect.families.ACTIVATION_ALIASES`, the same function in transformers'
+    ``ACT2FN``); the input is left alone."""
+    from atomtool.inspect.families import ACTIVATION_ALIASES
+
+    act = config.get("hidden_act")
+    return {**config, "hidden_act": ACTIVATION_ALIASES[act]} if act in ACTIVATION_ALIASES else config
 
 
 def _build_model(arch: str, config: dict[str, Any], specs: Any, dtype: torch.dtype, device: torch.device,
