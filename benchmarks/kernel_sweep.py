@@ -193,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         shapes = DSV32_LINEARS
         T_list = [1, 8]
         if args.quick:
-            lin = [Fp8LinearConfig(), Fp8LinearConfig(num_stages=4), Fp8LinearConfig(swap_ab=True)]
+            lin = [Fp8LinearConfig(tma=False), Fp8LinearConfig(), Fp8LinearConfig(block_n=128),
+                   Fp8LinearConfig(block_n=128, num_warps=8), Fp8LinearConfig(block_n=128, num_stages=4),
+                   Fp8LinearConfig(block_n=128, split_target=1024), Fp8LinearConfig(block_n=256),
+                   Fp8LinearConfig(block_n=256, num_warps=8)]
             moe = [MoeGemmConfig(), MoeGemmConfig(num_stages=4), MoeGemmConfig(swap_ab=False)]
         else:
             lin = [Fp8LinearConfig(block_n=bn, split_target=tg, num_warps=4, num_stages=ns, swap_ab=sw)

@@ -277,6 +277,30 @@ def test_fp8_block_linear_small_m_split_k_batch_invariant(tri, N, K, gpu_report)
     assert torch.equal(big[0], full[0]) and torch.equal(big[1099], full[1099 % 16])
 
 
+@pytest.mark.parametrize("M", [1, 7, 16, 600])
+def test_fp8_block_linear_tma_changes_no_bit(tri, M, monkeypatch):
+    """The Hopper TMA path (Fp8LinearConfig.tma) fetches the same tiles as the masked loads: bitwise the same
+    output, with and without bias, for a K that is not a whole number of steps, an N that is not a whole number
+    of tiles, and an activation view whose alignment rules TMA out (it falls back)."""
+    import dataclasses
+    import importlib
+
+    L = importlib.import_module("atomtool.serve.ops.triton.linear")  # the package re-exports the op `linear`
+
+    g = torch.Generator().manual_seed(23)
+    w, s = _fp8_weight(2112 + 40, 7168 - 64, g)
+    x = torch.randn(M, 7168, generator=g).to(DEV, torch.bfloat16)
+    b = torch.randn(w.shape[0], generator=g).to(DEV, torch.bfloat16)
+    outs = {}
+    for tma in (False, True):
+        monkeypatch.setattr(L, "FP8_LINEAR_CONFIG", dataclasses.replace(L.FP8_LINEAR_CONFIG, tma=tma))
+        assert L._tma_ok(L.FP8_LINEAR_CONFIG, x[:, :7104], w) == (tma and torch.cuda.get_device_capability()[0] >= 9)
+        outs[tma] = (tri.linear(x[:, :7104], w, None, s), tri.linear(x[:, :7104], w, b, s),
+                     tri.linear(x[:, 1:7105], w, b, s))
+    for a, c in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, c)
+
+
 @pytest.mark.parametrize("T", [1, 64, 1000])
 def test_fused_moe_bf16_and_fp8(tri, T, gpu_report):
     g = torch.Generator().manual_seed(8)

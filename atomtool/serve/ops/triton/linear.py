@@ -31,6 +31,7 @@ from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
     grid_dependency_wait,
+    interpreting,
     launch_pdl_args,
 )
 
@@ -62,6 +63,16 @@ def _fp8_step(acc, a, w, sc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_D
 
 
 @triton.jit
+def _tile(s_ptr, M, N, K, bn, k_chunk, s_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows m [BLOCK_M], columns n [BLOCK_N], their masks, the scale row pointers [BLOCK_N] and
+    its K range [k_start, k_end) (program (pid_m, pid_n, pid_s) of the split-K grid)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * k_chunk
+    return m, n, m < M, n < N, s_ptr + (n // bn).to(tl.int64) * s_sn, k_start, tl.minimum(K, k_start + k_chunk)
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, M, N, K, bn, bk, k_chunk,
                            n_splits, s_am, s_wn, s_sn, s_cm, s_cs, s_om,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -77,18 +88,12 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     grid_dependency_wait(USE_PDL)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m, n, m_ok, n_ok, s_row, k_start, k_end = _tile(s_ptr, M, N, K, bn, k_chunk, s_sn, BLOCK_M, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    m_ok = m < M
-    n_ok = n < N
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    s_row = s_ptr + (n // bn).to(tl.int64) * s_sn
-    k_start = pid_s * k_chunk
-    k_end = tl.minimum(K, k_start + k_chunk)
     a_rows = a_ptr + m[:, None].to(tl.int64) * s_am
     w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -123,6 +128,28 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
             tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :], tot.to(out_ptr.dtype.element_ty),
                      mask=ok)
             tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _fp8_block_gemm_tma_kernel(a_desc, w_desc, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk, k_chunk, s_sn, s_cm, s_cs,
+                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # _fp8_block_gemm_kernel (SWAP_AB off, no fused sum) with the activation and weight tiles fetched by the
+    # Hopper tensor-memory accelerator (TMA): one bulk copy per tile instead of per-thread addresses, masks
+    # and cp.async; out-of-bounds rows / columns arrive as zeros, which is what the masked loads read. Same
+    # tiles, same K order, same dot: the same bits.
+    grid_dependency_wait(USE_PDL)
+    m, n, m_ok, n_ok, s_row, k_start, k_end = _tile(s_ptr, M, N, K, bn, k_chunk, s_sn, BLOCK_M, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        a = a_desc.load([tl.program_id(0) * BLOCK_M, k0])
+        w = w_desc.load([tl.program_id(1) * BLOCK_N, k0])
+        sc = tl.load(s_row + k0 // bk, mask=n_ok, other=0.0)
+        acc = _fp8_step(acc, a, w, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, False)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + tl.program_id(2).to(tl.int64) * s_cs + m[:, None].to(tl.int64) * s_cm + n[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -185,6 +212,7 @@ class Fp8LinearConfig:
     num_stages: int = 3
     swap_ab: bool = False
     fused_sum: bool = False
+    tma: bool = True
 
 
 #: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
@@ -240,31 +268,50 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     n_splits, k_chunk = split_k_plan(N, K, block_n, block_k)
     dot = dot_dtype(x.dtype)
     pdl = launch_pdl_args(x.device)
-    if n_splits == 1:
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1)
-        _fp8_block_gemm_kernel[grid](a, w, s, bias_arg, out, out, s, M, N, K, bn, bk, k_chunk, 1,
-                                     a.stride(0), w.stride(0), s.stride(0), out.stride(0), 0, out.stride(0),
-                                     HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, FUSED_SUM=False, num_warps=cfg.num_warps,
-                                     num_stages=cfg.num_stages, **pdl)
-        return out.view(*lead, N)
+    tma = _tma_ok(cfg, a, w)
+    w_desc = _descriptor(w, block_n, block_k) if tma else None
     # rows in chunks bound the fp32 workspace ([splits, rows, N]); chunking never changes a row's bits
-    for r0 in range(0, M, SPLIT_ROWS):
-        rows = min(SPLIT_ROWS, M - r0)
+    for r0 in range(0, M, M if n_splits == 1 else SPLIT_ROWS):
+        rows = min(SPLIT_ROWS, M - r0) if n_splits > 1 else M
         a_r, out_r = a[r0:r0 + rows], out[r0:r0 + rows]
-        ws = torch.empty((n_splits, rows, N), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(N, block_n), n_splits)
-        counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum else None
+        # one split: the kernel writes the output (with the bias); else split planes of fp32 partials
+        c = out_r if n_splits == 1 else torch.empty((n_splits, rows, N), dtype=torch.float32, device=x.device)
+        s_cm, s_cs = (out_r.stride(0), 0) if n_splits == 1 else (c.stride(1), c.stride(0))
+        counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum and n_splits > 1 else None
         fused = counters is not None
-        _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, ws, out_r, counters if fused else s, rows, N, K, bn, bk,
-                                     k_chunk, n_splits, a_r.stride(0), w.stride(0), s.stride(0), ws.stride(1),
-                                     ws.stride(0), out_r.stride(0),
-                                     HAS_BIAS=has_bias and fused, BLOCK_M=block_m, BLOCK_N=block_n,
-                                     BLOCK_K=block_k, DOT_DTYPE=dot, SWAP_AB=cfg.swap_ab, FUSED_SUM=fused,
-                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
-        if not fused:
-            sum_planes(ws, out_r, bias)
+        kernel_bias = has_bias and (n_splits == 1 or fused)
+        opts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, **pdl)
+        if tma:
+            _fp8_block_gemm_tma_kernel[grid](_descriptor(a_r, block_m, block_k), w_desc, s, bias_arg, c, rows, N, K,
+                                             bn, bk, k_chunk, s.stride(0), s_cm, s_cs, HAS_BIAS=kernel_bias, **opts)
+        else:
+            _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, c, out_r, counters if fused else s, rows, N, K, bn, bk,
+                                         k_chunk, n_splits, a_r.stride(0), w.stride(0), s.stride(0), s_cm, s_cs,
+                                         out_r.stride(0), HAS_BIAS=kernel_bias, SWAP_AB=cfg.swap_ab,
+                                         FUSED_SUM=fused, **opts)
+        if n_splits > 1 and not fused:
+            sum_planes(c, out_r, bias)
     return out.view(*lead, N)
+
+
+def _tma_ok(cfg: Fp8LinearConfig, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """The TMA kernel serves this call: configured, a Hopper-or-newer CUDA device (not the interpreter), the
+    plain tile (no swap, no fused sum), and 16-byte aligned bases and row strides (TMA's requirement)."""
+    if not cfg.tma or cfg.swap_ab or cfg.fused_sum or a.device.type != "cuda" or interpreting():
+        return False
+    if torch.cuda.get_device_capability(a.device)[0] < 9 or torch.version.hip is not None:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    """Triton's host-side TMA descriptor of a row-major 2-D tensor, fetched in [rows, cols] boxes (zeros past
+    its edges)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, cols])
 
 
 def sum_planes(planes: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
