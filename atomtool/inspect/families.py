@@ -128,7 +128,8 @@ def unsupported_activation(family: Family | None, config_flat: dict) -> str | No
     as ``atomtool.serve.models`` implements them, and their :data:`ACTIVATION_ALIASES`) --, or None
     (supported, or a family serve does not run)."""
     act = config_flat.get("hidden_act", "silu")
-    if family is None or not family.servable or ACTIVATION_ALIASES.get(act, act) in family.activations:
+    canonical = ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else None  # (a list, a number: no)
+    if family is None or not family.servable or canonical in family.activations:
         return None
     names = [*family.activations, *(a for a, c in ACTIVATION_ALIASES.items() if c in family.activations)]
     return (f"config.json: hidden_act {act!r} is not supported: the engine runs {family.name}-family MLPs with "

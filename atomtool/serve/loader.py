@@ -189,7 +189,8 @@ def _canonical_activation(config: dict[str, Any]) -> dict[str, Any]:
     from atomtool.inspect.families import ACTIVATION_ALIASES
 
     act = config.get("hidden_act")
-    return {**config, "hidden_act": ACTIVATION_ALIASES[act]} if act in ACTIVATION_ALIASES else config
+    return {**config, "hidden_act": ACTIVATION_ALIASES[act]} if isinstance(act, str) and act in ACTIVATION_ALIASES \
+        else config
 
 
 def _build_model(arch: str, config: dict[str, Any], specs: Any, dtype: torch.dtype, device: torch.device,
