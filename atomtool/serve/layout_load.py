@@ -12,7 +12,8 @@ calls, in order, straight into the already-allocated parameters.
   reused once its copies' event completed (double buffering: the next read overlaps the transfer).
 
 A small thread pool reads chunks in parallel (``preadv`` and the copies release the GIL); chunks are dealt
-round-robin so concurrent reads stay close together in the file. Its size is ``min(4, cpu_count)``, or
+round-robin so concurrent reads stay close together in the file. Its size is ``min(8, cpu_count)`` (8 read a
+cold FP8 MoE layout ~5% faster than 4 on the H200 machine's disk, 16 no faster: docs/PERFORMANCE.md), or
 ``ATOMTOOL_LOAD_WORKERS`` when set (:func:`default_workers`; more reads in flight can help a disk that serves
 several requests faster than one). With staging, ``direct_io`` (or
 ``ATOMTOOL_LOAD_DIRECT_IO=1``) reads with O_DIRECT into the page-aligned buffers, bypassing the page cache.
@@ -183,14 +184,14 @@ def _read_staged(chunks: list[_Chunk], chunk_bytes: int, device: torch.device,
 
 def default_workers() -> int:
     """Reader threads of :func:`load_layout_weights`: ``ATOMTOOL_LOAD_WORKERS`` when set, else
-    ``min(4, cpu_count)``.
+    ``min(8, cpu_count)``.
 
     Raises:
         EngineError: ``ATOMTOOL_LOAD_WORKERS`` is not an integer from 1 to 64 (named with its value).
     """
     env = os.environ.get("ATOMTOOL_LOAD_WORKERS", "").strip()
     if not env:
-        return max(1, min(4, os.cpu_count() or 1))
+        return max(1, min(8, os.cpu_count() or 1))
     try:
         n = int(env)
     except ValueError:
