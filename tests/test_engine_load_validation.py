@@ -78,18 +78,25 @@ def test_wrong_shaped_weight_in_raw_checkpoint_is_named(qwen3, tmp_path):
     bad = shutil.copytree(qwen3, tmp_path / "bad")
     truncate_down_proj(bad / "model.safetensors")
     line = generate_error(bad)
-    assert line == (f"error: cannot load Qwen3ForCausalLM weights: shape mismatches: {DOWN} (64, 3) "
-                    "(model expects (64, 128))")
+    # inspect's shape-mismatch finding, refused before the model is built
+    assert line == (f"error: {bad}: shape mismatch between config.json and the weights: {DOWN} is [64, 3] but "
+                    "config.json implies [64, 128] (dim 1 = intermediate_size=128); the engine cannot load these "
+                    "weights with this config.json")
 
 
 def test_wrong_shaped_weight_converted_then_served_is_named(qwen3, tmp_path):
-    """convert copies the mis-shaped tensor into the layout; the layout loader (fast path) refuses it."""
+    """convert refuses the mis-shaped tensor (inspect's shape-mismatch); forced into a layout, the loader
+    refuses the layout with the same message, before building the model."""
     bad = shutil.copytree(qwen3, tmp_path / "bad")
     truncate_down_proj(bad / "model.safetensors")
-    layout = convert_checkpoint(bad, tmp_path / "layout")
-    line = generate_error(layout)
-    assert line == (f"error: cannot load Qwen3ForCausalLM weights: shape mismatches: {DOWN} (64, 3) "
-                    "(model expects (64, 128))")
+    res = CliRunner().invoke(app, ["convert", str(bad), str(tmp_path / "layout")])
+    assert res.exit_code == 1 and "shape-mismatch" in res.output
+    res = CliRunner().invoke(app, ["convert", str(bad), str(tmp_path / "layout"), "--force"])
+    assert res.exit_code == 0, res.output
+    line = generate_error(tmp_path / "layout")
+    assert line == (f"error: {tmp_path / 'layout'}: shape mismatch between config.json and the weights: {DOWN} is "
+                    "[64, 3] but config.json implies [64, 128] (dim 1 = intermediate_size=128); the engine cannot "
+                    "load these weights with this config.json")
 
 
 def test_wrong_shaped_weight_edited_into_a_layout_is_named(qwen3_layout, tmp_path):
@@ -145,16 +152,15 @@ def test_config_check_flags_rope_theta_wherever_it_lives():
 
 
 @pytest.mark.parametrize(("changes", "mismatched"), [
-    ({"hidden_size": 63}, ["lm_head.weight (128, 64) (model expects (128, 63))",
-                           "model.embed_tokens.weight (128, 64) (model expects (128, 63))",
-                           "model.layers.0.input_layernorm.weight (64,) (model expects (63,))"]),
-    ({"vocab_size": 100}, ["lm_head.weight (128, 64) (model expects (100, 64))",
-                           "model.embed_tokens.weight (128, 64) (model expects (100, 64))"]),
+    ({"hidden_size": 63}, ["model.embed_tokens.weight is [128, 64] but config.json implies [128, 63] "
+                           "(dim 1 = hidden_size=63)", "lm_head.weight"]),
+    ({"vocab_size": 100}, ["model.embed_tokens.weight is [128, 64] but config.json implies [100, 64] "
+                           "(dim 0 = vocab_size=100)", "(lm_head.weight)"]),
 ])
 def test_present_but_misshaped_tensors_are_not_called_missing(qwen3, tmp_path, changes, mismatched):
     bad = copy_with_config(qwen3, tmp_path / "bad", **changes)
     line = generate_error(bad)
-    assert line.startswith("error: cannot load Qwen3ForCausalLM weights: shape mismatches: ")
+    assert line.startswith(f"error: {bad}: shape mismatch between config.json and the weights: ")
     assert "missing" not in line
     for item in mismatched:
         assert item in line

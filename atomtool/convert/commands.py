@@ -179,7 +179,7 @@ def servability_problems(report: InspectReport) -> list[str]:
                             f"by inspect but the engine does not run it; it runs "
                             f"{', '.join(supported_architectures())}")
         problems += [f"{f.code}: {f.message}" for f in report.findings
-                     if f.code == "scheme-not-servable" and f.severity != "error"]
+                     if f.code in ("scheme-not-servable", "activation-not-servable") and f.severity != "error"]
         if len(problems) == 0:
             problems.append(f"not-servable: inspect reports {report.source} as not servable")
     return [" ".join(p.split()) for p in dict.fromkeys(problems)]
