@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from atomtool.errors import AtomtoolError
+from atomtool.errors import AtomtoolError, Terminated
 
 app = typer.Typer(
     name="atomtool",
@@ -71,6 +71,9 @@ def _user_errors(fn):
         except AtomtoolError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
+        except Terminated:
+            print("error: terminated (SIGTERM)", file=sys.stderr)
+            raise typer.Exit(Terminated.exit_code) from None
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr)
             raise typer.Exit(130) from None
@@ -101,7 +104,9 @@ def convert_cmd(
     out: Annotated[str, typer.Argument(help="Output layout directory (must not exist or be empty).")],
     dtype: Annotated[DType, typer.Option(help="Target dtype for plain-float tensors.")] = DType.auto,
     shard_size: Annotated[str, typer.Option(help="Maximum shard size, e.g. 5GB, 500MB.")] = "5GB",
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace an existing OUT that is an atomtool layout (holds atomtool.json); any other non-empty "
+             "directory is refused, never deleted.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     revision: Annotated[str | None, typer.Option(help="Hub revision when SRC is a repo id.")] = None,

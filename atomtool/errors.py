@@ -46,6 +46,14 @@ class InvalidRequestError(AtomtoolError):
     """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ..."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM turned into an exception (a KeyboardInterrupt, so every Ctrl-C cleanup path runs) while a
+    command that must clean up runs (convert). The CLI exits with ``exit_code``: 128 + SIGTERM = 143, the
+    shell's convention, where Ctrl-C gives 130."""
+
+    exit_code: int = 143
+
+
 def one_line(text: object) -> str:
     """``text`` (a message, or a foreign exception whose text we embed in ours) squeezed onto one line:
     runs of whitespace, newlines included, become one space. The CLI prints ``error: <message>`` as one

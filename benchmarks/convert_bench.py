@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -42,39 +43,83 @@ def _fill(shape, gen):
     return (torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1).to(torch.bfloat16)
 
 
-def layer_tensors(i: int, full: bool, moe: bool, gen) -> dict:
+def layer_shapes(i: int, full: bool, moe: bool) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of layer ``i`` (all BF16 but the router's F32 ``e_score_correction_bias``)."""
     p = f"model.layers.{i}"
     t = {
-        f"{p}.input_layernorm.weight": _fill((H,), gen),
-        f"{p}.post_attention_layernorm.weight": _fill((H,), gen),
-        f"{p}.self_attn.q_a_proj.weight": _fill((Q_RANK, H), gen),
-        f"{p}.self_attn.q_a_layernorm.weight": _fill((Q_RANK,), gen),
-        f"{p}.self_attn.q_b_proj.weight": _fill((HEADS * (NOPE + ROPE), Q_RANK), gen),
-        f"{p}.self_attn.kv_a_proj_with_mqa.weight": _fill((KV_RANK + ROPE, H), gen),
-        f"{p}.self_attn.kv_a_layernorm.weight": _fill((KV_RANK,), gen),
-        f"{p}.self_attn.kv_b_proj.weight": _fill((HEADS * (NOPE + V), KV_RANK), gen),
-        f"{p}.self_attn.o_proj.weight": _fill((H, HEADS * V), gen),
+        f"{p}.input_layernorm.weight": (H,),
+        f"{p}.post_attention_layernorm.weight": (H,),
+        f"{p}.self_attn.q_a_proj.weight": (Q_RANK, H),
+        f"{p}.self_attn.q_a_layernorm.weight": (Q_RANK,),
+        f"{p}.self_attn.q_b_proj.weight": (HEADS * (NOPE + ROPE), Q_RANK),
+        f"{p}.self_attn.kv_a_proj_with_mqa.weight": (KV_RANK + ROPE, H),
+        f"{p}.self_attn.kv_a_layernorm.weight": (KV_RANK,),
+        f"{p}.self_attn.kv_b_proj.weight": (HEADS * (NOPE + V), KV_RANK),
+        f"{p}.self_attn.o_proj.weight": (H, HEADS * V),
     }
     if full:
         t.update({
-            f"{p}.self_attn.indexer.wq_b.weight": _fill((IDX_HEADS * IDX_DIM, Q_RANK), gen),
-            f"{p}.self_attn.indexer.wk.weight": _fill((IDX_DIM, H), gen),
-            f"{p}.self_attn.indexer.k_norm.weight": _fill((IDX_DIM,), gen),
-            f"{p}.self_attn.indexer.k_norm.bias": _fill((IDX_DIM,), gen),
-            f"{p}.self_attn.indexer.weights_proj.weight": _fill((IDX_HEADS, H), gen),
+            f"{p}.self_attn.indexer.wq_b.weight": (IDX_HEADS * IDX_DIM, Q_RANK),
+            f"{p}.self_attn.indexer.wk.weight": (IDX_DIM, H),
+            f"{p}.self_attn.indexer.k_norm.weight": (IDX_DIM,),
+            f"{p}.self_attn.indexer.k_norm.bias": (IDX_DIM,),
+            f"{p}.self_attn.indexer.weights_proj.weight": (IDX_HEADS, H),
         })
     if not moe:
         for n, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER))):
-            t[f"{p}.mlp.{n}.weight"] = _fill(shape, gen)
+            t[f"{p}.mlp.{n}.weight"] = shape
         return t
-    t[f"{p}.mlp.gate.weight"] = _fill((EXPERTS, H), gen)
-    t[f"{p}.mlp.gate.e_score_correction_bias"] = _fill((EXPERTS,), gen).float()
+    t[f"{p}.mlp.gate.weight"] = (EXPERTS, H)
+    t[f"{p}.mlp.gate.e_score_correction_bias"] = (EXPERTS,)
+    mlp = (("gate_proj", (MOE_INTER, H)), ("up_proj", (MOE_INTER, H)), ("down_proj", (H, MOE_INTER)))
     for e in range(EXPERTS):
-        for n, shape in (("gate_proj", (MOE_INTER, H)), ("up_proj", (MOE_INTER, H)), ("down_proj", (H, MOE_INTER))):
-            t[f"{p}.mlp.experts.{e}.{n}.weight"] = _fill(shape, gen)
-    for n, shape in (("gate_proj", (MOE_INTER, H)), ("up_proj", (MOE_INTER, H)), ("down_proj", (H, MOE_INTER))):
-        t[f"{p}.mlp.shared_experts.{n}.weight"] = _fill(shape, gen)
+        for n, shape in mlp:
+            t[f"{p}.mlp.experts.{e}.{n}.weight"] = shape
+    for n, shape in mlp:
+        t[f"{p}.mlp.shared_experts.{n}.weight"] = shape
     return t
+
+
+def layer_tensors(i: int, full: bool, moe: bool, gen) -> dict:
+    """The tensors of :func:`layer_shapes`, filled by :func:`_fill`."""
+    return {n: _fill(shape, gen).float() if n.endswith("e_score_correction_bias") else _fill(shape, gen)
+            for n, shape in layer_shapes(i, full, moe).items()}
+
+
+VOCAB = 32000
+#: the fewest layers the synthetic checkpoint has: layer 0 dense + ``full``, layer 1 MoE + ``shared``
+MIN_LAYERS = 2
+
+
+def _nbytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(s) * (4 if n.endswith("e_score_correction_bias") else 2) for n, s in shapes.items())
+
+
+def layer_count(gb: float) -> int:
+    """Layers of the checkpoint closest to ``gb`` GB (embeddings + MoE layers), at least :data:`MIN_LAYERS`."""
+    per_moe = _nbytes(layer_shapes(0, True, True))
+    return max(MIN_LAYERS, round((gb * 1e9 - 2 * VOCAB * H * 2) / per_moe))
+
+
+def checkpoint_gb(layers: int) -> float:
+    """Size in GB (1e9 bytes) of the synthetic checkpoint with ``layers`` layers."""
+    embed = 2 * VOCAB * H * 2 + H * 2
+    return (embed + sum(_nbytes(layer_shapes(i, i % 2 == 0, i > 0)) for i in range(layers))) / 1e9
+
+
+def min_gb() -> float:
+    """The smallest checkpoint this benchmark writes (:data:`MIN_LAYERS` layers), in GB."""
+    return checkpoint_gb(MIN_LAYERS)
+
+
+def checked_gb(gb: float) -> float:
+    """``gb`` itself, or, below :func:`min_gb`, the minimum with a ``note:`` line on stderr (the requested size
+    cannot be written, and a silently larger checkpoint would mislabel the run)."""
+    if layer_count(gb) == MIN_LAYERS and gb < min_gb():
+        print(f"note: --gb {gb:g} is below the smallest checkpoint this benchmark writes ({MIN_LAYERS} layers, "
+              f"{min_gb():.3f} GB); using {min_gb():.3f} GB", file=sys.stderr, flush=True)
+        return min_gb()
+    return gb
 
 
 def write_synthetic(root: Path, gb: float, shard_bytes: int = 10**9) -> tuple[int, int]:
@@ -84,11 +129,10 @@ def write_synthetic(root: Path, gb: float, shard_bytes: int = 10**9) -> tuple[in
 
     root.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
-    vocab = 32000
+    vocab = VOCAB
     embed = {"model.embed_tokens.weight": _fill((vocab, H), gen), "lm_head.weight": _fill((vocab, H), gen),
              "model.norm.weight": _fill((H,), gen)}
-    per_moe = sum(v.numel() * 2 for v in layer_tensors(0, True, True, torch.Generator().manual_seed(1)).values())
-    layers = max(2, round((gb * 1e9 - 2 * vocab * H * 2) / per_moe))
+    layers = layer_count(gb)
     roles = ["full" if i % 2 == 0 else "shared" for i in range(layers)]
     shards: list[dict] = [dict(embed)]
     size = sum(v.numel() * v.element_size() for v in embed.values())
@@ -160,9 +204,12 @@ def main() -> None:
     ap.add_argument("--write-doc", action="store_true", help="replace the '## convert' section of docs/PERFORMANCE.md")
     ap.add_argument("--generate-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not args.gb > 0:
+        ap.error(f"--gb must be a positive size in GB, not {args.gb:g}")
     if args.generate_only:  # child process: keeps torch out of the parent, whose RSS a fork would inherit
         print(json.dumps(write_synthetic(Path(args.generate_only), args.gb)))
         return
+    args.gb = checked_gb(args.gb)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="convert_bench_", dir=Path.cwd()))
     base.mkdir(parents=True, exist_ok=True)
     try:

@@ -416,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(SOURCES)} (GPU mode; raw and layout always run)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     args = ap.parse_args(argv)
+    if args.dir is not None and not Path(args.dir).is_dir():
+        why = "not a directory" if Path(args.dir).exists() else "no such directory"
+        ap.error(f"argument --dir: {args.dir}: {why} (create it first; the benchmark writes its checkpoints there)")
     unknown = set(args.sources.split(",")) - set(SOURCES)
     if unknown:
         ap.error(f"--sources: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SOURCES)}")

@@ -41,7 +41,7 @@ from atomtool.convert.writer import (
     plan_shards,
     write_layout,
 )
-from atomtool.errors import AtomtoolError, ConversionError, SourceError
+from atomtool.errors import AtomtoolError, ConversionError, SourceError, Terminated
 from atomtool.inspect.families import family_for, supported_architectures
 from atomtool.inspect.source import hub_download_error, looks_like_path, quiet_hub_logs
 from atomtool.inspect.types import InspectReport
@@ -70,19 +70,64 @@ def resolve_source(src: str, revision: str | None = None) -> tuple[Path, dict[st
         raise SourceError(f"{src}: is a file; pass the checkpoint directory (holding config.json)")
     if looks_like_path(src):
         raise SourceError(f"{src}: no such directory")
-    from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HFValidationError
 
     try:
-        with quiet_hub_logs():
-            local = snapshot_download(repo_id=src, revision=revision, allow_patterns=HUB_PATTERNS,
-                                      ignore_patterns=HUB_IGNORE)
+        local = _download(src, revision)
     except HFValidationError:
         raise SourceError(f"{src}: neither a local directory nor a valid Hub repo id") from None
     except Exception as exc:  # huggingface_hub raises many typed errors: one-line message, as inspect's
-        raise hub_download_error(src, exc, revision) from None
+        err = hub_download_error(src, exc, revision)
+        cached = _cached_revisions(src) if revision is not None else []
+        if cached and "is not in the local HF cache" in str(err):  # the repo is, at other revisions
+            err = SourceError(str(err).replace("the repo is not in the local HF cache",
+                                               f"revision {revision!r} is not in the local HF cache")
+                              + f", which holds {', '.join(cached)}")
+        raise err from None
     return Path(local), {"path": str(local), "repo_id": src, "revision": revision,
                          "commit": Path(local).name}
+
+
+def _cached_revisions(repo: str) -> list[str]:
+    """The branch/tag names and snapshot commits of ``repo`` in the local HF cache (empty when none)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
+    refs = sorted(p.relative_to(storage / "refs").as_posix() for p in (storage / "refs").rglob("*") if p.is_file()) \
+        if (storage / "refs").is_dir() else []
+    commits = sorted(p.name for p in (storage / "snapshots").iterdir()) if (storage / "snapshots").is_dir() else []
+    return refs + commits
+
+
+def _download(repo: str, revision: str | None) -> str:
+    """``snapshot_download`` of ``repo`` at ``revision``; offline (``HF_HUB_OFFLINE``) or with the Hub
+    unreachable, the cached snapshot (``local_files_only=True``).
+
+    Why the explicit cache pass: for a commit-hash revision huggingface_hub skips its own offline fallback
+    and lists the repo tree from the Hub unless that listing is cached too (a snapshot filled by
+    ``hf_hub_download`` or an older huggingface_hub has none), so an explicit ``--revision <sha>`` failed
+    offline on a cache ``inspect`` reads. Raises the first attempt's error when the cache does not hold it.
+    """
+    import httpx
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    def get(local_files_only: bool) -> str:
+        with quiet_hub_logs():
+            return snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_PATTERNS,
+                                     ignore_patterns=HUB_IGNORE, local_files_only=local_files_only)
+
+    if constants.is_offline_mode():
+        return get(True)
+    try:
+        return get(False)
+    except (OfflineModeIsEnabled, httpx.TransportError, LocalEntryNotFoundError) as exc:
+        first = exc  # raised as is: its __cause__ tells hub_download_error why the Hub was not reached
+    try:
+        return get(True)
+    except LocalEntryNotFoundError:
+        raise first from first.__cause__
 
 
 def source_fingerprint(report: InspectReport, root: Path) -> str:
@@ -103,9 +148,10 @@ def source_fingerprint(report: InspectReport, root: Path) -> str:
 
 @contextmanager
 def _sigterm_as_interrupt():
-    """Turn SIGTERM into KeyboardInterrupt so the writer's cleanup runs (main thread only)."""
+    """Turn SIGTERM into :class:`~atomtool.errors.Terminated` (a KeyboardInterrupt) so the writer's cleanup
+    runs and the CLI exits 143 (main thread only)."""
     def handler(signum, frame):  # noqa: ARG001
-        raise KeyboardInterrupt
+        raise Terminated
 
     try:
         old = signal.signal(signal.SIGTERM, handler)
@@ -340,6 +386,7 @@ def run_verify(layout: str, *, source: str | None = None, json_out: bool = False
         print(json.dumps(report.to_json(), indent=1))
     else:
         _warn(report.warnings)  # written with --force: intact, but not servable
+        _warn(report.notes, "note")
         for p in report.problems[:MAX_PROBLEMS]:
             print(f"problem: {p}", file=sys.stderr)
         if len(report.problems) > MAX_PROBLEMS:

@@ -9,7 +9,9 @@ followed): tokenizer files and chat templates, generation_config.json, remote co
 Not carried:
 
 - the source's ``*.safetensors`` shards and its safetensors index at the top level (the layout writes its own),
-  and ``config.json`` (the layout writes the plan's config);
+  and ``config.json`` (the layout writes the plan's config); a top-level ``*.safetensors`` the conversion did
+  not read (one the index does not list, or e.g. ``consolidated.safetensors`` next to ``model.safetensors``)
+  is listed in the manifest's ``not_carried`` and in the ``note:`` line;
 - pickle weight files (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``: ``torch.save``/Lightning; the layout's
   weights come from the safetensors, and unpickling can run code) and other frameworks' weights (``*.h5``,
   ``*.msgpack``, ``*.gguf``), and ``*.safetensors`` in subfolders (not converted): each is listed in the
@@ -75,9 +77,18 @@ def _not_carried_reason(rel: str, top: bool) -> str | None:
     return None
 
 
-def extra_files(src: str | Path) -> ExtraFiles:
+def _unread_weights_reason(root: Path) -> str:
+    if (root / INDEX_NAME).is_file():
+        return f"safetensors that {INDEX_NAME} does not list (not converted)"
+    return "safetensors next to model.safetensors, the file read (not converted)"
+
+
+def extra_files(src: str | Path, weight_files: set[str] | None = None) -> ExtraFiles:
     """Walk the checkpoint directory ``src`` (following symlinked files and folders; a folder linking back
-    to one of its ancestors is a cycle and is skipped) and sort its files into carried and not carried (module docstring)."""
+    to one of its ancestors is a cycle and is skipped) and sort its files into carried and not carried (module
+    docstring). ``weight_files``: the top-level safetensors the conversion reads (its plan's source files);
+    any other top-level ``*.safetensors`` is listed as not carried. None: top-level safetensors are not
+    listed (e.g. for a size estimate)."""
     root = Path(src)
     found = ExtraFiles()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -95,6 +106,9 @@ def extra_files(src: str | Path) -> ExtraFiles:
                 continue
             rel = name if top else f"{rel_dir}/{name}"
             path = Path(dirpath) / name
+            if top and weight_files is not None and name.endswith(".safetensors") and name not in weight_files:
+                found.not_carried.append({"path": rel, "reason": _unread_weights_reason(root)})
+                continue
             if top and (name in _WRITTEN_BY_LAYOUT or name.endswith(".safetensors")
                         or name.endswith(".safetensors.index.json")):
                 continue

@@ -7,6 +7,7 @@ Schema (docs/LAYOUT.md has the full description)::
      "source": {"path", "repo_id", "revision", "architecture", "family", "fingerprint", "files"},
      "dtype_policy": "auto", "warnings": [...], "notes": [...], "indexer_types": [...] | null,
      "carried_files": [{"path", "size", "sha256"}], "not_carried": [{"path", "reason"}],
+     "config_sha256": "<sha256 of the layout's config.json bytes>",
      "tensors": {"<output name>": {"dtype", "shape", "scheme", "op", "block_size", "file", "sha256",
                                    "parts": [{"source", "source_dtype", "source_shape",
                                               "rows", "stack_index", "pad_rows"}]}}}
@@ -17,6 +18,7 @@ fused tensors by the parts' row ranges) and recognises one with :func:`is_layout
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -29,6 +31,19 @@ MANIFEST_NAME = "atomtool.json"
 FORMAT = "atomtool-layout"
 VERSION = 1
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+
+def config_bytes(config: dict[str, Any]) -> bytes:
+    """The bytes of the layout's ``config.json`` for the output config dict (the one serialization convert
+    writes; verify recomputes it from the source to compare)."""
+    return json.dumps(config, indent=2).encode()
+
+
+def config_sha256(data: bytes) -> str:
+    """Hex sha256 of ``config.json``'s bytes: the manifest's ``config_sha256`` (absent in manifests written
+    before the field existed; verify then notes that config.json is not checked against the manifest)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def spec_to_entry(spec: OutputTensor, sources: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -4,9 +4,12 @@ Layout checks: the manifest parses; ``model.safetensors.index.json`` names exact
 and files; every shard header declares each tensor with the manifest's dtype and shape and nothing else;
 each tensor's bytes hash to the sha256 recorded at write time; fused parts tile their output (part rows +
 padding cover dim 0 exactly, no overlap); a shard shorter than its header declares is reported once as
-truncated (its tensors are not hashed); a ``*.safetensors`` file the index does not reference is reported.
+truncated (its tensors are not hashed); a ``*.safetensors`` file the index does not reference is reported;
+each part's row range spans its recorded source shape, with padding only where the FP8 block rule puts it;
+config.json hashes to the manifest's ``config_sha256`` (older manifests without it: a note).
 
-Source checks (``--source SRC``): every source tensor appears in exactly one part; every part reproduces its
+Source checks (``--source SRC``): config.json is what convert writes from SRC's config.json (same dtype
+policy); every source tensor appears in exactly one part; every part reproduces its
 source -- a part whose source tensor has another dtype or shape than the manifest recorded (SRC is not the
 checkpoint that was converted, e.g. the BF16 original of an FP8 checkpoint) is one problem line; otherwise
 bit-exact when dtypes match, else equal to the source cast to the output dtype; padding rows are
@@ -27,7 +30,10 @@ from safetensors import safe_open
 
 from atomtool.convert.cast import TAG_OF_TORCH, checked_cast, torch_dtype
 from atomtool.convert.layout import (
+    CONFIG_NAME,
     MANIFEST_NAME,
+    config_bytes,
+    config_sha256,
     entry_to_spec,
     read_manifest,
     read_safetensors_header,
@@ -52,6 +58,8 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     #: not problems of the layout's integrity: it was written with ``convert --force`` despite these
     warnings: list[str] = field(default_factory=list)
+    #: facts about what could not be checked (e.g. a manifest older than ``config_sha256``)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -60,7 +68,7 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "source": self.source, "ok": self.ok, "tensors": self.tensors,
                 "bytes": self.bytes, "parts": self.parts, "dequantized_parts": self.dequantized,
-                "problems": self.problems, "warnings": self.warnings}
+                "problems": self.problems, "warnings": self.warnings, "notes": self.notes}
 
 
 def _sha256_range(path: Path, start: int, length: int) -> str:
@@ -100,6 +108,49 @@ def _check_tiling(spec: OutputTensor, problems: list[str]) -> None:
         else:
             if pos != rows:
                 problems.append(f"{spec.name}: parts cover {pos} of {rows} rows")
+
+
+def _check_part_shapes(spec: OutputTensor, entry: dict[str, Any], problems: list[str]) -> None:
+    """Each part's row range against its own recorded ``source_shape`` (the manifest is self-consistent
+    without the source): ``copy``/``cast`` outputs have the source's shape; a ``concat``/``stack`` part
+    spans exactly the source's rows and has its trailing dims; padding (:class:`PartSpec` ``pad_rows``) only
+    follows an FP8 block weight part, up to the next multiple of the block's rows, and every such part but
+    the last of its slot that does not end on a block boundary is padded (else its scale rows would cover
+    the next part's rows)."""
+    raw = [p for p in entry.get("parts", []) if isinstance(p, dict)]
+    if len(raw) != len(spec.parts):
+        return
+    block = spec.block_size
+    fp8_weight = block is not None and spec.scheme == "fp8_block" and spec.name.endswith(".weight")
+    last = {}
+    for p in spec.parts:
+        if p.rows is not None:
+            last[p.stack_index] = max(last.get(p.stack_index, p.rows[1]), p.rows[1])
+    for p, r in zip(spec.parts, raw, strict=True):
+        shape = r.get("source_shape")
+        if spec.op in ("copy", "cast"):
+            if isinstance(shape, list) and list(spec.shape) != shape:
+                problems.append(f"{spec.name}: shape {list(spec.shape)} != its source {p.source}'s {shape}")
+            continue
+        if p.rows is None:
+            continue  # reported by the tiling check
+        r0, r1 = p.rows
+        where = f"{spec.name}: part {p.source} rows [{r0}, {r1}]"
+        if not 0 <= r0 <= r1 or p.pad_rows < 0:
+            problems.append(f"{where} pad {p.pad_rows}: not a valid row range")
+            continue
+        if isinstance(shape, list) and shape:
+            trailing = list(spec.shape[2:] if spec.op == "stack" else spec.shape[1:])
+            if r1 - r0 != shape[0]:
+                problems.append(f"{where} span {r1 - r0} rows, but the source's shape {shape} has {shape[0]}")
+            elif shape[1:] != trailing:
+                problems.append(f"{where}: the source's trailing dims {shape[1:]} != the output's {trailing}")
+        if p.pad_rows and not (fp8_weight and p.pad_rows < block[0] and (r1 + p.pad_rows) % block[0] == 0):
+            problems.append(f"{where} are followed by {p.pad_rows} padding rows; padding only pads an FP8 block "
+                            f"weight part up to the next multiple of the block's rows"
+                            + (f" ({block[0]})" if fp8_weight else ""))
+        elif fp8_weight and not p.pad_rows and r1 % block[0] and r1 != last.get(p.stack_index):
+            problems.append(f"{where} end inside a {block[0]}-row FP8 block but are not padded to its end")
 
 
 def _dequant(q: torch.Tensor, s: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
@@ -232,6 +283,7 @@ def _check_source(root: Path, manifest: dict[str, Any], source: str, report: Ver
         report.problems.append(f"{source}: not available locally")
         return
     check_is_source(manifest, source, src.tensors, str(root))
+    _check_config_source(root, manifest, source, report)
     src_files = {n: t.file for n, t in src.tensors.items()}
     out_files = {n: f for n, f in tensor_files(root).items() if f not in bad_files}
     out = _Tensors(root, out_files)
@@ -453,11 +505,75 @@ def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport
     if isinstance(forced, list):
         report.warnings = [str(w) for w in forced]
     for name, entry in manifest["tensors"].items():
-        _check_tiling(entry_to_spec(name, entry), report.problems)
+        spec = entry_to_spec(name, entry)
+        _check_tiling(spec, report.problems)
+        _check_part_shapes(spec, entry, report.problems)
     digests: dict[str, str] = {}
     bad_files: set[str] = set()
     _check_layout_files(root, manifest, report, digests, bad_files)
+    _check_config(root, manifest, report)
     _check_carried_files(root, manifest, report)
     if source is not None:
         _check_source(root, manifest, source, report, digests, bad_files)
     return report
+
+
+def _check_config(root: Path, manifest: dict[str, Any], report: VerifyReport) -> None:
+    """The layout's config.json hashes to the manifest's ``config_sha256``. A manifest written before that
+    field existed is accepted with a note (``--source`` still compares config.json with the source's)."""
+    path = root / CONFIG_NAME
+    if not path.is_file():
+        report.problems.append(f"{CONFIG_NAME}: missing from the layout")
+        return
+    want = manifest.get("config_sha256")
+    if want is None:
+        report.notes.append(f"the manifest has no config_sha256 (written by an older atomtool): {CONFIG_NAME} "
+                            "is not checked against it; --source compares it with the source's config")
+        return
+    got = config_sha256(path.read_bytes())
+    if got != want:
+        report.problems.append(f"{CONFIG_NAME}: sha256 {got[:16]}... != manifest {str(want)[:16]}... (edited after "
+                               "convert?)")
+
+
+#: differing config keys named in the --source config problem (the rest are counted)
+MAX_CONFIG_KEYS = 5
+
+
+def _check_config_source(root: Path, manifest: dict[str, Any], source: str, report: VerifyReport) -> None:
+    """The layout's config.json is what convert writes from ``source``'s config.json: the plan's output
+    config (:func:`atomtool.convert.plan.build_plan` with the manifest's dtype policy). One problem line
+    naming the differing top-level keys, layout value first."""
+    import json
+
+    from atomtool.convert.plan import build_plan
+    from atomtool.inspect.classify import inspect_checkpoint
+
+    path = root / CONFIG_NAME
+    try:
+        actual = json.loads(path.read_text())
+        expected = json.loads(config_bytes(build_plan(inspect_checkpoint(source),
+                                                      str(manifest.get("dtype_policy") or "auto")).config))
+    except (OSError, ValueError) as exc:  # missing (reported by _check_config) or not JSON
+        if path.is_file():
+            report.problems.append(f"{CONFIG_NAME}: not readable JSON ({exc})")
+        return
+    except AtomtoolError as exc:
+        report.notes.append(f"{CONFIG_NAME} not compared with {source}'s: {exc}")
+        return
+    if not isinstance(actual, dict):
+        report.problems.append(f"{CONFIG_NAME}: not a JSON object")
+        return
+    keys = sorted(k for k in actual.keys() | expected.keys() if actual.get(k, _ABSENT) != expected.get(k, _ABSENT))
+    if keys:
+        def show(d: dict[str, Any], k: str) -> str:
+            return "absent" if k not in d else json.dumps(d[k])
+
+        shown = "; ".join(f"{k} is {show(actual, k)} (convert writes {show(expected, k)})"
+                          for k in keys[:MAX_CONFIG_KEYS])
+        more = f"; and {len(keys) - MAX_CONFIG_KEYS} more key(s)" if len(keys) > MAX_CONFIG_KEYS else ""
+        report.problems.append(f"{CONFIG_NAME}: differs from what convert writes from {source}'s config: "
+                               f"{shown}{more}")
+
+
+_ABSENT = object()

@@ -58,7 +58,17 @@ from tqdm.auto import tqdm
 import atomtool
 from atomtool.convert.cast import torch_dtype
 from atomtool.convert.extra_files import copy_extra_files, extra_files
-from atomtool.convert.layout import FORMAT, INDEX_NAME, MANIFEST_NAME, VERSION, is_layout, spec_to_entry
+from atomtool.convert.layout import (
+    CONFIG_NAME,
+    FORMAT,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    VERSION,
+    config_bytes,
+    config_sha256,
+    is_layout,
+    spec_to_entry,
+)
 from atomtool.convert.materialize import SourceReader, _bytes, byte_segments, materialize
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError
@@ -625,11 +635,13 @@ def _write_all(f, view: memoryview) -> None:
 
 def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], source: dict[str, Any], *,
                    carried: list[dict[str, Any]] | None = None,
-                   not_carried: list[dict[str, str]] | None = None) -> dict[str, Any]:
+                   not_carried: list[dict[str, str]] | None = None,
+                   config_digest: str | None = None) -> dict[str, Any]:
     """The ``atomtool.json`` document (schema in :mod:`atomtool.convert.layout` and docs/LAYOUT.md).
 
     carried / not_carried: the ``carried_files`` / ``not_carried`` entries of
-    :mod:`atomtool.convert.extra_files` (empty lists when None)."""
+    :mod:`atomtool.convert.extra_files` (empty lists when None). config_digest: sha256 of the layout's
+    config.json bytes (:func:`atomtool.convert.layout.config_sha256`), the manifest's ``config_sha256``."""
     text = plan.config.get("text_config") if isinstance(plan.config.get("text_config"), dict) else plan.config
     tensors = {}
     for name, spec in plan.tensors.items():
@@ -644,6 +656,7 @@ def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], sou
         "warnings": list(plan.warnings), "notes": list(plan.notes),
         "indexer_types": text.get("indexer_types"),
         "carried_files": list(carried or []), "not_carried": list(not_carried or []),
+        **({"config_sha256": config_digest} if config_digest else {}),
         "tensors": tensors,
     }
 
@@ -693,8 +706,10 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         total = sum(tensor_nbytes(s) for s in plan.tensors.values())
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2))
-        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2))
-        found = extra_files(src)  # every non-weight file, subfolders included (extra_files.py)
+        config = config_bytes(plan.config)
+        (tmp / CONFIG_NAME).write_bytes(config)
+        # every non-weight file, subfolders included, and the weight files the plan does not read (extra_files.py)
+        found = extra_files(src, weight_files={t.file for t in plan.sources.values()})
         carried = copy_extra_files(found, tmp)
         (tmp / OWNER_NAME).unlink()  # not part of the layout
         for f in sorted(tmp.rglob("*"), reverse=True):  # shards are fsynced as written; the rest now
@@ -703,7 +718,7 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
             else:
                 _fsync_file(f)
         manifest = build_manifest(plan, written, source or {"path": str(src)}, carried=carried,
-                                  not_carried=found.not_carried)
+                                  not_carried=found.not_carried, config_digest=config_sha256(config))
         with open(tmp / MANIFEST_NAME, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -744,16 +759,26 @@ def _make_tmp_dir(tmp: Path) -> list[Path]:
         missing.append(d)
         d = d.parent
     created: list[Path] = []
+    making = tmp
     try:
-        for m in reversed(missing):
-            m.mkdir()
-            created.append(m)
-        tmp.mkdir()
-        created.append(tmp)
+        for making in [*reversed(missing), tmp]:
+            making.mkdir()
+            created.append(making)
     except OSError as exc:
         _remove_created(tmp, created)
-        raise ConversionError(f"cannot write to {d}: {exc.strerror or exc}") from None
+        raise ConversionError(_mkdir_failure(d, making, exc)) from None
     return created
+
+
+def _mkdir_failure(d: Path, path: Path, exc: OSError) -> str:
+    """``cannot write to DIR: reason``. When the OS error alone would mislead -- ``mkdir`` in an existing
+    directory answering ENOENT, as virtual filesystems like /proc and /sys do -- the reason names the
+    directory that could not be created and says that ``DIR`` does not accept new entries."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, FileNotFoundError) and path.parent.is_dir():
+        return (f"cannot write to {d}: creating {path} failed ({reason}) although {path.parent} exists: its "
+                "filesystem does not accept new directories (a virtual filesystem such as /proc or /sys?)")
+    return f"cannot write to {d}: {reason}"
 
 
 def _remove_created(tmp: Path, created: list[Path]) -> None:
