@@ -59,3 +59,12 @@ def one_line(text: object) -> str:
     runs of whitespace, newlines included, become one space. The CLI prints ``error: <message>`` as one
     line, and e.g. pydantic-style validation errors from transformers span several."""
     return " ".join(str(text).split())
+
+
+def clip(text: object, width: int = 200) -> str:
+    """:func:`one_line` of ``text``, cut to at most ``width`` characters at a word boundary with `` ...``
+    (``textwrap.shorten``): foreign error texts embedded in a message never end mid-word (a cut
+    ``please unset the `HF_H`` reads like a different variable)."""
+    import textwrap
+
+    return textwrap.shorten(one_line(text), width, placeholder=" ...")

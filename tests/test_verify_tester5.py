@@ -309,3 +309,20 @@ def test_convert_bench_non_positive_gb_is_an_argparse_error():
     r = _bench("benchmarks.convert_bench", "--gb", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.rstrip().endswith("error: --gb must be a positive size in GB, not 0")
+
+
+def test_clip_never_cuts_mid_word():
+    """atomtool.errors.clip, for embedding huggingface_hub's error texts in one-line Hub messages: its
+    offline text cut at 200 characters ended in "please unset the `HF_H"."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    from atomtool.errors import clip
+
+    url = "https://huggingface.co/api/models/org/model/tree/" + COMMIT + "?recursive=true&expand=false"
+    text = str(OfflineModeIsEnabled(f"Cannot reach {url}: offline mode is enabled. To disable it, please unset "
+                                    "the `HF_HUB_OFFLINE` environment variable."))
+    assert len(text) > 200
+    cut = clip(text)
+    assert len(cut) <= 200 and cut.endswith(" ...")
+    assert text.startswith(cut[: -len(" ...")] + " ")  # ends on a whole word of the original
+    assert clip("short\n  text") == "short text"
