@@ -102,6 +102,9 @@ def test_old_manifest_without_config_hash(copy, glm_fp8):
     code, out, err = cli("verify", copy)
     assert code == 0 and out.startswith("OK: "), (out, err)
     assert "note: the manifest has no config_sha256 (written by an older atomtool)" in err
+    code, out, _ = cli("verify", copy, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["notes"][0].startswith("the manifest has no config_sha256")
     _edit_config(copy, num_hidden_layers=3)
     code, out, err = cli("verify", copy, "--source", glm_fp8)
     assert code == 1 and "num_hidden_layers is 3 (convert writes 4)" in err, err
