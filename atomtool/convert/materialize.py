@@ -22,6 +22,7 @@ from safetensors import safe_open
 from atomtool.convert.cast import TORCH_DTYPES, checked_cast, torch_dtype
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError, SourceError
+from atomtool.inspect.types import TensorInfo
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -271,6 +272,41 @@ def materialize(spec: OutputTensor, reader: SourceReader) -> torch.Tensor:
         except ConversionError as exc:
             raise ConversionError(f"{spec.name}: {part.source}: {exc}") from None
     return out
+
+
+def same_values(sources: dict[str, TensorInfo], root: str | Path, a: str, b: str, *,
+                chunk_bytes: int = 1 << 24) -> bool:
+    """True when source tensors ``a`` and ``b`` hold the same values (what transformers' ``tie_weights``
+    checks with ``torch.equal`` before tying two stored tensors).
+
+    Same dtype and shape: their bytes are compared ``chunk_bytes`` at a time (memory stays at two chunks
+    whatever the size of an embedding; bit equality, so ``-0.0`` and ``+0.0`` count as different). Different
+    float dtypes: both are read and compared as float64 values. Different shapes: False.
+
+    Raises:
+        SourceError: a tensor cannot be read.
+    """
+    ia, ib = sources[a], sources[b]
+    if tuple(ia.shape) != tuple(ib.shape):
+        return False
+    reader = SourceReader(ConversionPlan(tensors={}, config={}, sources={a: ia, b: ib}), root)
+    try:
+        if ia.dtype == ib.dtype and ia.data_offsets[1] - ia.data_offsets[0] == ib.data_offsets[1] - ib.data_offsets[0]:
+            total = ia.data_offsets[1] - ia.data_offsets[0]
+            for off in range(0, total, chunk_bytes):
+                n = min(chunk_bytes, total - off)
+                ba, bb = bytearray(n), bytearray(n)
+                reader.read_range(a, off, memoryview(ba))
+                reader.read_range(b, off, memoryview(bb))
+                if ba != bb:
+                    return False
+            return True
+        try:
+            return torch.equal(reader.get(a).to(torch.float64), reader.get(b).to(torch.float64))
+        except (RuntimeError, TypeError):  # a dtype torch cannot widen: not the same tensor
+            return False
+    finally:
+        reader.close()
 
 
 def iter_output_tensors(plan: ConversionPlan, root: str | Path, device: str | torch.device = "cpu",

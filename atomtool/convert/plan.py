@@ -27,10 +27,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from atomtool.convert.cast import FLOAT_SCHEMES, cast_messages, output_dtype, target_tag
+from atomtool.convert.cast import FLOAT_SCHEMES, PLAIN_FLOAT_TAGS, cast_messages, output_dtype, target_tag
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor, PartSpec
 from atomtool.errors import ConversionError
 from atomtool.inspect.families import FAMILIES, Family, family_for
+from atomtool.inspect.required import extra_layer_tensors
 from atomtool.inspect.types import InspectReport, ModuleInfo, TensorInfo
 
 _LAYER_RE = re.compile(r"^(?P<layer>(?:.*\.)?layers\.(?P<idx>\d+))\.(?P<rest>.+)$")
@@ -73,9 +74,12 @@ def _block_of(mod: ModuleInfo, report: InspectReport) -> tuple[int, int] | None:
 
 
 def _why_not_fusable(mods: Sequence[ModuleInfo], report: InspectReport) -> str | None:
-    """None when ``mods`` can be row-concatenated exactly, else the reason."""
+    """None when ``mods`` can be row-concatenated exactly, else the reason. Plain-float parts of different
+    dtypes (one projection stored BF16, its siblings F32) can: the fused tensor takes one float dtype
+    (:meth:`_Planner._group_dtype`), a cast of the parts that differ."""
     schemes = {m.scheme for m in mods}
-    if len(schemes) != 1:
+    floats = schemes <= FLOAT_SCHEMES
+    if len(schemes) != 1 and not floats:
         return "storage schemes differ (" + ", ".join(f"{m.name.rsplit('.', 1)[-1]}={m.scheme}" for m in mods) + ")"
     scheme = mods[0].scheme
     allowed = _FLOAT_ROLES if scheme in FLOAT_SCHEMES else _FP8_BLOCK_ROLES if scheme == "fp8_block" else None
@@ -89,7 +93,7 @@ def _why_not_fusable(mods: Sequence[ModuleInfo], report: InspectReport) -> str |
         return f"roles {sorted(roles)} are not concatenated for scheme {scheme}"
     for role in roles:
         infos = [m.tensors[role] for m in mods]
-        if len({t.dtype for t in infos}) != 1:
+        if len({t.dtype for t in infos}) != 1 and not (floats and {t.dtype for t in infos} <= PLAIN_FLOAT_TAGS):
             return f"{role} dtypes differ"
         if len({tuple(t.shape[1:]) for t in infos}) != 1 or any(len(t.shape) < 1 for t in infos):
             return f"{role} trailing dims differ"
@@ -141,6 +145,11 @@ class _Planner:
         self.consumed: set[str] = set()
         self.casts: list[tuple[str, str, str]] = []
         self.notes: list[str] = []
+        #: source tensors left out of the layout -> why (not weights, or ignored by transformers too)
+        self.dropped: dict[str, str] = {}
+        self.warnings: list[str] = []  # printed as ``warning:`` (and in notes)
+        self.infos: list[str] = []  # printed as ``note:`` (and in notes)
+        self.untie = False  # the layout's config.json says tie_word_embeddings: false
         n = report.config_flat.get("num_hidden_layers")
         self.num_layers = n if isinstance(n, int) else None
         self.roles = list(report.dsa.roles) if report.dsa is not None else None
@@ -157,6 +166,16 @@ class _Planner:
             self.casts.append((t.name, t.dtype, dst))
         return dst
 
+    def _group_dtype(self, srcs: Sequence[TensorInfo], scheme: str) -> str:
+        """The one dtype of a fused / stacked output whose parts are ``srcs`` (recording the casts): the
+        ``--dtype`` target, and with ``auto`` the stored dtype -- or, when plain-float parts disagree, the
+        widest (F32, F64 if a part is F64: a lossless widening of the others)."""
+        dsts = {output_dtype(t.dtype, target=self.target, scheme=scheme, keep_fp32=self._keep_fp32(t.name))
+                for t in srcs}
+        dst = dsts.pop() if len(dsts) == 1 else ("F64" if "F64" in dsts else "F32")
+        self.casts.extend((t.name, t.dtype, dst) for t in srcs if t.dtype != dst)
+        return dst
+
     @staticmethod
     def _out_scheme(scheme: str, dtype: str) -> str:
         return _SCHEME_OF_TAG.get(dtype, scheme) if scheme in FLOAT_SCHEMES or scheme == "float" else scheme
@@ -166,9 +185,7 @@ class _Planner:
                     per_expert: list[_Group] | None = None) -> None:
         for role, (parts, rows, trailing) in group.roles.items():
             all_parts = [p for g in per_expert for p in g.roles[role][0]] if per_expert else parts
-            srcs = [self.report.tensors[p.source] for p in all_parts]
-            dsts = {self._out_dtype(t, group.scheme) for t in srcs}
-            dst = dsts.pop()
+            dst = self._group_dtype([self.report.tensors[p.source] for p in all_parts], group.scheme)
             shape = ((stacked,) if stacked is not None else ()) + (rows,) + trailing
             self.outputs.append(OutputTensor(
                 name=f"{prefix}.{role}", dtype=dst, shape=shape, scheme=self._out_scheme(group.scheme, dst),
@@ -276,7 +293,8 @@ class _Planner:
         downs = [experts[e][rule.w2] for e in range(count)]
         why = (_why_not_fusable([gates[0], ups[0]], self.report) or _why_not_fusable([downs[0]], self.report)
                or _why_uniform(gates, "gate") or _why_uniform(ups, "up") or _why_uniform(downs, "down")
-               or (None if gates[0].scheme == downs[0].scheme else "experts' storage schemes differ"))
+               or (None if gates[0].scheme == downs[0].scheme or {gates[0].scheme, downs[0].scheme} <= FLOAT_SCHEMES
+                   else "experts' storage schemes differ"))
         prefix = f"{layer}.{rule.experts_prefix}"
         if why is not None:
             self.notes.append(f"{prefix}: experts not stacked, {why}; kept under their source names")
@@ -287,8 +305,66 @@ class _Planner:
         self._emit_group(f"{prefix}.w13", g13[0], stacked=count, per_expert=g13)
         self._emit_group(f"{prefix}.w2", g2[0], stacked=count, per_expert=g2)
 
+    # ---- source tensors that are not part of the model --------------------------------------------
+    def _drop_ignored(self) -> None:
+        """Leave out what transformers does not load either, saying so: legacy ``rotary_emb.inv_freq``
+        buffers (a note), tensors of layers beyond the decoder and its MTP layers (a warning naming them,
+        inspect's ``extra-layers``), and a stored ``lm_head.weight`` that tying replaces (:meth:`_tie`)."""
+        tensors = self.report.tensors
+        inv = [n for n in tensors if is_ignored_buffer(n)]
+        if inv:
+            self.dropped.update((n, "rotary inv_freq buffer") for n in inv)
+            self.infos.append(f"left out {len(inv)} rotary_emb.inv_freq buffer(s) ({_listed(inv)}): not weights "
+                              "(the engine computes them from config.json's rope parameters; transformers ignores "
+                              "them too)")
+        extra = [n for n in extra_layer_tensors(tensors, self.report.config_flat, self.family)
+                 if n not in self.dropped]
+        if extra:
+            self.dropped.update((n, "layer beyond num_hidden_layers") for n in extra)
+            msg = next((f.message for f in self.report.findings if f.code == "extra-layers"), None)
+            self.warnings.append(msg or f"left out {len(extra)} tensor(s) of layers beyond num_hidden_layers: "
+                                        f"{_listed(extra)}")
+        self._tie()
+
+    def _tie(self) -> None:
+        """``tie_word_embeddings: true`` with a stored ``lm_head.weight``: do what transformers'
+        ``PreTrainedModel.tie_weights`` does when both tensors are in the checkpoint -- equal values: tie (the
+        stored copy is left out, a note); different values: it does NOT tie them and warns, the stored
+        ``lm_head`` is the output projection, so the layout keeps it and its config.json says
+        ``tie_word_embeddings: false`` (a warning). Values are compared from the files
+        (:func:`atomtool.convert.materialize.same_values`); when they cannot be (a remote dry run, a
+        quantized lm_head) the tensors are treated as different."""
+        flat = self.report.config_flat
+        head, embed = "lm_head.weight", f"{self._model_base()}embed_tokens.weight"
+        tensors = self.report.tensors
+        if flat.get("tie_word_embeddings") is not True or head not in tensors or embed not in tensors:
+            return
+        mod = self.modules.get("lm_head")
+        same = None
+        if self.report.root is not None and (mod is None or set(mod.tensors) == {"weight"}):
+            from atomtool.convert.materialize import same_values
+
+            same = same_values(tensors, self.report.root, embed, head)
+        if same:
+            self.dropped[head] = f"tied to {embed}"
+            self.infos.append(f"{head} equals {embed} and config.json ties them (tie_word_embeddings: true): left "
+                              "out, the engine ties the output projection to the embedding as transformers does")
+            return
+        self.untie = True
+        why = "differs from" if same is False else "could not be compared with"
+        self.warnings.append(
+            f"config.json sets tie_word_embeddings: true but the stored {head} {why} {embed}; as transformers "
+            f"does (it warns and does not tie them), {head} is kept as the output projection and the layout's "
+            "config.json says tie_word_embeddings: false")
+
+    def _model_base(self) -> str:
+        """``model.`` (or ``model.language_model.``): where ``embed_tokens`` sits next to the layers."""
+        bases = {m.group("layer").rsplit("layers.", 1)[0] for n in self.report.tensors if (m := _LAYER_RE.match(n))}
+        return bases.pop() if len(bases) == 1 else "model."
+
     # ---- entry -----------------------------------------------------------------------------------
     def build(self) -> ConversionPlan:
+        self._drop_ignored()
         if self.family is not None and self.num_layers is not None:
             for layer, idx in sorted(self._layers().items(), key=lambda kv: kv[1]):
                 if idx >= self.num_layers:
@@ -297,7 +373,7 @@ class _Planner:
                 if self.family.experts is not None:
                     self._stack_experts(layer, idx)
         for name in self.report.tensors:
-            if name not in self.consumed:
+            if name not in self.consumed and name not in self.dropped:
                 self._emit_copy(self.report.tensors[name])
         first = {o.name: natural_key(o.parts[0].source) for o in self.outputs}  # parts are in row order
         ordered = sorted(self.outputs, key=lambda o: first[o.name])
@@ -308,17 +384,27 @@ class _Planner:
                                       "the name of a fused module)")
             tensors[o.name] = o
         warnings, cast_notes = cast_messages(self.casts)
+        # what reading the source found (a stale index.json: the tensors it does not list are left out)
+        source = [f.message for f in self.report.findings if f.code == "source-warning"]
+        warnings = source + self.warnings + warnings
+        infos = self.infos + cast_notes
         return ConversionPlan(
-            tensors=tensors, config=output_config(self.report, self.target), dtype_policy=self.dtype_policy,
-            warnings=warnings, sources=dict(self.report.tensors), notes=cast_notes + self.notes,
-            infos=cast_notes)
+            tensors=tensors, config=output_config(self.report, self.target, untie=self.untie),
+            dtype_policy=self.dtype_policy, warnings=warnings, sources=dict(self.report.tensors),
+            notes=infos + self.warnings + self.notes, infos=infos, dropped=dict(self.dropped))
 
 
 def _why_uniform(mods: Sequence[ModuleInfo], what: str) -> str | None:
+    """None when the experts' ``what`` projections can be stacked: same scheme, roles, dtypes and shapes --
+    or all plain floats (any dtypes: the stacked tensor takes one, :meth:`_Planner._group_dtype`)."""
+    floats = {m.scheme for m in mods} <= FLOAT_SCHEMES
+
+    def key(m: ModuleInfo) -> dict:
+        return {r: (None if floats else t.dtype, t.shape) for r, t in m.tensors.items()}
+
     first = mods[0]
     for m in mods[1:]:
-        if m.scheme != first.scheme or {r: (t.dtype, t.shape) for r, t in m.tensors.items()} != \
-                {r: (t.dtype, t.shape) for r, t in first.tensors.items()}:
+        if (m.scheme != first.scheme and not floats) or key(m) != key(first):
             return f"{what} projections differ between experts ({first.name} vs {m.name})"
     return None
 
@@ -326,10 +412,11 @@ def _why_uniform(mods: Sequence[ModuleInfo], what: str) -> str | None:
 _TORCH_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
-def output_config(report: InspectReport, target: str | None = None) -> dict:
+def output_config(report: InspectReport, target: str | None = None, *, untie: bool = False) -> dict:
     """The layout's config.json: the source config plus the flattened ``index_*`` fields and the resolved
     ``indexer_types`` (written into ``text_config`` when the source nests the language model there), and
-    ``dtype`` set to the ``--dtype`` target when one is given."""
+    ``dtype`` set to the ``--dtype`` target when one is given; ``untie``: ``tie_word_embeddings`` set to
+    false (a stored lm_head that differs from the embedding, :meth:`_Planner._tie`)."""
     cfg = copy.deepcopy(report.config)
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     for key, value in report.config_flat.items():
@@ -340,7 +427,21 @@ def output_config(report: InspectReport, target: str | None = None) -> dict:
             c["dtype"] = _TORCH_NAMES[target]
             if "torch_dtype" in c:
                 c["torch_dtype"] = _TORCH_NAMES[target]
+    if untie:
+        for c in {id(cfg): cfg, id(text): text}.values():
+            if c is text or "tie_word_embeddings" in c:
+                c["tie_word_embeddings"] = False
     return cfg
+
+
+def is_ignored_buffer(name: str) -> bool:
+    """A tensor that is not a weight: the legacy ``rotary_emb.inv_freq`` buffer older transformers versions
+    saved (recomputed from the rope parameters at load; transformers ignores it)."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def _listed(names: Sequence[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 def _module_of(rest: str) -> str:
@@ -349,6 +450,9 @@ def _module_of(rest: str) -> str:
 
 
 _EXPERT_RE = re.compile(r"((?:^|\.)experts\.)\d+")
+#: a layer's module path that belongs to its routed experts: per expert (``mlp.experts.#.down_proj``, indices
+#: masked) or stacked (an atomtool layout's ``mlp.experts.w13``; transformers 5's ``mlp.experts.gate_up_proj``)
+_MOE_MODULE_RE = re.compile(r"(?:^|\.)experts(?:\.#|\.[A-Za-z_]|$)")
 
 
 def missing_tensors(report: InspectReport) -> list[str]:
@@ -372,7 +476,7 @@ def missing_tensors(report: InspectReport) -> list[str]:
     layers: dict[int, tuple[str, dict[str, set[str]]]] = {}  # idx -> (layer prefix, module -> tensor roles)
     for name in report.tensors:
         m = _LAYER_RE.match(name)
-        if not m:
+        if not m or is_ignored_buffer(name):
             continue
         idx = int(m.group("idx"))
         if isinstance(n, int) and idx >= n:
@@ -382,7 +486,7 @@ def missing_tensors(report: InspectReport) -> list[str]:
         mods.setdefault(_module_of(rest), set()).add(rest.rsplit(".", 1)[-1])
     kinds: dict[tuple, list[int]] = {}
     for idx, (_, mods) in layers.items():
-        moe = any(".experts.#" in mod or mod.startswith("experts.#") for mod in mods)
+        moe = any(_MOE_MODULE_RE.search(mod) for mod in mods)
         role = roles[idx] if roles is not None and idx < len(roles) else None
         kinds.setdefault((moe, role), []).append(idx)
     missing: list[str] = []
@@ -430,12 +534,22 @@ def build_plan(report: InspectReport, dtype: str = "auto", *, require_complete: 
         ConversionError: unknown dtype, incomplete MoE experts, an output name clash, missing tensors (with
             ``require_complete``: ``missing N required tensor(s): a, b, ...``).
     """
+    if report.layout:
+        raise ConversionError(layout_source_message(report.source))
     missing = missing_tensors(report)
     if missing and require_complete:
         raise ConversionError(missing_message(missing))
     plan = _Planner(report, dtype).build()
     plan.missing = missing
     return plan
+
+
+def layout_source_message(src: str) -> str:
+    """Why an atomtool layout is not converted again (one line): its tensors are already fused and stacked,
+    and its manifest records the conversion; it is served as it is."""
+    return (f"{src} is already an atomtool layout (it has atomtool.json): serve it as it is (`atomtool generate "
+            f"{src}` / `atomtool serve {src}`), check it with `atomtool verify {src}`, or copy the directory; to "
+            "convert again (another --dtype), run convert on the Hugging Face checkpoint it was converted from")
 
 
 #: missing tensor names listed in :func:`missing_message` (the rest are counted)

@@ -67,3 +67,6 @@ class ConversionPlan:
     #: source tensors the engine needs that the checkpoint lacks (:func:`atomtool.convert.plan.missing_tensors`);
     #: convert refuses such a checkpoint unless ``--force``
     missing: list[str] = field(default_factory=list)
+    #: source tensors deliberately left out of the layout -> why (``rotary_emb.inv_freq`` buffers, layers beyond
+    #: the decoder, an ``lm_head.weight`` that tying replaces); recorded in the manifest as ``dropped_sources``
+    dropped: dict[str, str] = field(default_factory=dict)

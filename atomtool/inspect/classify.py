@@ -43,7 +43,7 @@ from atomtool.inspect.quant import (
     logical_numel,
     parse_quant_config,
 )
-from atomtool.inspect.required import missing_tensor_findings
+from atomtool.inspect.required import extra_layer_findings, missing_tensor_findings
 from atomtool.inspect.shapes import config_shape_findings, layout_source_tensors
 from atomtool.inspect.types import DsaInfo, Finding, InspectReport, ModuleInfo, TensorInfo
 
@@ -352,6 +352,7 @@ def build_report(
         findings.extend(attention_notes(flat, fam, filled, engine_missing))
     if config is not None and not config_bad:
         findings.extend(missing_tensor_findings(tensors, flat, fam, roles))
+        findings.extend(extra_layer_findings(tensors, flat, fam))
 
     qcfg = raw.get("quantization_config") or tc.get("quantization_config")
     spec = parse_quant_config(qcfg if isinstance(qcfg, dict) else None, hf_quant_config)
@@ -480,9 +481,15 @@ def inspect_checkpoint(source: str, revision: str | None = None, *, gpu_memory_g
         else:
             if specs is not None:
                 padding, layout_sources = layout_padding(specs), layout_source_tensors(specs)
-    return build_report(source, src.config, src.tensors, src.root, hf_quant_config=hf_quant,
-                        gpu_memory_gb=gpu_memory_gb, extra_findings=extra, padding=padding,
-                        layout_sources=layout_sources)
+    # the index is authoritative (transformers loads by it): tensors only a shard header declares are not
+    # part of the model (the source-warning above names them)
+    unlisted = set(src.unlisted)
+    tensors = {n: t for n, t in src.tensors.items() if n not in unlisted} if unlisted else src.tensors
+    report = build_report(source, src.config, tensors, src.root, hf_quant_config=hf_quant,
+                          gpu_memory_gb=gpu_memory_gb, extra_findings=extra, padding=padding,
+                          layout_sources=layout_sources)
+    report.layout = layout_sources is not None
+    return report
 
 
 def layout_specs(root: Any) -> dict[str, Any] | None:

@@ -624,11 +624,14 @@ def exclusion_findings(spec: QuantSpec | None, tensors: Iterable[str], modules: 
 
 
 def fusion_findings(modules: dict[str, ModuleInfo], family: Family | None) -> list[Finding]:
-    """Q8: parts of one fusible module (families.FusionRule) whose stored scheme or dtype disagree.
+    """Q8: parts of one fusible module (families.FusionRule) whose stored scheme or dtype disagree, and routed
+    experts of one MoE layer stored in different schemes.
 
-    Main parts (q_a/kv_a, gate/up, q/k/v) that disagree are an error (they cannot be fused);
-    ``full_only_parts`` (indexer.wk / weights_proj) differing from the rest are info: convert keeps them
-    separate (weights_proj stays BF16 in real FP8 releases).
+    Main parts (q_a/kv_a, gate/up, q/k/v) that disagree are an error (they cannot be fused) -- unless every
+    part is a plain float (BF16/F16/F32): then they are fused in one float dtype (``--dtype``'s, or with
+    ``auto`` the widest, F32: a lossless widening of the others), an info. ``full_only_parts``
+    (indexer.wk / weights_proj) differing from the rest are info: convert keeps them separate (weights_proj
+    stays BF16 in real FP8 releases). Experts: see :func:`expert_scheme_findings`.
     """
     if family is None or not family.fusions:
         return []
@@ -643,8 +646,14 @@ def fusion_findings(modules: dict[str, ModuleInfo], family: Family | None) -> li
             parts = [mods[p] for p in rule.parts if p in mods]
             if len(parts) >= 2 and len({(m.scheme, m.dtype) for m in parts}) > 1:
                 desc = ", ".join(f"{m.name.rsplit('.', 1)[-1]}={m.scheme}" for m in parts)
-                out.append(Finding("fused-shards-disagree", "error", prefix + rule.output,
-                                   f"{prefix}{rule.output}: parts disagree in storage ({desc}); cannot be fused as is"))
+                if {m.scheme for m in parts} <= _PLAIN_FLOAT_SCHEMES:
+                    out.append(Finding("fused-shards-disagree", "info", prefix + rule.output,
+                                       f"{prefix}{rule.output}: parts stored in different float dtypes ({desc}); "
+                                       "fused in one dtype: --dtype's, or with auto the widest (F32, lossless)"))
+                else:
+                    out.append(Finding("fused-shards-disagree", "error", prefix + rule.output,
+                                       f"{prefix}{rule.output}: parts disagree in storage ({desc}); cannot be fused "
+                                       "as is"))
             extra = [mods[p] for p in rule.full_only_parts if p in mods]
             if parts and extra:
                 schemes = {m.scheme for m in parts + extra}
@@ -653,7 +662,54 @@ def fusion_findings(modules: dict[str, ModuleInfo], family: Family | None) -> li
                     out.append(Finding("fused-shards-disagree", "info", prefix + rule.output,
                                        f"{prefix}{rule.output}: indexer parts stored differently ({desc}); "
                                        "they stay separate projections"))
+    return out + expert_scheme_findings(modules, family)
+
+
+_PLAIN_FLOAT_SCHEMES = frozenset({"bf16", "fp16", "fp32", "fp64"})
+#: a module inside one routed expert: (layer's experts prefix, expert index)
+_EXPERT_MODULE_RE = re.compile(r"^(.*?\blayers\.\d+\.(?:.*\.)?experts)\.(\d+)\.")
+#: findings that make a checkpoint unloadable as stored (convert refuses, serve's raw loader refuses)
+UNFUSABLE_CODES = ("fused-shards-disagree", "experts-disagree")
+
+
+def expert_scheme_findings(modules: dict[str, ModuleInfo], family: Family | None) -> list[Finding]:
+    """``experts-disagree`` (error): one MoE layer's routed experts stored in different schemes, not all plain
+    floats -- e.g. an FP8 block checkpoint that leaves one expert in BF16 (``modules_to_not_convert``).
+
+    The engine runs a layer's experts as one stacked tensor per projection (``mlp.experts.w13`` / ``w2``,
+    [E, ...]) of one scheme, and convert does not change an expert's numbers to make them agree: quantizing
+    the BF16 expert to FP8 would round it, and dequantizing the layer's FP8 experts would multiply their size
+    (2x in BF16) and change the scheme the release chose. So such a checkpoint is refused, naming the layer
+    and the odd experts. Experts stored in different plain-float dtypes are stacked in one (as fusions are).
+    """
+    if family is None or family.experts is None:
+        return []
+    layers: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for name, m in modules.items():
+        mt = _EXPERT_MODULE_RE.match(name)
+        if mt:
+            layers[mt.group(1)][m.scheme].add(int(mt.group(2)))
+    out = []
+    for prefix, by_scheme in sorted(layers.items(), key=lambda kv: _natural_key(kv[0])):
+        if len(by_scheme) < 2 or set(by_scheme) <= _PLAIN_FLOAT_SCHEMES:
+            continue
+        ranked = sorted(by_scheme.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+        total = len(set().union(*by_scheme.values()))
+        desc = "; ".join(f"{scheme}: {_experts_desc(sorted(idx), total)}" for scheme, idx in ranked)
+        out.append(Finding("experts-disagree", "error", prefix,
+                           f"{prefix}: routed experts stored in different schemes ({desc}); the engine stacks a "
+                           f"layer's experts into one tensor of one scheme, and convert does not re-quantize (lossy) "
+                           f"or dequantize (larger) experts to make them agree; store the layer's experts in one "
+                           f"scheme ({ranked[0][0]}, as most are) before converting or serving"))
     return out
+
+
+def _experts_desc(idx: list[int], total: int) -> str:
+    if len(idx) == total:
+        return "all"
+    if len(idx) > 4:
+        return f"{len(idx)} of {total} experts"
+    return ("expert " if len(idx) == 1 else "experts ") + ", ".join(map(str, idx))
 
 
 _DIGITS = re.compile(r"(\d+)")

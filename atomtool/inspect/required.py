@@ -99,6 +99,55 @@ def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | No
             [name for name, kind, _ in entries if kind == "module"])
 
 
+_DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def first_extra_layer(flat: dict[str, Any], family: Family | None) -> int | None:
+    """Index of the first ``model.layers.N`` that is part of neither the decoder nor its MTP layers, or None
+    when that is unknown (no family or layer count; an MLA config without ``num_nextn_predict_layers``,
+    where the layers after the decoder may all be MTP layers).
+
+    DeepSeek/GLM/Kimi (MLA) checkpoints store ``num_nextn_predict_layers`` MTP layers after the
+    ``num_hidden_layers`` decoder layers under the same ``model.layers.N`` names; the other families have no
+    MTP layers there. transformers builds ``num_hidden_layers`` layers and ignores the tensors of any other
+    (its "unexpected keys"; DeepseekV3 lists the MTP layer in ``_keys_to_ignore_on_load_unexpected``).
+    """
+    n = _int(flat, "num_hidden_layers")
+    if family is None or not n:
+        return None
+    if family.attention != "mla":
+        return n
+    nextn = flat.get("num_nextn_predict_layers")
+    return n + nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and nextn >= 0 else None
+
+
+def extra_layer_tensors(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> list[str]:
+    """Names of the tensors of ``model.layers.N`` with N >= :func:`first_extra_layer` (layers beyond the
+    decoder and its MTP layers), in the order of ``tensors``; empty when there are none or it is unknown."""
+    first = first_extra_layer(flat, family)
+    if first is None:
+        return []
+    return [name for name in tensors if (m := _DECODER_LAYER.match(name)) and int(m.group(1)) >= first]
+
+
+def extra_layer_findings(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> list[Finding]:
+    """``extra-layers`` (warning): the checkpoint holds tensors of decoder layers beyond ``num_hidden_layers``
+    (and beyond the MTP layers of families that have them, :func:`first_extra_layer`). transformers ignores
+    them; convert leaves them out of the layout and serve does not load them."""
+    extra = extra_layer_tensors(tensors, flat, family)
+    if not extra:
+        return []
+    layers = sorted({int(_DECODER_LAYER.match(name).group(1)) for name in extra})  # type: ignore[union-attr]
+    first = first_extra_layer(flat, family)
+    mtp = "" if first == _int(flat, "num_hidden_layers") else f" + {flat.get('num_nextn_predict_layers')} MTP"
+    shown = ", ".join(extra[:3]) + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
+    return [Finding("extra-layers", "warning", f"model.layers.{layers[0]}",
+                    f"{len(extra)} tensor(s) of layer(s) {', '.join(map(str, layers[:MAX_LISTED]))} beyond the "
+                    f"{flat.get('num_hidden_layers')}{mtp} layers config.json declares (num_hidden_layers"
+                    f"{'/num_nextn_predict_layers' if mtp else ''}): transformers ignores them (unexpected keys); "
+                    f"convert leaves them out of the layout and serve does not load them: {shown}")]
+
+
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(\w+)$")
 _STACKED = re.compile(r"^(.*\.experts)\.[A-Za-z_]")
 

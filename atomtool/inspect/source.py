@@ -70,6 +70,9 @@ class CheckpointSource:
     (None = default branch). commit: the commit hash the Hub resolved (remote only, when known).
     index_metadata: the ``metadata`` object of model.safetensors.index.json (e.g. ``total_size``), None
     without an index. warnings: non-fatal problems (e.g. tensors a stale index.json does not list).
+    unlisted: tensors declared in a shard header but absent from the index's ``weight_map`` (sorted); they
+    are in ``tensors`` (the headers' view) but nothing loads them: transformers loads by the index, and
+    :func:`atomtool.inspect.classify.inspect_checkpoint` leaves them out of the report.
     """
 
     source: str
@@ -86,6 +89,7 @@ class CheckpointSource:
     #: weight files found but not read (pickle checkpoints: ``model.bin``, ``*.pt``) when there are no
     #: safetensors weights
     ignored_weights: list[str] = field(default_factory=list)
+    unlisted: list[str] = field(default_factory=list)
 
     @classmethod
     def open(cls, source: str, revision: str | None = None) -> CheckpointSource:
@@ -190,11 +194,11 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
 
     headers = _parallel(fetch, parse, files)
     label = (lambda f: f"{source}/{f}") if is_remote else (lambda f: str(root / f))
-    tensors, warnings = _merge(headers, weight_map, label, index_label)
+    tensors, warnings, unlisted = _merge(headers, weight_map, label, index_label)
     return CheckpointSource(
         source=source, root=root, config=config, tensors=tensors, files=files, is_remote=is_remote,
         metadata={f: h.metadata for f, h in headers.items()}, revision=revision, commit=commit,
-        index_metadata=index_meta, warnings=warnings, ignored_weights=pickles,
+        index_metadata=index_meta, warnings=warnings, ignored_weights=pickles, unlisted=unlisted,
     )
 
 
@@ -224,8 +228,10 @@ def _parallel(fetch: Callable[[str], Any], parse: Callable[[str, Any], Any], fil
 
 
 def _merge(headers: dict[str, SafetensorsHeader], weight_map: dict[str, str] | None,
-           label: Callable[[str], str], index_label: str) -> tuple[dict[str, TensorInfo], list[str]]:
-    """All shards' tensors by name; a name in two shards is a HeaderError; the index must agree.
+           label: Callable[[str], str], index_label: str
+           ) -> tuple[dict[str, TensorInfo], list[str], list[str]]:
+    """(all shards' tensors by name, warnings, tensors the index does not list); a name in two shards is a
+    HeaderError; the index must agree (a name it maps to a shard whose header lacks it is a SourceError).
 
     The common case runs at C speed (dict.update, dict equality); only a mismatch walks the names to
     find what to report.
@@ -241,6 +247,7 @@ def _merge(headers: dict[str, SafetensorsHeader], weight_map: dict[str, str] | N
                     raise HeaderError(f"{label(f)}: tensor {name!r} is also in shard {seen[name]!r}")
                 seen[name] = f
     warnings: list[str] = []
+    unlisted: list[str] = []
     if weight_map is not None:
         declared = {name: info.file for name, info in tensors.items()}
         if declared != weight_map:
@@ -249,9 +256,11 @@ def _merge(headers: dict[str, SafetensorsHeader], weight_map: dict[str, str] | N
                     raise SourceError(f"{index_label}: maps tensor {name!r} to {f!r}, whose header does not "
                                       "declare it")
             unlisted = sorted(set(declared) - set(weight_map))
+            shown = ", ".join(unlisted[:5]) + (f" (+{len(unlisted) - 5} more)" if len(unlisted) > 5 else "")
             warnings.append(f"{index_label}: {len(unlisted)} tensor(s) in shard headers are missing from "
-                            f"weight_map (stale index?), e.g. {unlisted[0]!r}")
-    return tensors, warnings
+                            f"weight_map (stale index?): {shown}; they are ignored, as transformers ignores "
+                            "them (it loads the tensors the index lists)")
+    return tensors, warnings, unlisted
 
 
 def looks_like_path(source: str) -> bool:
@@ -530,13 +539,13 @@ def _open_online(repo: str, revision: str | None) -> CheckpointSource:
     elif index_path is not None and len(headers) != len(files):
         missing = next(f for f in files if f not in headers)
         raise SourceError(f"{repo}/{INDEX_FILE}: names shard {missing!r}, which does not exist in the repo")
-    tensors, warnings = _merge(headers, weight_map, lambda f: f"{repo}/{f}", f"{repo}/{INDEX_FILE}")
+    tensors, warnings, unlisted = _merge(headers, weight_map, lambda f: f"{repo}/{f}", f"{repo}/{INDEX_FILE}")
     snapshot = cfg_path.parent if cfg_path is not None else (index_path.parent if index_path else None)
     root = snapshot if snapshot is not None and len(cached) == len(files) else None
     return CheckpointSource(
         source=repo, root=root, config=config, tensors=tensors, files=files, is_remote=True,
         metadata={f: h.metadata for f, h in headers.items()}, revision=revision, commit=commit,
-        index_metadata=index_meta, warnings=warnings,
+        index_metadata=index_meta, warnings=warnings, unlisted=unlisted,
     )
 
 

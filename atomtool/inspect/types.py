@@ -123,3 +123,6 @@ class InspectReport:
     #: text_config, or hf_quant_config.json): its ``quant_method`` and scheme; None = unquantized
     quant_method: str | None = None
     quant_scheme: str | None = None
+    #: the directory is an atomtool layout (it has an ``atomtool.json`` manifest): its tensors are already
+    #: fused / stacked, so it is served as it is, never converted again
+    layout: bool = False

@@ -252,13 +252,17 @@ def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
     """Refuse a raw checkpoint the engine cannot run, before the model is built: no safetensors weights
     (config.json only), tensors whose shapes disagree with config.json (inspect's ``shape-mismatch``
     finding, the same message: the field, its value -- and when it is transformers' default --, the tensor
-    and its shape), or a linear stored in a scheme outside ``SERVABLE_SCHEMES`` (AWQ, GPTQ, NVFP4, ...).
+    and its shape), a linear stored in a scheme outside ``SERVABLE_SCHEMES`` (AWQ, GPTQ, NVFP4, ...), or
+    parts of one fused / stacked module stored in schemes that cannot be fused (inspect's error findings
+    ``fused-shards-disagree`` / ``experts-disagree``: the reason convert refuses it with, not the fused
+    names the engine would then lack).
 
     Raises:
-        EngineError: one line naming the directory (and the first mis-shaped tensor, or the first unservable
-            module with its scheme).
+        EngineError: one line naming the directory (and the first mis-shaped tensor, the first unservable
+            module with its scheme, or the first unfusable module with inspect's message).
     """
     from atomtool.inspect.classify import unservable_modules
+    from atomtool.inspect.quant import UNFUSABLE_CODES
     from atomtool.inspect.shapes import SHAPE_MISMATCH
 
     if not report.tensors:
@@ -268,6 +272,11 @@ def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
     bad = unservable_modules(report.modules)
     if bad:
         raise EngineError(f"{model_path}: layer {bad[0].name} is stored as {bad[0].scheme}; {_SCHEME_HINT}")
+    unfusable = [f for f in report.findings if f.code in UNFUSABLE_CODES and f.severity == "error"]
+    if unfusable:
+        more = f" (+{len(unfusable) - 1} more)" if len(unfusable) > 1 else ""
+        raise EngineError(f"{model_path}: {unfusable[0].code}: {unfusable[0].message}{more}; see "
+                          f"`atomtool inspect {model_path}`")
 
 
 def _refuse_shape_mismatch(model_path: str | os.PathLike, mismatch: list[Any]) -> None:
