@@ -107,6 +107,10 @@ def base(tmp_path_factory):
 def test_tied_lm_head_equal_to_embedding_is_left_out_and_tied(base, tmp_path):
     src = variant(base("qwen3_tied"), tmp_path / "src",
                   lambda sd: sd.__setitem__("lm_head.weight", sd["model.embed_tokens.weight"].clone()))
+    report, rc = inspect_json(src)
+    found = [f for f in report["findings"] if f["code"] == "lm-head-with-tied-embeddings"]
+    assert rc == 0 and report["servable"] and [f["severity"] for f in found] == ["info"]
+    assert "tied if their values are equal" in found[0]["message"]
     res = convert_ok(src, tmp_path / "out")
     assert "note: lm_head.weight equals model.embed_tokens.weight and config.json ties them" in res.stderr
     assert "lm_head.weight" not in manifest_tensors(tmp_path / "out")
@@ -130,6 +134,20 @@ def test_tied_lm_head_that_differs_is_kept_untied_as_transformers_does(base, tmp
     ours = greedy_tokens(tmp_path / "out")
     assert ours == greedy_tokens(src) == hf_greedy_tokens(src)
     assert ours != greedy_tokens(base("qwen3_tied"))  # the stored head is used: not the tied model's output
+
+
+def test_tied_checkpoint_storing_only_lm_head_uses_it_as_the_embedding(base, tmp_path):
+    src = variant(base("qwen3_tied"), tmp_path / "src",
+                  lambda sd: sd.__setitem__("lm_head.weight", sd.pop("model.embed_tokens.weight")))
+    report, rc = inspect_json(src)
+    assert rc == 0 and report["servable"], report["findings"]
+    res = convert_ok(src, tmp_path / "out")
+    assert ("note: config.json ties the embeddings (tie_word_embeddings: true) and the checkpoint stores only "
+            "lm_head.weight: written as model.embed_tokens.weight") in res.stderr
+    assert manifest_tensors(tmp_path / "out")["model.embed_tokens.weight"]["parts"][0]["source"] == "lm_head.weight"
+    assert "lm_head.weight" not in manifest_tensors(tmp_path / "out")
+    ours = greedy_tokens(tmp_path / "out")
+    assert ours == greedy_tokens(src) == hf_greedy_tokens(src) == greedy_tokens(base("qwen3_tied"))
 
 
 # ------------------------------------------------------------------------------------- 1b. rotary inv_freq

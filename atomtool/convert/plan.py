@@ -193,7 +193,8 @@ class _Planner:
                 block_size=group.block))
             self.consumed.update(p.source for p in all_parts)
 
-    def _emit_copy(self, t: TensorInfo) -> None:
+    def _emit_copy(self, t: TensorInfo, name: str | None = None) -> None:
+        """Output ``name`` (default: the source's own name) = source tensor ``t``, cast per the dtype policy."""
         mod = self.module_of_tensor.get(t.name)
         scheme = mod.scheme if mod is not None else "float"
         dst = self._out_dtype(t, scheme)
@@ -202,7 +203,7 @@ class _Planner:
             block = _block_of(mod, self.report)
         out_scheme = _SCHEME_OF_TAG.get(dst, dst.lower()) if mod is None else self._out_scheme(scheme, dst)
         self.outputs.append(OutputTensor(
-            name=t.name, dtype=dst, shape=tuple(t.shape), scheme=out_scheme,
+            name=name or t.name, dtype=dst, shape=tuple(t.shape), scheme=out_scheme,
             op="copy" if dst == t.dtype else "cast", parts=(PartSpec(t.name),), block_size=block))
         self.consumed.add(t.name)
 
@@ -331,13 +332,21 @@ class _Planner:
         ``PreTrainedModel.tie_weights`` does when both tensors are in the checkpoint -- equal values: tie (the
         stored copy is left out, a note); different values: it does NOT tie them and warns, the stored
         ``lm_head`` is the output projection, so the layout keeps it and its config.json says
-        ``tie_word_embeddings: false`` (a warning). Values are compared from the files
+        ``tie_word_embeddings: false`` (a warning); no stored embedding: it ties the other way round (the
+        embedding is the stored ``lm_head.weight``), so the layout stores it as the embedding (a note).
+        Values are compared from the files
         (:func:`atomtool.convert.materialize.same_values`); when they cannot be (a remote dry run, a
         quantized lm_head) the tensors are treated as different."""
         flat = self.report.config_flat
         head, embed = "lm_head.weight", f"{self._model_base()}embed_tokens.weight"
         tensors = self.report.tensors
-        if flat.get("tie_word_embeddings") is not True or head not in tensors or embed not in tensors:
+        if flat.get("tie_word_embeddings") is not True or head not in tensors:
+            return
+        if embed not in tensors:
+            self._emit_copy(tensors[head], embed)
+            self.infos.append(f"config.json ties the embeddings (tie_word_embeddings: true) and the checkpoint stores "
+                              f"only {head}: written as {embed} (the engine ties the output projection to it; "
+                              "transformers ties them the same way round)")
             return
         mod = self.modules.get("lm_head")
         same = None
@@ -463,7 +472,8 @@ def missing_tensors(report: InspectReport) -> list[str]:
     DSA schedule role from ``report.dsa``), so a module one layer of a kind has and another lacks is missing
     from the latter (its tensors are named after the roles the other layer stores: ``weight``,
     ``weight_scale_inv``, ...); layers at index >= ``num_hidden_layers`` (MTP) are not compared. At model
-    level the engine (Llama/Qwen and DeepSeek/GLM modules alike) needs ``embed_tokens.weight`` and
+    level the engine (Llama/Qwen and DeepSeek/GLM modules alike) needs ``embed_tokens.weight`` (with
+    ``tie_word_embeddings`` a stored ``lm_head.weight`` stands in for it, as in transformers) and
     ``norm.weight`` next to ``layers``, and ``lm_head.weight`` unless ``tie_word_embeddings``. Which tensors
     each *fused* output needs is the plan's own business: a fusion whose parts are only partly present is
     listed here too. Only for families the engine serves (others are refused as unservable anyway).
@@ -503,8 +513,11 @@ def missing_tensors(report: InspectReport) -> list[str]:
     # model level: next to the layers (``model.`` or ``model.language_model.``)
     bases = {layers[i][0].rsplit("layers.", 1)[0] for i in layers}
     base = bases.pop() if len(bases) == 1 else "model."
-    needed = [f"{base}embed_tokens.weight", f"{base}norm.weight"]
-    if not report.config_flat.get("tie_word_embeddings", False):
+    tied = report.config_flat.get("tie_word_embeddings", False) is True
+    # tied: either copy will do (transformers ties whichever is stored to the other; the plan names it)
+    needed = [] if tied and "lm_head.weight" in report.tensors else [f"{base}embed_tokens.weight"]
+    needed.append(f"{base}norm.weight")
+    if not tied:
         needed.append("lm_head.weight")
     missing.extend(t for t in needed if t not in report.tensors)
     return sorted(set(missing), key=natural_key)
@@ -517,8 +530,12 @@ def build_plan(report: InspectReport, dtype: str = "auto", *, require_complete: 
     ``self_attn.fused_qkv_a_proj`` (+ indexer rows on ``full`` layers when schemes allow),
     ``mlp.gate_up_proj``, ``mlp.shared_experts.gate_up_proj``; MoE ``mlp.experts.w13`` [E, 2I, H] (gate | up
     per expert) and ``mlp.experts.w2`` [E, H, I], each with its ``weight_scale_inv`` stacked when FP8. Every
-    other tensor (and every layer at index >= ``num_hidden_layers``, i.e. MTP) keeps its source name. Every
-    source tensor appears in exactly one output's parts.
+    other tensor (and every MTP layer, at index >= ``num_hidden_layers``) keeps its source name. Every
+    source tensor appears in exactly one output's parts, except those in ``plan.dropped``: what transformers
+    does not load either (``rotary_emb.inv_freq`` buffers, layers beyond the decoder and its MTP layers,
+    inspect's ``extra-layers``, and an ``lm_head.weight`` that ``tie_word_embeddings`` ties, see
+    ``_Planner._tie``). Tensors a stale index.json does not list are not in the report at all; the plan's
+    ``warnings`` repeat inspect's ``source-warning`` findings.
 
     Args:
         report: the inspect result (modules with storage schemes, tensors, DSA schedule, configs).
@@ -531,8 +548,9 @@ def build_plan(report: InspectReport, dtype: str = "auto", *, require_complete: 
         widenings go to ``infos`` and ``notes``), its ``missing`` the
         names :func:`missing_tensors` found.
     Raises:
-        ConversionError: unknown dtype, incomplete MoE experts, an output name clash, missing tensors (with
-            ``require_complete``: ``missing N required tensor(s): a, b, ...``).
+        ConversionError: ``report`` is an atomtool layout (:func:`layout_source_message`), unknown dtype,
+            incomplete MoE experts, an output name clash, missing tensors (with ``require_complete``:
+            :func:`missing_message`).
     """
     if report.layout:
         raise ConversionError(layout_source_message(report.source))

@@ -43,7 +43,7 @@ from atomtool.inspect.quant import (
     logical_numel,
     parse_quant_config,
 )
-from atomtool.inspect.required import extra_layer_findings, missing_tensor_findings
+from atomtool.inspect.required import extra_layer_findings, missing_tensor_findings, tied_head_findings
 from atomtool.inspect.shapes import config_shape_findings, layout_source_tensors
 from atomtool.inspect.types import DsaInfo, Finding, InspectReport, ModuleInfo, TensorInfo
 
@@ -353,6 +353,7 @@ def build_report(
     if config is not None and not config_bad:
         findings.extend(missing_tensor_findings(tensors, flat, fam, roles))
         findings.extend(extra_layer_findings(tensors, flat, fam))
+        findings.extend(tied_head_findings(tensors, flat))
 
     qcfg = raw.get("quantization_config") or tc.get("quantization_config")
     spec = parse_quant_config(qcfg if isinstance(qcfg, dict) else None, hf_quant_config)

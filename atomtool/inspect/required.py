@@ -148,6 +148,22 @@ def extra_layer_findings(tensors: dict[str, Any], flat: dict[str, Any], family: 
                     f"convert leaves them out of the layout and serve does not load them: {shown}")]
 
 
+def tied_head_findings(tensors: dict[str, Any], flat: dict[str, Any]) -> list[Finding]:
+    """``lm-head-with-tied-embeddings`` (info): ``tie_word_embeddings: true`` and the checkpoint stores
+    ``lm_head.weight`` too. transformers' ``tie_weights`` ties the two only when their values are equal; when
+    they differ it warns and keeps both (untied). Inspect reads headers only, so it says what will be decided
+    from the values; convert compares them (:meth:`atomtool.convert.plan._Planner._tie`)."""
+    if flat.get("tie_word_embeddings") is not True or "lm_head.weight" not in tensors:
+        return []
+    if "model.embed_tokens.weight" not in tensors:
+        how = "the embedding is the stored lm_head.weight (transformers ties them the other way round)"
+    else:
+        how = ("both are stored: tied if their values are equal (the copy is left out), else kept untied with "
+               "the stored lm_head as the output projection, as transformers does")
+    return [Finding("lm-head-with-tied-embeddings", "info", "lm_head",
+                    f"config.json sets tie_word_embeddings: true and the checkpoint stores lm_head.weight; {how}")]
+
+
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(\w+)$")
 _STACKED = re.compile(r"^(.*\.experts)\.[A-Za-z_]")
 
@@ -190,7 +206,9 @@ def missing_tensor_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any]
     # experts stored stacked, [E, ...] per layer (gpt-oss / transformers 5 ``mlp.experts.gate_up_proj``,
     # ``down_proj``, MXFP4 ``*_blocks``; atomtool ``mlp.experts.w13``/``w2``): every expert counts as present
     present |= {m.group(1) + "#stacked" for name in tensors if (m := _STACKED.match(name))}
-    missing_plain = [t for t in plain if t not in tensors]
+    # tied embeddings: a stored lm_head.weight stands in for the embedding (transformers ties it either way)
+    tied_head = flat.get("tie_word_embeddings") is True and "lm_head.weight" in tensors
+    missing_plain = [t for t in plain if t not in tensors and not (tied_head and t == "model.embed_tokens.weight")]
     missing_mod = [m for m in modules if not _is_present(m, present, family)]
     out = []
     if "lm_head" in missing_mod:
