@@ -12,8 +12,9 @@ greedy tokens on the same checkpoint.
        naming them; inspect's ``extra-layers`` says the same);
    (d) a tensor in a shard header that model.safetensors.index.json does not list: the index is
        authoritative, the tensor is left out and convert prints inspect's warning.
-2. An FP8 block DeepSeek-V3 with one routed expert per MoE layer left BF16: inspect, convert and generate
-   refuse it with one finding (``experts-disagree``), instead of "No findings" and an unloadable layout.
+2. An FP8 block DeepSeek-V3 with one routed expert per MoE layer left BF16: inspect warns
+   (``experts-disagree``) instead of "No findings", and convert / generate dequantize the layer's FP8 experts
+   and stack them in BF16 (exact in float32 with ``--dtype float32``) instead of an unloadable layout.
 3. convert on an atomtool layout: refused (also with --force / --dry-run) with a clear message;
    ``missing_tensors`` recognises stacked experts.
 4. Plain-float parts of one fusion stored in different dtypes are fused (``--dtype`` given: in it; ``auto``:
@@ -35,6 +36,7 @@ from atomtool.cli import app
 from atomtool.convert.plan import missing_tensors
 from atomtool.inspect.classify import inspect_checkpoint
 from tests.checkpoints import (
+    dequantize_fp8_block_checkpoint,
     load_state_dict,
     write_fp8_block_checkpoint,
     write_hf_checkpoint,
@@ -222,20 +224,48 @@ def test_tensor_missing_from_the_index_is_left_out_and_the_warning_carried(base,
 # ---------------------------------------------------------------------------- 2. FP8 experts + one BF16 expert
 
 
-def test_fp8_moe_layer_with_a_bf16_expert_is_refused_alike(base, tmp_path):
+@pytest.fixture(scope="module")
+def fp8x(base, tmp_path_factory):
+    """FP8 block DeepSeek-V3 (block 16) that leaves routed expert 3 of each MoE layer BF16, listed in
+    ``modules_to_not_convert``; and the same weights dequantized into a plain float checkpoint (the oracle)."""
+    root = tmp_path_factory.mktemp("fp8x")
     src = write_fp8_block_checkpoint(
-        base("dsv3"), tmp_path / "fp8x", block=16, leave_float=["experts.3."],
+        base("dsv3"), root / "fp8x", block=16, leave_float=["experts.3."],
         modules_to_not_convert=["model.layers.1.mlp.experts.3", "model.layers.2.mlp.experts.3"])
+    deq = root / "dequantized"
+    shutil.copytree(src, deq)
+    for f in deq.glob("*.safetensors"):
+        f.unlink()
+    write_state_dict(deq, dequantize_fp8_block_checkpoint(src))
+    cfg = json.loads((deq / "config.json").read_text())
+    del cfg["quantization_config"]
+    (deq / "config.json").write_text(json.dumps(cfg))
+    return src, deq
+
+
+def test_fp8_moe_layer_with_a_bf16_expert_is_dequantized_and_stacked(fp8x, tmp_path):
+    src, deq = fp8x
     report, rc = inspect_json(src)
     found = [f for f in report["findings"] if f["code"] == "experts-disagree"]
-    assert rc == 1 and not report["servable"]
-    assert [f["module"] for f in found] == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
-    msg = found[0]["message"]
-    assert "routed experts stored in different schemes (fp8_block: 7 of 8 experts; bf16: expert 3)" in msg
-    line = refused("convert", src, tmp_path / "out")
-    assert line.startswith(f"{src} would not convert into a servable layout: experts-disagree: {msg}")
-    assert not (tmp_path / "out").exists()
-    assert generate_error(src).startswith(f"{src}: experts-disagree: {msg} (+1 more)")
+    assert rc == 0 and report["servable"], report["findings"]
+    assert [(f["module"], f["severity"]) for f in found] == [("model.layers.1.mlp.experts", "warning"),
+                                                             ("model.layers.2.mlp.experts", "warning")]
+    assert "routed experts stored in different schemes (fp8_block: 7 of 8 experts; bf16: expert 3)" \
+        in found[0]["message"]
+    res = convert_ok(src, tmp_path / "bf16")
+    assert ("warning: model.layers.1.mlp.experts: routed experts mix fp8_block and bf16 (expert 3 not quantized); "
+            "the engine runs a layer's experts as one tensor of one scheme, so the FP8 experts are dequantized to "
+            "BF16 (rounded to BF16; --dtype float32 keeps them exact) and the layer stacked in BF16: ") in res.stderr
+    tensors = manifest_tensors(tmp_path / "bf16")
+    assert tensors["model.layers.1.mlp.experts.w13.weight"]["dtype"] == "BF16"
+    assert "model.layers.1.mlp.experts.w13.weight_scale_inv" not in tensors
+    assert tensors["model.layers.0.mlp.gate_up_proj.weight"]["dtype"] == "F8_E4M3"  # other layers stay FP8
+    assert len(greedy_tokens(tmp_path / "bf16")) == 4
+    res = convert_ok(src, tmp_path / "f32", "--dtype", "float32")
+    assert "dequantized to F32 (exact) and the layer stacked in F32" in res.stderr
+    # float32: every dequantized value is exact, so the layout is the dequantized checkpoint
+    ours = greedy_tokens(tmp_path / "f32")
+    assert ours == greedy_tokens(src) == greedy_tokens(deq) == hf_greedy_tokens(deq)
 
 
 # ----------------------------------------------------------------------------- 3. convert on a layout

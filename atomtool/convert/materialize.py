@@ -185,7 +185,8 @@ def byte_segments(spec: OutputTensor, reader: SourceReader) -> list[tuple[str | 
             return None
         return [(part.source, info.nbytes)]
     dtype = TORCH_DTYPES.get(spec.dtype)
-    if dtype is None or spec.op == "cast" or any(not reader.can_read_into(p.source, dtype) for p in spec.parts):
+    if dtype is None or spec.op == "cast" or any(p.scale is not None or not reader.can_read_into(p.source, dtype)
+                                                 for p in spec.parts):
         return None
     itemsize = dtype.itemsize
     lead = 2 if spec.op == "stack" else 1
@@ -228,7 +229,8 @@ def materialize(spec: OutputTensor, reader: SourceReader) -> torch.Tensor:
 
     ``copy``/``cast``: the source (cast with an overflow check when ``spec.dtype`` differs). ``concat``:
     the parts' rows at their ``rows`` ranges, zero rows where ``pad_rows`` asks. ``stack``: the same inside
-    ``out[stack_index]``.
+    ``out[stack_index]``. A part with a ``scale`` is an FP8 block weight, dequantized in float32
+    (:func:`atomtool.serve.ops.torch_ref.dequant_fp8_block`) before the cast.
 
     Raises:
         ConversionError: a cast overflows, a part does not fit its slot, or an unknown op.
@@ -263,10 +265,18 @@ def materialize(spec: OutputTensor, reader: SourceReader) -> torch.Tensor:
             raise ConversionError(f"{spec.name}: stack part {part.source} has no stack index")
         info = reader.plan.sources.get(part.source)
         slot = out[index]
-        if info is not None and tuple(info.shape) == tuple(slot.shape) and reader.can_read_into(part.source, dtype):
+        if part.scale is None and info is not None and tuple(info.shape) == tuple(slot.shape) and \
+                reader.can_read_into(part.source, dtype):
             reader.read_into(part.source, slot)  # rows of a contiguous tensor: contiguous; one copy
             continue
-        src = checked_cast(reader.get(part.source), dtype, name=part.source)
+        src = reader.get(part.source)
+        if part.scale is not None:
+            from atomtool.serve.ops.torch_ref import dequant_fp8_block
+
+            if part.scale_block is None:
+                raise ConversionError(f"{spec.name}: part {part.source} has a scale but no block size")
+            src = dequant_fp8_block(src, reader.get(part.scale), part.scale_block, torch.float32)
+        src = checked_cast(src, dtype, name=part.source)
         try:
             _place(out, index, src)
         except ConversionError as exc:

@@ -31,6 +31,7 @@ from atomtool.convert.cast import FLOAT_SCHEMES, PLAIN_FLOAT_TAGS, cast_messages
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor, PartSpec
 from atomtool.errors import ConversionError
 from atomtool.inspect.families import FAMILIES, Family, family_for
+from atomtool.inspect.report import human_bytes
 from atomtool.inspect.required import extra_layer_tensors
 from atomtool.inspect.types import InspectReport, ModuleInfo, TensorInfo
 
@@ -292,6 +293,10 @@ class _Planner:
         gates = [experts[e][rule.w13[0]] for e in range(count)]
         ups = [experts[e][rule.w13[1]] for e in range(count)]
         downs = [experts[e][rule.w2] for e in range(count)]
+        schemes = {m.scheme for m in gates + ups + downs}
+        if "fp8_block" in schemes and len(schemes) > 1 and schemes - {"fp8_block"} <= FLOAT_SCHEMES:
+            self._stack_dequantized(f"{layer}.{rule.experts_prefix}", gates, ups, downs)
+            return
         why = (_why_not_fusable([gates[0], ups[0]], self.report) or _why_not_fusable([downs[0]], self.report)
                or _why_uniform(gates, "gate") or _why_uniform(ups, "up") or _why_uniform(downs, "down")
                or (None if gates[0].scheme == downs[0].scheme or {gates[0].scheme, downs[0].scheme} <= FLOAT_SCHEMES
@@ -305,6 +310,65 @@ class _Planner:
         self._note_group(f"{prefix}.w13", [gates[0], ups[0]], g13[0], f" [{count} experts]")
         self._emit_group(f"{prefix}.w13", g13[0], stacked=count, per_expert=g13)
         self._emit_group(f"{prefix}.w2", g2[0], stacked=count, per_expert=g2)
+
+    def _stack_dequantized(self, prefix: str, gates: list[ModuleInfo], ups: list[ModuleInfo],
+                           downs: list[ModuleInfo]) -> None:
+        """Stack one MoE layer whose routed experts mix FP8 block and plain-float storage (an FP8 release that
+        leaves an expert BF16 through ``modules_to_not_convert``; inspect's ``experts-disagree`` warning).
+
+        The engine runs a layer's experts as one ``w13`` / ``w2`` tensor of one scheme, so the FP8 experts are
+        dequantized (``q * weight_scale_inv`` per block, exact in float32, :class:`PartSpec` ``scale``) and
+        the layer is stacked in the float experts' dtype (BF16 in real releases; the widest when they
+        disagree) or the ``--dtype`` target: exact values with ``--dtype float32``, rounded to BF16 otherwise.
+        Re-quantizing the float expert instead would change it with no way back. A warning gives the size
+        the layer's experts grow by. Experts whose shapes or roles do not line up stay unstacked (a note).
+        """
+        floats = [m for m in gates + ups + downs if m.scheme in FLOAT_SCHEMES]
+        fp8 = [m for m in gates + ups + downs if m.scheme == "fp8_block"]
+        blocks = {_block_of(m, self.report) for m in fp8}
+        why = next((f"{what} projections differ in shape between experts" for what, ms in
+                    (("gate", gates), ("up", ups), ("down", downs))
+                    if len({tuple(m.tensors["weight"].shape) for m in ms}) != 1), None)
+        if why is None and (any(set(m.tensors) != {"weight"} for m in floats)
+                            or any(set(m.tensors) != {"weight", "weight_scale_inv"} for m in fp8)):
+            why = "tensor roles are not plain weights and FP8 block weight/weight_scale_inv pairs"
+        if why is None and (len(blocks) != 1 or None in blocks):
+            why = "FP8 block sizes differ or are unknown"
+        if why is not None:
+            self.notes.append(f"{prefix}: experts not stacked, {why}; kept under their source names")
+            return
+        block = blocks.pop()
+        stored = {m.tensors["weight"].dtype for m in floats}
+        dst = self.target or (stored.pop() if len(stored) == 1 else ("F64" if "F64" in stored else "F32"))
+
+        def stacked(rows_of: list[list[ModuleInfo]]) -> tuple[tuple[PartSpec, ...], int, int]:
+            parts = []
+            for e, mods in enumerate(rows_of):
+                start = 0
+                for m in mods:
+                    w, s = m.tensors["weight"], m.tensors.get("weight_scale_inv")
+                    parts.append(PartSpec(w.name, (start, start + w.shape[0]), e, 0, s.name if s else None,
+                                          block if s else None))
+                    start += w.shape[0]
+            return tuple(parts), start, rows_of[0][0].tensors["weight"].shape[1]
+
+        for role, rows_of in (("w13", [[g, u] for g, u in zip(gates, ups, strict=True)]), ("w2", [[d] for d in downs])):
+            parts, rows, cols = stacked(rows_of)
+            self.outputs.append(OutputTensor(name=f"{prefix}.{role}.weight", dtype=dst, shape=(len(rows_of), rows, cols),
+                                             scheme=_SCHEME_OF_TAG.get(dst, dst.lower()), op="stack", parts=parts))
+        self.consumed.update(t.name for m in floats + fp8 for t in m.tensors.values())
+        self.casts.extend((m.tensors["weight"].name, m.tensors["weight"].dtype, dst) for m in floats
+                          if m.tensors["weight"].dtype != dst)
+        before = sum(t.nbytes for m in fp8 for t in m.tensors.values())
+        after = sum(m.tensors["weight"].numel for m in fp8) * _TAG_BYTES[dst]
+        odd = sorted({int(m.name.rsplit(".", 2)[-2]) for m in floats})
+        lossless = " (exact)" if dst in ("F32", "F64") else f" (rounded to {dst}; --dtype float32 keeps them exact)"
+        self.warnings.append(
+            f"{prefix}: routed experts mix fp8_block and {'/'.join(sorted({m.scheme for m in floats}))} "
+            f"(expert{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd[:8]))} not quantized); the engine runs a "
+            f"layer's experts as one tensor of one scheme, so the FP8 experts are dequantized to {dst}{lossless} "
+            f"and the layer stacked in {dst}: {human_bytes(before)} of FP8 weights and scales become "
+            f"{human_bytes(after)}")
 
     # ---- source tensors that are not part of the model --------------------------------------------
     def _drop_ignored(self) -> None:
@@ -419,6 +483,8 @@ def _why_uniform(mods: Sequence[ModuleInfo], what: str) -> str | None:
 
 
 _TORCH_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_TAG_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+
 
 
 def output_config(report: InspectReport, target: str | None = None, *, untie: bool = False) -> dict:

@@ -18,13 +18,18 @@ class PartSpec:
     source: source tensor name. rows: (start, end) row range along dim 0 of the output (for ``stack``:
     of the output's ``[stack_index]`` slice), excluding padding; None for ``copy``/``cast``.
     stack_index: expert index for ``stack`` ops. pad_rows: zero rows appended after this part
-    (FP8 block alignment).
+    (FP8 block alignment). scale / scale_block: see the fields.
     """
 
     source: str
     rows: tuple[int, int] | None = None
     stack_index: int | None = None
     pad_rows: int = 0
+    #: FP8 block source only: the source ``weight_scale_inv`` [ceil(N/b0), ceil(K/b1)] F32 the part is
+    #: dequantized with (``q * scale_inv`` per ``scale_block`` tile, in float32) before it is cast to the
+    #: output's float dtype (an MoE layer whose experts mix FP8 and BF16, stacked in BF16); None: as stored
+    scale: str | None = None
+    scale_block: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

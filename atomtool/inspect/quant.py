@@ -673,14 +673,15 @@ UNFUSABLE_CODES = ("fused-shards-disagree", "experts-disagree")
 
 
 def expert_scheme_findings(modules: dict[str, ModuleInfo], family: Family | None) -> list[Finding]:
-    """``experts-disagree`` (error): one MoE layer's routed experts stored in different schemes, not all plain
-    floats -- e.g. an FP8 block checkpoint that leaves one expert in BF16 (``modules_to_not_convert``).
+    """``experts-disagree``: one MoE layer's routed experts stored in different schemes, not all plain floats.
 
     The engine runs a layer's experts as one stacked tensor per projection (``mlp.experts.w13`` / ``w2``,
-    [E, ...]) of one scheme, and convert does not change an expert's numbers to make them agree: quantizing
-    the BF16 expert to FP8 would round it, and dequantizing the layer's FP8 experts would multiply their size
-    (2x in BF16) and change the scheme the release chose. So such a checkpoint is refused, naming the layer
-    and the odd experts. Experts stored in different plain-float dtypes are stacked in one (as fusions are).
+    [E, ...]) of one scheme. FP8 block experts next to plain-float ones (an FP8 release that leaves an
+    expert BF16 through ``modules_to_not_convert``) are a warning: convert and serve dequantize the layer's
+    FP8 experts (exact in float32) and stack the layer in the float experts' dtype -- never re-quantize the
+    float expert, which would change it for good -- at the cost of the layer's experts growing (2x in
+    BF16). Any other mix (a 4-bit scheme next to BF16, ...) is an error: nothing converts one into the
+    other exactly. Experts stored in different plain-float dtypes are stacked in one (no finding).
     """
     if family is None or family.experts is None:
         return []
@@ -696,11 +697,18 @@ def expert_scheme_findings(modules: dict[str, ModuleInfo], family: Family | None
         ranked = sorted(by_scheme.items(), key=lambda kv: (-len(kv[1]), kv[0]))
         total = len(set().union(*by_scheme.values()))
         desc = "; ".join(f"{scheme}: {_experts_desc(sorted(idx), total)}" for scheme, idx in ranked)
+        stacks = "the engine stacks a layer's experts into one tensor of one scheme"
+        if set(by_scheme) - {"fp8_block"} <= _PLAIN_FLOAT_SCHEMES:
+            out.append(Finding("experts-disagree", "warning", prefix,
+                               f"{prefix}: routed experts stored in different schemes ({desc}); {stacks}, so "
+                               f"convert and serve dequantize this layer's FP8 experts (exact in float32) and stack "
+                               f"them in the float experts' dtype (or --dtype's): their weights grow from 1 byte to "
+                               f"2 (BF16) or 4 (F32) per parameter"))
+            continue
         out.append(Finding("experts-disagree", "error", prefix,
-                           f"{prefix}: routed experts stored in different schemes ({desc}); the engine stacks a "
-                           f"layer's experts into one tensor of one scheme, and convert does not re-quantize (lossy) "
-                           f"or dequantize (larger) experts to make them agree; store the layer's experts in one "
-                           f"scheme ({ranked[0][0]}, as most are) before converting or serving"))
+                           f"{prefix}: routed experts stored in different schemes ({desc}); {stacks}, and "
+                           f"convert does not change quantized experts' numbers to make them agree; store the "
+                           f"layer's experts in one scheme ({ranked[0][0]}, as most are) before converting or serving"))
     return out
 
 
