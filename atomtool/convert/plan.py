@@ -16,7 +16,14 @@ scale tensors concatenate unchanged and dequantizing any part gives exactly the 
 On MLA layers whose schedule role is ``full`` the indexer's ``wk`` and ``weights_proj`` join
 ``fused_qkv_a_proj`` only when they share the scheme of ``q_a_proj``/``kv_a_proj_with_mqa`` (all-BF16
 checkpoints); in FP8 releases ``weights_proj`` is BF16 and is never requantized, so the indexer parts
-stay separate tensors under their source names.
+stay separate tensors under their source names. Plain-float parts of different dtypes fuse in one (the
+``--dtype`` target, else the widest: a lossless widening). An MoE layer whose experts mix FP8 block and plain
+float storage is stacked in the float dtype with its FP8 experts dequantized (``PartSpec.scale``).
+
+What transformers does not load is left out (``ConversionPlan.dropped``, with a note or warning): legacy
+``rotary_emb.inv_freq`` buffers, layers beyond the decoder and its MTP layers, and an ``lm_head.weight`` that
+``tie_word_embeddings`` ties to an equal embedding (a different one is kept and the layout untied, as
+transformers' ``tie_weights`` does). An atomtool layout is not planned again (:func:`layout_source_message`).
 """
 
 from __future__ import annotations
