@@ -35,6 +35,9 @@ from typer.testing import CliRunner
 from atomtool.cli import app
 from atomtool.convert.plan import missing_tensors
 from atomtool.inspect.classify import inspect_checkpoint
+from atomtool.inspect.families import family_for
+from atomtool.inspect.quant import expert_scheme_findings
+from atomtool.inspect.types import ModuleInfo, TensorInfo
 from tests.checkpoints import (
     dequantize_fp8_block_checkpoint,
     load_state_dict,
@@ -322,3 +325,25 @@ def test_fp8_and_float_parts_of_one_fusion_are_refused_by_generate_with_converts
         f"{src} would not convert into a servable layout: fused-shards-disagree: {msg}")
     line = generate_error(src)
     assert line.startswith(f"{src}: fused-shards-disagree: {msg}") and "missing tensors" not in line
+
+
+def test_experts_in_schemes_that_do_not_convert_exactly_are_an_error():
+    """Any mix other than FP8 block + plain float (here int4_pack next to bf16) stays an error: nothing
+    converts the schemes into each other exactly. (Unservable schemes are refused earlier by serve; inspect
+    still names the layer.)"""
+    def mod(e: int, x: str, scheme: str) -> ModuleInfo:
+        name = f"model.layers.1.mlp.experts.{e}.{x}_proj"
+        return ModuleInfo(name, scheme, "BF16", (8, 8), {"weight": TensorInfo(name + ".weight", "BF16", (8, 8), "f")})
+
+    modules = {m.name: m for e in range(6) for x in ("gate", "up", "down")
+               for m in [mod(e, x, "bf16" if e == 5 else "int4_pack")]}
+    (f,) = expert_scheme_findings(modules, family_for("DeepseekV3ForCausalLM"))
+    assert (f.code, f.severity, f.module) == ("experts-disagree", "error", "model.layers.1.mlp.experts")
+    assert f.message.startswith("model.layers.1.mlp.experts: routed experts stored in different schemes "
+                                "(int4_pack: 5 of 6 experts; bf16: expert 5)")
+    assert "store the layer's experts in one scheme (int4_pack, as most are)" in f.message
+    # FP8 block + BF16: a warning (convert dequantizes); BF16 + F32: no finding (stacked in one float dtype)
+    for scheme, want in (("fp8_block", ["warning"]), ("fp32", [])):
+        mixed = {n: ModuleInfo(m.name, scheme if "experts.5." not in n else "bf16", m.dtype, m.shape, m.tensors)
+                 for n, m in modules.items()}
+        assert [x.severity for x in expert_scheme_findings(mixed, family_for("DeepseekV3ForCausalLM"))] == want
