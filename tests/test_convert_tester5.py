@@ -235,15 +235,18 @@ def fp8x(base, tmp_path_factory):
     src = write_fp8_block_checkpoint(
         base("dsv3"), root / "fp8x", block=16, leave_float=["experts.3."],
         modules_to_not_convert=["model.layers.1.mlp.experts.3", "model.layers.2.mlp.experts.3"])
-    deq = root / "dequantized"
-    shutil.copytree(src, deq)
-    for f in deq.glob("*.safetensors"):
-        f.unlink()
-    write_state_dict(deq, dequantize_fp8_block_checkpoint(src))
-    cfg = json.loads((deq / "config.json").read_text())
+    return src, dequantized_copy(src, root / "dequantized")
+
+
+def dequantized_copy(fp8: Path, dst: Path) -> Path:
+    """A plain-float copy of FP8 block checkpoint ``fp8`` (every FP8 weight exactly dequantized to float32,
+    no ``quantization_config``; side files copied): the oracle transformers loads without FP8 support."""
+    shutil.copytree(fp8, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    write_state_dict(dst, dequantize_fp8_block_checkpoint(fp8))
+    cfg = json.loads((dst / "config.json").read_text())
     del cfg["quantization_config"]
-    (deq / "config.json").write_text(json.dumps(cfg))
-    return src, deq
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def test_fp8_moe_layer_with_a_bf16_expert_is_dequantized_and_stacked(fp8x, tmp_path):

@@ -10,7 +10,6 @@ Run: ``.venv/bin/pytest -q tests/gpu/test_mixed_experts_gpu.py`` (skipped withou
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -19,12 +18,8 @@ from typer.testing import CliRunner
 
 from atomtool.cli import app
 from atomtool.serve.sampling_params import SamplingParams
-from tests.checkpoints import (
-    dequantize_fp8_block_checkpoint,
-    write_fp8_block_checkpoint,
-    write_hf_checkpoint,
-    write_state_dict,
-)
+from tests.checkpoints import write_fp8_block_checkpoint, write_hf_checkpoint
+from tests.test_convert_tester5 import dequantized_copy
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +39,7 @@ def mixed(tmp_path_factory):
     res = CliRunner().invoke(app, ["convert", str(fp8), str(layout), "--dtype", "float32"])
     assert res.exit_code == 0, res.output
     assert "dequantized to F32 (exact)" in res.stderr
-    deq = root / "dequant"
-    shutil.copytree(src, deq, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
-    write_state_dict(deq, dequantize_fp8_block_checkpoint(fp8))
-    (deq / "config.json").write_text((src / "config.json").read_text())
+    deq = dequantized_copy(fp8, root / "dequant")
     hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32, attn_implementation="eager")
     return fp8, layout, hf.eval().to("cuda")
 
