@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from atomtool.errors import ConfigError, HeaderError, SourceError, one_line
+from atomtool.errors import ConfigError, HeaderError, SourceError, clip, one_line
 from atomtool.inspect.safetensors_header import (
     MAX_HEADER_BYTES,
     SafetensorsHeader,
@@ -376,7 +376,7 @@ def _probe_endpoint() -> None:
         except OSError as e:
             err = e
     assert err is not None
-    raise _NetworkDown(f"{type(err).__name__}: {' '.join(str(err).split())[:160]}")
+    raise _NetworkDown(f"{type(err).__name__}: {clip(err, 160)}")
 
 
 def _open_hub(repo: str, revision: str | None) -> CheckpointSource:
@@ -404,7 +404,7 @@ def _hub_error(repo: str, what: str | None, e: Exception, revision: str | None =
 
     about = f" ({what})" if what else ""
     if isinstance(e, (hfe.OfflineModeIsEnabled, httpx.TransportError)):
-        return _NetworkDown(" ".join(str(e).split())[:200] or type(e).__name__)
+        return _NetworkDown(clip(e) or type(e).__name__)
     if isinstance(e, hfe.GatedRepoError):
         return SourceError(f"{repo}: gated repo; accept its terms on the Hub and set HF_TOKEN{about}")
     if isinstance(e, hfe.RepositoryNotFoundError):
@@ -416,7 +416,7 @@ def _hub_error(repo: str, what: str | None, e: Exception, revision: str | None =
     if isinstance(e, hfe.LocalEntryNotFoundError):
         cause = e.__cause__ or e
         where = f"{what}: " if what else ""
-        return _NetworkDown(f"{where}{type(cause).__name__}: {' '.join(str(cause).split())[:160]}")
+        return _NetworkDown(f"{where}{type(cause).__name__}: {clip(cause, 160)}")
     if isinstance(e, hfe.RemoteEntryNotFoundError):
         missing = what or _resolved_file(e) or "a file"
         return SourceError(f"{repo}: {missing} not found in the Hub repo (it may have changed meanwhile)")
@@ -425,7 +425,7 @@ def _hub_error(repo: str, what: str | None, e: Exception, revision: str | None =
         return SourceError(f"{repo}: HTTP {e.response.status_code}{reading} from {_endpoint()}")
     if what is None:
         return None
-    return SourceError(f"{repo}: cannot read {what} ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+    return SourceError(f"{repo}: cannot read {what} ({type(e).__name__}: {clip(e)})")
 
 
 def _resolved_file(e: Any) -> str | None:
