@@ -61,6 +61,9 @@ def spec_to_entry(spec: OutputTensor, sources: dict[str, Any] | None = None) -> 
         entry["rows"] = list(p.rows) if p.rows is not None else None
         entry["stack_index"] = p.stack_index
         entry["pad_rows"] = p.pad_rows
+        if p.scale is not None:  # an FP8 block part dequantized into a float output (PartSpec.scale)
+            entry["scale"] = p.scale
+            entry["scale_block"] = list(p.scale_block) if p.scale_block is not None else None
         parts.append(entry)
     return {"dtype": spec.dtype, "shape": list(spec.shape), "scheme": spec.scheme, "op": spec.op,
             "block_size": list(spec.block_size) if spec.block_size is not None else None, "parts": parts}
@@ -75,7 +78,10 @@ def entry_to_spec(name: str, entry: dict[str, Any]) -> OutputTensor:
     try:
         parts = tuple(
             PartSpec(source=str(p["source"]), rows=tuple(p["rows"]) if p.get("rows") is not None else None,
-                     stack_index=p.get("stack_index"), pad_rows=int(p.get("pad_rows", 0)))
+                     stack_index=p.get("stack_index"), pad_rows=int(p.get("pad_rows", 0)),
+                     scale=str(p["scale"]) if p.get("scale") is not None else None,
+                     scale_block=tuple(int(b) for b in p["scale_block"]) if p.get("scale_block") is not None
+                     else None)
             for p in entry["parts"])
         block = entry.get("block_size")
         return OutputTensor(name=name, dtype=str(entry["dtype"]), shape=tuple(int(d) for d in entry["shape"]),

@@ -284,7 +284,9 @@ def _check_source(root: Path, manifest: dict[str, Any], source: str, report: Ver
         return
     check_is_source(manifest, source, src.tensors, str(root))
     _check_config_source(root, manifest, source, report)
-    src_files = {n: t.file for n, t in src.tensors.items()}
+    # tensors a stale index.json does not list are not part of the source (inspect leaves them out too)
+    unlisted = set(src.unlisted)
+    src_files = {n: t.file for n, t in src.tensors.items() if n not in unlisted}
     out_files = {n: f for n, f in tensor_files(root).items() if f not in bad_files}
     out = _Tensors(root, out_files)
     srct = _Tensors(src.root, src_files)
@@ -389,10 +391,18 @@ def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Te
             seen[p.source] = spec.name
             if p.source not in src_files:
                 report.problems.append(f"{spec.name}: part {p.source} is not in the source")
-    for name in sorted(set(src_files) - set(seen)):
+            if p.scale is not None:  # the FP8 part's scale is read with it (dequantized into a float output)
+                if p.scale in seen:
+                    report.problems.append(f"{p.scale}: appears in {seen[p.scale]} and {spec.name}")
+                seen[p.scale] = spec.name
+                if p.scale not in src_files:
+                    report.problems.append(f"{spec.name}: part {p.source}'s scale {p.scale} is not in the source")
+    dropped = manifest.get("dropped_sources") or {}  # left out on purpose by convert (the plan's ``dropped``)
+    for name in sorted(set(src_files) - set(seen) - set(dropped)):
         report.problems.append(f"{name}: source tensor appears in no output tensor")
     for spec in specs.values():
-        if any(p.source not in src_files for p in spec.parts) or spec.name not in out.files:
+        if any(p.source not in src_files or (p.scale is not None and p.scale not in src_files) for p in spec.parts) \
+                or spec.name not in out.files:
             continue
         if _source_differs(spec.name, manifest["tensors"][spec.name], copies.tensors, report):
             continue
@@ -411,6 +421,8 @@ def _compare_parts(manifest: dict[str, Any], src_files: dict[str, str], out: _Te
             continue
         for p in spec.parts:
             s = srct.get(p.source)
+            if p.scale is not None and p.scale_block is not None:  # dequantized exactly, then cast
+                s = _dequant(s, srct.get(p.scale), p.scale_block)
             try:
                 expect = checked_cast(s, torch_dtype(spec.dtype), name=p.source)
             except AtomtoolError as exc:

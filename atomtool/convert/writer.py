@@ -654,6 +654,8 @@ def build_manifest(plan: ConversionPlan, written: dict[str, dict[str, str]], sou
         "created": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "source": source, "dtype_policy": plan.dtype_policy,
         "warnings": list(plan.warnings), "notes": list(plan.notes),
+        # source tensors deliberately left out (inv_freq buffers, layers beyond the config, a tied lm_head)
+        **({"dropped_sources": dict(plan.dropped)} if plan.dropped else {}),
         "indexer_types": text.get("indexer_types"),
         "carried_files": list(carried or []), "not_carried": list(not_carried or []),
         **({"config_sha256": config_digest} if config_digest else {}),
