@@ -25,6 +25,7 @@ from atomtool.inspect.families import (
     family_for,
     supported_architectures,
     unsupported_activation,
+    unsupported_features,
 )
 from atomtool.inspect.hf_config import (
     WEIGHT_SIZE_FIELDS,
@@ -366,6 +367,9 @@ def build_report(
     act = unsupported_activation(fam, flat) if config is not None and not config_bad else None
     if act is not None:
         findings.append(Finding("activation-not-servable", "warning", None, act))
+    features = unsupported_features(fam, tc) if config is not None and not config_bad else []
+    for msg in features:  # the loader refuses the same config with the same words
+        findings.append(Finding("feature-not-servable", "warning", None, f"config.json: {msg}"))
     unservable = unservable_modules(modules)
     if unservable:
         schemes = sorted({m.scheme for m in unservable})
@@ -429,6 +433,7 @@ def build_report(
         source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",
         # any error finding (invalid config, missing tensors, broken layout, ...) means serve refuses it
         servable=bool(fam and fam.servable) and not unservable and not declared_bad and act is None
+        and not features
         and not any(f.severity == "error" for f in findings),
         config=raw, config_flat=flat,
         dsa=dsa, tensors=dict(tensors),

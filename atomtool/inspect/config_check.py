@@ -75,6 +75,78 @@ def invalid_size_fields(flat: dict[str, Any]) -> list[Finding]:
         out.append(Finding("config-invalid", "error", None,
                            f"config.json: num_experts_per_tok ({k}) exceeds the number of routed experts "
                            f"({experts})"))
+    out.extend(invalid_router_groups(flat))
+    return out
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: model_types whose router rates each expert group by the sum of its two best scores (transformers'
+#: ``DeepseekV3TopkRouter``, ``noaux_tc``; DeepSeek-V3 report §2.1.2): a group needs at least two experts
+GROUP_TOP2_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+
+
+def invalid_router_groups(flat: dict[str, Any]) -> list[Finding]:
+    """``config-invalid`` findings for a group-limited MoE router (``n_group`` / ``topk_group``, DeepSeek-V2/V3,
+    V3.2, GLM-MoE-DSA, Kimi) that cannot run: transformers' router views the ``n_routed_experts`` scores as
+    ``[n_group, n_routed_experts // n_group]`` and keeps the ``topk_group`` best groups, so
+
+    - ``n_group`` must be a positive integer dividing ``n_routed_experts`` (8 experts in 3 groups: a reshape
+      error in transformers and in the engine's router; 0: a division by zero);
+    - ``topk_group`` must be between 1 and ``n_group`` (more: ``torch.topk`` index out of range; 0: no group,
+      hence no expert, is eligible);
+    - for the ``noaux_tc`` router (:data:`GROUP_TOP2_MODEL_TYPES`) each group must hold at least two experts
+      (a group is rated by its two best scores: ``topk(2)`` out of range in transformers).
+
+    Only where there are routed experts (``n_routed_experts`` > 0) and the family reads the fields
+    (transformers' config class declares ``n_group``, or the model_type is unknown to transformers); null is
+    left to the family's default. ``num_experts_per_tok: 0`` is accepted: transformers runs it (the routed
+    experts then add nothing). Returns [] for a router that runs.
+    """
+    from atomtool.inspect.hf_registry import config_field_default, config_fields
+
+    experts = flat.get("n_routed_experts")
+    if not _int(experts) or experts <= 0:
+        return []
+    fields = config_fields(str(flat.get("model_type", "")))
+    if fields is not None and "n_group" not in fields:
+        return []
+    out: list[Finding] = []
+    model_type = str(flat.get("model_type", ""))
+    defaulted = []
+    for key in ("n_group", "topk_group"):
+        if key not in flat and config_field_default(model_type, key) is not None:
+            defaulted.append(f"{key}={config_field_default(model_type, key)!r}")
+    groups = flat["n_group"] if "n_group" in flat else config_field_default(model_type, "n_group")
+    topk_group = flat["topk_group"] if "topk_group" in flat else config_field_default(model_type, "topk_group")
+    note = (f" ({', '.join(defaulted)} is transformers' default: config.json does not set it)"
+            if defaulted else "")
+
+    def bad(msg: str) -> None:
+        out.append(Finding("config-invalid", "error", None, f"config.json: {msg}{note}"))
+
+    groups_ok = False
+    if groups is not None:
+        if not _int(groups) or groups < 1:
+            bad(f"n_group must be a positive integer (the number of expert groups the router splits "
+                f"n_routed_experts into), got {groups!r}")
+        elif experts % groups:
+            bad(f"n_group ({groups}) must divide n_routed_experts ({experts}): the router splits the routed "
+                f"experts into n_group groups of equal size")
+        elif experts // groups < 2 and model_type in GROUP_TOP2_MODEL_TYPES:
+            bad(f"n_group ({groups}) leaves {experts // groups} routed expert per group (n_routed_experts "
+                f"{experts}); the router rates each group by its two best experts, so a group needs at least 2")
+        else:
+            groups_ok = True
+    if topk_group is not None:
+        if not _int(topk_group) or topk_group < 1:
+            bad(f"topk_group must be a positive integer (how many expert groups the router keeps), got "
+                f"{topk_group!r}")
+        elif groups_ok and topk_group > groups:
+            bad(f"topk_group ({topk_group}) exceeds n_group ({groups}): the router cannot keep more expert "
+                f"groups than there are")
     return out
 
 
@@ -103,7 +175,9 @@ def invalid_attention_fields(flat: dict[str, Any]) -> list[Finding]:
     - ``sliding_window``: an integer >= 1 or null (``"4096"``, ``true``, ``[4096]`` are type errors in
       transformers; 0 and negatives it keeps, but a window of no tokens is meaningless). Only where the
       config family reads the field (:func:`atomtool.inspect.memory.reads_sliding_window`): ``LlamaConfig``
-      has no sliding window, so its value is never used and not judged;
+      has no sliding window, so its value is never used and not judged; nor is it where
+      ``use_sliding_window`` switches the window off (:func:`atomtool.inspect.memory.window_switched_off`:
+      Qwen2/Qwen3 with the flag false; ``Qwen2MoeConfig`` writes ``sliding_window: 0`` itself);
     - ``use_sliding_window``: true, false or null, where the config class declares it (Qwen2/Qwen3/...), or
       for a model_type transformers does not know (``"true"`` and ``1`` are type errors in transformers);
     - ``layer_types``: a list with one entry per decoder layer (``num_hidden_layers``), each one of
@@ -116,7 +190,8 @@ def invalid_attention_fields(flat: dict[str, Any]) -> list[Finding]:
         out.append(Finding("config-invalid", "error", None, f"config.json: {msg}"))
 
     sw = flat.get("sliding_window")
-    if sw is not None and not mem.valid_window(sw) and mem.reads_sliding_window(flat):
+    if (sw is not None and not mem.valid_window(sw) and mem.reads_sliding_window(flat)
+            and not mem.window_switched_off(flat)):
         bad(f"sliding_window must be a positive integer (tokens) or null, got {sw!r}")
     usw = flat.get("use_sliding_window")
     if usw is not None and not isinstance(usw, bool):

@@ -134,3 +134,66 @@ def unsupported_activation(family: Family | None, config_flat: dict) -> str | No
     names = [*family.activations, *(a for a, c in ACTIVATION_ALIASES.items() if c in family.activations)]
     return (f"config.json: hidden_act {act!r} is not supported: the engine runs {family.name}-family MLPs with "
             f"{' or '.join(names)} only, so atomtool cannot serve this checkpoint")
+
+
+#: rope types whose frequencies depend on the current sequence length (dynamic NTK scaling, Phi-3's longrope):
+#: the engine precomputes one static rope table per model (``atomtool.serve.layers.rotary``) and refuses them
+SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def sequence_dependent_rope_message(rope_type: str) -> str:
+    """The engine's one-line refusal of a :data:`SEQUENCE_DEPENDENT_ROPE_TYPES` rope type (the rotary layer
+    raises it, inspect's ``feature-not-servable`` finding and the loader's early check say it)."""
+    return f"rope type {rope_type!r} (sequence-length dependent) is not supported by the engine"
+
+
+def rope_types(config_flat: dict) -> list[str]:
+    """The rope types a config asks for: ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older
+    configs; ``type`` is the legacy key of ``rope_type``), also inside per-layer-type dicts
+    (``{"full_attention": {...}, "sliding_attention": {...}}``). [] for plain rope (no such field)."""
+    found: list[str] = []
+    for field_name in ("rope_parameters", "rope_scaling"):
+        rp = config_flat.get(field_name)
+        if not isinstance(rp, dict):
+            continue
+        for d in [rp, *(v for v in rp.values() if isinstance(v, dict))]:
+            t = d.get("rope_type", d.get("type"))
+            if isinstance(t, str) and t not in found:
+                found.append(t)
+    return found
+
+
+def _declared(config_flat: dict, key: str) -> object:
+    """config.json's ``key``, or transformers' default for it (its config class for the model_type) when
+    config.json leaves it out -- as the engine's loader completes the config before building the model."""
+    if key in config_flat:
+        return config_flat[key]
+    from atomtool.inspect.hf_registry import config_field_default
+
+    return config_field_default(str(config_flat.get("model_type", "")), key)
+
+
+def unsupported_features(family: Family | None, config_flat: dict) -> list[str]:
+    """Why the engine cannot run a servable ``family``'s checkpoint although transformers can: one line per
+    config feature its models refuse, in the words the engine's layers raise them with (the one rule, read by
+    inspect's ``feature-not-servable`` finding and by the loader before it builds a model):
+
+    - MLA (``family.attention == "mla"``) without ``q_lora_rank`` (null: a plain ``q_proj``; DeepSeek-V2-Lite
+      style) -- ``atomtool.serve.layers.mla`` builds only the q LoRA path;
+    - MLA with ``attention_bias: true`` (biases on the MLA projections);
+    - a sequence-length-dependent rope type (:data:`SEQUENCE_DEPENDENT_ROPE_TYPES`).
+
+    An absent field means transformers' default for it (``DeepseekV3Config.q_lora_rank`` 1536). Returns []
+    for a config the engine runs, or a family serve does not run (its own finding says so).
+    """
+    if family is None or not family.servable:
+        return []
+    out = []
+    if family.attention == "mla":
+        if _declared(config_flat, "q_lora_rank") is None:
+            out.append("MLA without q_lora_rank (a plain q_proj) is not supported")
+        if _declared(config_flat, "attention_bias"):
+            out.append("MLA with attention_bias=true is not supported")
+    out.extend(sequence_dependent_rope_message(t) for t in rope_types(config_flat)
+               if t in SEQUENCE_DEPENDENT_ROPE_TYPES)
+    return out

@@ -72,7 +72,14 @@ def head_count_findings(flat: dict[str, Any]) -> list[Finding]:
     """``config-invalid`` (error) when ``num_attention_heads`` is not a multiple of ``num_key_value_heads``
     (grouped-query attention shares each K/V head between ``heads / kv_heads`` query heads; transformers'
     configs accept the pair, its attention then fails on the first forward). Only for valid positive ints
-    (other values are :func:`atomtool.inspect.config_check.invalid_size_fields`)."""
+    (other values are :func:`atomtool.inspect.config_check.invalid_size_fields`). Not for MLA configs
+    (``kv_lora_rank``): every query head gets its own key/value from the shared latent (``kv_b_proj`` has
+    ``num_attention_heads`` heads), the engine never reads ``num_key_value_heads`` there, and transformers'
+    DeepseekV3 runs e.g. 3 or 8 key/value heads for 4 query heads with the same logits."""
+    from atomtool.inspect.memory import is_mla
+
+    if is_mla(flat):
+        return []
     heads, kv = flat.get("num_attention_heads"), flat.get("num_key_value_heads")
     ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, kv))
     if not ok or heads % kv == 0:

@@ -100,6 +100,23 @@ def reads_sliding_window(flat: dict[str, Any]) -> bool:
     return fields is None or "sliding_window" in fields
 
 
+def window_switched_off(flat: dict[str, Any]) -> bool:
+    """Whether ``use_sliding_window`` switches the window off for a model_type transformers knows: its config
+    class declares the flag (Qwen2 / Qwen2-MoE / Qwen3 / ...) and config.json sets it false (or leaves it out:
+    the class default, false). transformers then never reads ``sliding_window`` (``Qwen2Config``:
+    ``sliding_window = sliding_window if use_sliding_window else None``; ``Qwen2MoeConfig`` even defaults
+    the window to 0), so its value is not judged."""
+    from atomtool.inspect.hf_registry import config_field_default, config_fields
+
+    model_type = str(flat.get("model_type", ""))
+    fields = config_fields(model_type)
+    if fields is None or "use_sliding_window" not in fields:
+        return False
+    flag = flat["use_sliding_window"] if "use_sliding_window" in flat else config_field_default(
+        model_type, "use_sliding_window")
+    return flag is False or flag is None
+
+
 def effective_sliding_window(flat: dict[str, Any]) -> int | None:
     """The attention window in tokens that sliding-window layers use, or None (no sliding window).
 
@@ -359,10 +376,34 @@ def is_minimax(flat: dict[str, Any]) -> bool:
         isinstance(a, str) and a.lower().startswith("minimax") for a in archs)
 
 
+#: model_types transformers knows whose config class turns an integer ``moe_layer_freq`` into its MLP
+#: schedule (``AXK2Config``: MoE iff ``i >= first_k_dense_replace and i % moe_layer_freq == 0``); every other
+#: model_type transformers knows ignores it (``DeepseekV3Config`` / ``DeepseekV2Config`` keep it as a plain
+#: attribute their modeling never reads; only DeepSeek's own remote code does)
+INT_MOE_LAYER_FREQ_TYPES = frozenset({"axk2"})
+
+
+def _reads_field(flat: dict[str, Any], key: str) -> bool:
+    """Whether the model transformers builds for ``flat`` reads ``key``: its config class declares it, or the
+    model_type is unknown to transformers (remote code: inspect reads the field as the remote code does)."""
+    from atomtool.inspect.hf_registry import config_fields
+
+    fields = config_fields(str(flat.get("model_type", "")))
+    return fields is None or key in fields
+
+
+def _reads_int_moe_layer_freq(flat: dict[str, Any]) -> bool:
+    """An integer ``moe_layer_freq`` shapes the MLP schedule: remote-code model_types (DeepSeek's
+    ``modeling_deepseek.py``) and :data:`INT_MOE_LAYER_FREQ_TYPES`; not transformers' DeepSeek-V2/V3."""
+    return str(flat.get("model_type", "")) in INT_MOE_LAYER_FREQ_TYPES or _reads_field(flat, "moe_layer_freq")
+
+
 def mlp_kinds(flat: dict[str, Any]) -> list[str]:
     """Per layer ``dense`` or ``sparse`` (MoE) MLP: ``mlp_layer_types``; MiniMax-M3's ``moe_layer_freq``
     list (1 = MoE); else MoE iff ``i >= first_k_dense_replace``, ``(i + 1) % decoder_sparse_step == 0``
-    (Qwen-MoE), ``i % moe_layer_freq == 0`` (DeepSeek, an int) and ``i`` not in ``mlp_only_layers``."""
+    (Qwen-MoE), ``i % moe_layer_freq == 0`` (an int; DeepSeek's remote code, not transformers' DeepseekV3,
+    which ignores it: :func:`_reads_int_moe_layer_freq`) and ``i`` not in ``mlp_only_layers``, each field
+    only where the model transformers builds reads it."""
     n = _int(flat, "num_hidden_layers")
     kinds = flat.get("mlp_layer_types")
     if isinstance(kinds, list) and len(kinds) == n:
@@ -374,9 +415,9 @@ def mlp_kinds(flat: dict[str, Any]) -> list[str]:
     if not experts:
         return ["dense"] * n
     first = _int(flat, "first_k_dense_replace")
-    step = _int(flat, "decoder_sparse_step", 1) or 1
-    every = freq if _is_pos_int(freq) else 1
-    only_v = flat.get("mlp_only_layers")
+    step = (_int(flat, "decoder_sparse_step", 1) or 1) if _reads_field(flat, "decoder_sparse_step") else 1
+    every = freq if _is_pos_int(freq) and _reads_int_moe_layer_freq(flat) else 1
+    only_v = flat.get("mlp_only_layers") if _reads_field(flat, "mlp_only_layers") else None
     only = {i for i in only_v if isinstance(i, int)} if isinstance(only_v, list) else set()
     out = []
     for i in range(n):

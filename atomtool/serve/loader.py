@@ -134,12 +134,15 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     _check_config_values(raw_config)  # raw checkpoints and layouts alike, before anything is sized from it
     config_path = model_dir / "config.json"
     from atomtool.inspect.dsa import text_config
-    from atomtool.inspect.families import family_for, unsupported_activation
+    from atomtool.inspect.families import family_for, unsupported_activation, unsupported_features
 
     check_size_fields(text_config(raw_config), config_path)
     act = unsupported_activation(family_for(arch), text_config(raw_config))  # inspect's activation-not-servable
     if act is not None:
         raise EngineError(act)
+    features = unsupported_features(family_for(arch), text_config(raw_config))  # inspect's feature-not-servable
+    if features:
+        raise EngineError(f"{config_path}: {'; '.join(features)}; atomtool cannot serve this checkpoint")
     dev = resolve_device(device)
     from atomtool.convert.layout import MANIFEST_NAME
     from atomtool.inspect.dsa import flatten_dsa_config

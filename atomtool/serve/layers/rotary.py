@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from atomtool.errors import ConfigError, one_line
+from atomtool.inspect.families import SEQUENCE_DEPENDENT_ROPE_TYPES, sequence_dependent_rope_message
 from atomtool.serve.ops import get_op
-
-#: rope types whose frequencies depend on the current sequence length (not a static table)
-_DYNAMIC = ("dynamic", "longrope")
 
 
 def hf_config_from_flat(config_flat: dict[str, Any]):
@@ -50,8 +48,8 @@ def rope_inv_freq(config_flat: dict[str, Any], head_dim: int | None = None) -> t
     if isinstance(params, dict) and "rope_type" not in params and params:
         params = next(iter(params.values()))  # per-layer-type dicts: all our families use one rope
     rope_type = (params or {}).get("rope_type", "default")
-    if rope_type in _DYNAMIC:
-        raise ConfigError(f"rope type {rope_type!r} (sequence-length dependent) is not supported by the engine")
+    if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES:  # the rule inspect's feature-not-servable reads too
+        raise ConfigError(sequence_dependent_rope_message(rope_type))
     if rope_type == "default":
         theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         prf = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0) or 1.0))

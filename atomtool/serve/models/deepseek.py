@@ -203,6 +203,17 @@ class DeepseekV3ForCausalLM(CausalLM):
             return True
         return self.roles[idx] != FULL and ".self_attn.indexer." in name
 
+    def _empty_shared_expert(self, name: str, t: torch.Tensor) -> bool:
+        """A zero-element shared-expert tensor of a MoE layer built without shared experts
+        (``n_shared_experts: 0``): transformers' ``DeepseekV3MoE`` always builds ``shared_experts`` with
+        ``moe_intermediate_size * n_shared_experts`` = 0 rows and ``save_pretrained`` writes those empty
+        tensors; they compute nothing, so the engine leaves them out rather than refuse them as unexpected."""
+        if t.numel() != 0 or ".mlp.shared_experts." not in name or not name.startswith("model.layers."):
+            return False
+        idx = int(name.split(".")[2])
+        mlp = self.model.layers[idx].mlp if idx < len(self.model.layers) else None
+        return isinstance(mlp, DeepseekMoE) and mlp.shared_experts is None
+
     def _strip_padding(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Drop the converter's FP8-alignment zero rows between stacked gate/up parts (spec row ranges)."""
         spec = (self.specs or {}).get(name)
@@ -225,7 +236,7 @@ class DeepseekV3ForCausalLM(CausalLM):
             return base, self._strip_padding(base, w)
 
         for name, t in weights:
-            if self._skipped(name):
+            if self._skipped(name) or self._empty_shared_expert(name, t):
                 continue
             expert = name.endswith(_EXPERT_SUFFIXES)
             expert_scale = name.endswith(tuple(s + "_scale_inv" for s in _EXPERT_SUFFIXES))

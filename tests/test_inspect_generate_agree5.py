@@ -1,0 +1,149 @@
+"""``atomtool inspect`` and ``atomtool generate`` agree (fresh-user tester, round 5): what inspect calls
+servable runs, and runs as transformers runs it; what it refuses, generate refuses with the same words.
+
+Every case is a tiny checkpoint written by transformers' ``save_pretrained`` (config.json edited where the
+case is an edit), fed to both commands on CPU:
+
+1. a group-limited MoE router that cannot run (``n_group`` not dividing ``n_routed_experts``, 0, one expert
+   per group; ``topk_group`` 0 or above ``n_group``): ``config-invalid`` in inspect, the same line in generate,
+   no traceback; ``num_experts_per_tok: 0``, which transformers runs, is served as transformers serves it;
+2. ``n_shared_experts: 0``: transformers writes zero-row ``shared_experts`` tensors; the engine serves the
+   checkpoint (raw and converted) with transformers' greedy tokens;
+3. features the engine's layers refuse (MLA without ``q_lora_rank``, MLA with ``attention_bias``, dynamic /
+   longrope rope): inspect's ``feature-not-servable`` carries the engine's words, generate refuses with them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from atomtool.cli import app
+from tests import test_config_weight_agreement as agree
+from tests.checkpoints import write_hf_checkpoint
+from tests.test_config_weight_agreement import (
+    edited,
+    findings,
+    generate_error,
+    greedy_tokens,
+    hf_greedy_tokens,
+)
+
+#: the shared fixtures (tiny checkpoints written once per module; a guard that no model is built)
+ckpt = agree.ckpt
+no_model_build = agree.no_model_build
+
+# ----------------------------------------------------------------------------- 1. MoE router groups
+
+ROUTER_EDITS = [  # the fixture: 8 routed experts, n_group 2, topk_group 1
+    ({"n_group": 3}, "n_group (3) must divide n_routed_experts (8)"),
+    ({"n_group": 0}, "n_group must be a positive integer"),
+    ({"n_group": 8, "topk_group": 1}, "leaves 1 routed expert per group"),
+    ({"topk_group": 3}, "topk_group (3) exceeds n_group (2)"),
+    ({"topk_group": 0}, "topk_group must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize(("changes", "needle"), ROUTER_EDITS, ids=[str(c) for c, _ in ROUTER_EDITS])
+def test_router_groups_that_cannot_run_are_config_invalid_in_both(ckpt, tmp_path, no_model_build, changes,
+                                                                  needle):
+    bad = edited(ckpt("deepseek_v3"), tmp_path / "bad", **changes)
+    found, report, rc = findings(bad, "config-invalid")
+    assert rc == 1 and not report["servable"]
+    assert len(found) == 1 and needle in found[0]["message"], found
+    assert generate_error(bad) == found[0]["message"]
+
+
+def test_router_group_default_is_named_when_config_leaves_it_out(ckpt, tmp_path, no_model_build):
+    import transformers
+
+    default = transformers.DeepseekV3Config().n_group  # 8: one of the fixture's 8 experts per group
+    bad = edited(ckpt("deepseek_v3"), tmp_path / "bad", drop=("n_group",), topk_group=1)
+    found, _, rc = findings(bad, "config-invalid")
+    assert rc == 1 and len(found) == 1
+    assert f"n_group={default} is transformers' default" in found[0]["message"]
+    assert generate_error(bad) == found[0]["message"]
+
+
+def test_zero_experts_per_token_runs_as_transformers_runs_it(ckpt, tmp_path):
+    ok = edited(ckpt("deepseek_v3"), tmp_path / "k0", num_experts_per_tok=0)
+    _, report, rc = findings(ok, "config-invalid")
+    assert rc == 0 and report["servable"], report["findings"]
+    assert greedy_tokens(ok) == hf_greedy_tokens(ok)
+
+
+# ----------------------------------------------------------------------------- 2. n_shared_experts 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_zero_shared_experts_checkpoint_is_served_as_transformers_serves_it(tmp_path, arch):
+    src = write_hf_checkpoint(tmp_path / "src", arch, seed=3, n_shared_experts=0)
+    from safetensors import safe_open
+
+    with safe_open(str(src / "model.safetensors"), "pt") as f:  # the case: empty tensors on disk
+        empty = [k for k in f.keys() if ".shared_experts." in k]
+        assert empty and all(0 in f.get_slice(k).get_shape() for k in empty)
+    report, rc = findings(src, "unexpected-tensors")[1:]
+    assert rc == 0 and report["servable"], report["findings"]
+    want = hf_greedy_tokens(src)
+    assert greedy_tokens(src) == want
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "layout")])
+    assert res.exit_code == 0, res.output
+    assert greedy_tokens(tmp_path / "layout") == want
+
+
+# ----------------------------------------------------------------------------- 3. features the engine refuses
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+            "original_max_position_embeddings": 256}
+FEATURES = [
+    ("deepseek_v3", {"q_lora_rank": None}, "MLA without q_lora_rank (a plain q_proj) is not supported"),
+    ("deepseek_v3", {"attention_bias": True}, "MLA with attention_bias=true is not supported"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope type 'dynamic' (sequence-length dependent) is not supported by the engine"),
+    ("llama", {"rope_parameters": LONGROPE},
+     "rope type 'longrope' (sequence-length dependent) is not supported by the engine"),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides", "words"), FEATURES, ids=["no-q-lora", "mla-bias", "dynamic",
+                                                                         "longrope"])
+def test_feature_the_engine_refuses_is_not_servable_in_inspect(tmp_path, no_model_build, arch, overrides, words):
+    if "rope_parameters" in overrides:  # transformers writes the rope config; edit it in
+        src = write_hf_checkpoint(tmp_path / "src", arch, seed=1)
+        model_dir = edited(src, tmp_path / "m", **overrides)
+    else:  # transformers builds the model (plain q_proj / biased projections) and writes its tensors
+        model_dir = write_hf_checkpoint(tmp_path / "m", arch, seed=1, **overrides)
+    found, report, rc = findings(model_dir, "feature-not-servable")
+    assert not report["servable"]
+    assert [f["message"] for f in found] == [f"config.json: {words}"]
+    assert [f for f in report["findings"] if f["severity"] == "error"] == []  # the config itself is valid
+    line = generate_error(model_dir)
+    assert line == f"{model_dir}/config.json: {words}; atomtool cannot serve this checkpoint"
+    assert json.loads((model_dir / "config.json").read_text())  # (edited config readable: the case is real)
+
+
+# ----------------------------------------------------------------------------- 4. fields the family does not read
+
+IGNORED_FIELDS = [  # (fixture, config.json edit): transformers builds the same model with and without the edit
+    ("deepseek_v3", {"moe_layer_freq": 2}),  # DeepSeek's remote code reads it; transformers' DeepseekV3 does not
+    ("qwen2", {"sliding_window": 0, "use_sliding_window": False}),  # Qwen2MoeConfig even defaults it to 0
+    ("qwen3", {"sliding_window": 0}),  # use_sliding_window absent: Qwen3Config's default false
+    ("deepseek_v3", {"num_key_value_heads": 3}),  # MLA: every query head has its own K/V from the latent
+    ("deepseek_v3", {"num_key_value_heads": 8}),
+]
+
+
+@pytest.mark.parametrize(("arch", "changes"), IGNORED_FIELDS, ids=[f"{a}-{c}" for a, c in IGNORED_FIELDS])
+def test_field_the_family_does_not_read_is_not_refused(ckpt, tmp_path, arch, changes):
+    src = ckpt(arch)
+    model_dir = edited(src, tmp_path / "m", **changes)
+    report, rc = findings(model_dir, "config-invalid")[1:]
+    assert rc == 0 and report["servable"], [f for f in report["findings"] if f["severity"] != "info"]
+    assert [f for f in report["findings"] if f["severity"] == "error"] == []
+    want = hf_greedy_tokens(model_dir)
+    assert want == hf_greedy_tokens(src)  # (the oracle: transformers ignores the edit)
+    assert greedy_tokens(model_dir) == want
+
