@@ -16,13 +16,20 @@ case is an edit), fed to both commands on CPU:
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from typer.testing import CliRunner
 
 from atomtool.cli import app
 from tests import test_config_weight_agreement as agree
-from tests.checkpoints import write_hf_checkpoint
+from tests.checkpoints import (
+    dequantize_fp8_block_checkpoint,
+    write_fp8_block_checkpoint,
+    write_hf_checkpoint,
+    write_state_dict,
+)
+from tests.inspect_cli import inspect_json
 from tests.test_config_weight_agreement import (
     edited,
     findings,
@@ -147,3 +154,33 @@ def test_field_the_family_does_not_read_is_not_refused(ckpt, tmp_path, arch, cha
     assert want == hf_greedy_tokens(src)  # (the oracle: transformers ignores the edit)
     assert greedy_tokens(model_dir) == want
 
+
+
+# ----------------------------------------------------------------------------- 5. FP8 block size from the scales
+
+
+def fp8_without_quantization_config(src, root, block):
+    """(an FP8 block checkpoint of ``src`` whose config.json lost ``quantization_config``, its plain-float
+    dequantized copy: the oracle transformers loads without FP8 support)."""
+    fp8 = write_fp8_block_checkpoint(src, root / "fp8", block=block)
+    oracle = root / "oracle"
+    shutil.copytree(fp8, oracle, ignore=shutil.ignore_patterns("*.safetensors"))
+    write_state_dict(oracle, dequantize_fp8_block_checkpoint(fp8))
+    for d in (fp8, oracle):
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["quantization_config"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    return fp8, oracle
+
+
+@pytest.mark.parametrize(("arch", "block"), [("deepseek_v3", 16), ("llama", (16, 32))])
+def test_fp8_block_without_quantization_config_uses_the_block_inspect_infers(ckpt, tmp_path, arch, block):
+    fp8, oracle = fp8_without_quantization_config(ckpt(arch), tmp_path, block)
+    report, rc = inspect_json(fp8)
+    assert rc == 0 and report["servable"], [f for f in report["findings"] if f["severity"] != "info"]
+    want = hf_greedy_tokens(oracle)
+    assert greedy_tokens(fp8) == want
+    res = CliRunner().invoke(app, ["convert", str(fp8), str(tmp_path / "layout")])
+    assert res.exit_code == 0, res.output
+    assert "weight_block_size" not in (tmp_path / "layout" / "config.json").read_text()  # (the case)
+    assert greedy_tokens(tmp_path / "layout") == want

@@ -157,6 +157,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         _check_layout_servable(model_path, model_dir, specs)
         _check_layout_shapes(model_path, arch, config, specs)  # before building (allocating) the model
         torch_dtype = resolve_dtype(dtype, config, dev)
+        config = _with_fp8_block(config, layout_fp8_block(model_path, config, specs))
         config, defaulted = complete_config(config, config_path)
         config = _canonical_activation(config)
         model = _build_model(arch, config, specs, torch_dtype, dev, config_path)
@@ -176,6 +177,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         plan_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
         plan = build_plan(report, plan_dtype)
         config = flatten_dsa_config(plan.config) if plan.config else config
+        config = _with_fp8_block(config, inferred_fp8_block(model_path, report))
         config, defaulted = complete_config(config, config_path)
         config = _canonical_activation(config)
         model = _build_model(arch, config, plan.tensors, torch_dtype, dev, config_path)
@@ -183,6 +185,85 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
             model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
     model.eval()
     return LoadedModel(model, config, arch, model_dir, torch_dtype, dev)
+
+
+def inferred_fp8_block(model_path: str | os.PathLike, report: Any) -> tuple[int, int] | None:
+    """The FP8 block (rows, cols) of a raw checkpoint whose config.json does not declare one
+    (no ``quantization_config.weight_block_size``) but whose FP8 weights carry 2-D ``weight_scale_inv`` grids:
+    the block inspect inferred from the scale shapes (``ModuleInfo.block_size`` of the ``fp8_block``
+    modules), checked by :func:`_one_fp8_block`. None when config.json declares a block or no module is
+    FP8-block.
+
+    Raises:
+        EngineError: the grids fit no single block.
+    """
+    if _declares_block(report.config_flat):
+        return None
+    grids = []
+    for m in report.modules:
+        scale = m.tensors.get("weight_scale_inv") or m.tensors.get("weight_scale")
+        if m.scheme == "fp8_block" and m.block_size and scale is not None and len(scale.shape) >= 2:
+            grids.append((m.name, tuple(m.shape[-2:]), tuple(scale.shape[-2:]), tuple(m.block_size[:2])))
+    return _one_fp8_block(model_path, grids)
+
+
+def layout_fp8_block(model_path: str | os.PathLike, config: dict[str, Any],
+                     specs: dict[str, Any]) -> tuple[int, int] | None:
+    """The layout counterpart of :func:`inferred_fp8_block`: a layout converted from such a checkpoint keeps
+    config.json without ``weight_block_size``, and its manifest records each FP8 output's ``block_size``
+    (with the weight and ``weight_scale_inv`` shapes, checked by :func:`_one_fp8_block`). Raises EngineError
+    as it does."""
+    if _declares_block(config):
+        return None
+    grids = []
+    for name, spec in specs.items():
+        scale = specs.get(f"{name}_scale_inv")
+        if (name.endswith(".weight") and spec.scheme == "fp8_block" and spec.block_size and scale is not None
+                and len(spec.shape) >= 2 and len(scale.shape) >= 2):
+            grids.append((name, tuple(spec.shape[-2:]), tuple(scale.shape[-2:]), tuple(spec.block_size[:2])))
+    return _one_fp8_block(model_path, grids)
+
+
+def _declares_block(config: dict[str, Any]) -> bool:
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and bool(qc.get("weight_block_size"))
+
+
+def _one_fp8_block(model_path: str | os.PathLike,
+                   grids: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+                   ) -> tuple[int, int] | None:
+    """The one FP8 block that fits every ``(name, (N, K), scale grid, inferred block)``: the engine sizes
+    every FP8 linear's and expert's ``[ceil(N / b0), ceil(K / b1)]`` scale grid from one block
+    (``atomtool.serve.layers.linear.fp8_block_size``). Of the inferred (power-of-two) candidates the largest
+    that fits all is taken: two power-of-two blocks that both fit every grid dequantize identically (they
+    differ only where a weight fits inside one block). None for no grids.
+
+    Raises:
+        EngineError: the grids fit no single block (two modules and their blocks named).
+    """
+    if not grids:
+        return None
+
+    def fits(b: tuple[int, ...]) -> bool:
+        return all((-(-n // b[0]), -(-k // b[1])) == g for _, (n, k), g, _ in grids)
+
+    for block in sorted({g[3] for g in grids}, reverse=True):
+        if fits(block):
+            return int(block[0]), int(block[1])
+    (a, _, _, ba), (c, _, _, bc) = grids[0], next(g for g in grids if g[3] != grids[0][3])
+    raise EngineError(f"{model_path}: config.json declares no FP8 block size (quantization_config."
+                      f"weight_block_size) and the weight_scale_inv grids fit no single one ({a}: "
+                      f"{list(ba)}, {c}: {list(bc)}); add quantization_config to config.json")
+
+
+def _with_fp8_block(config: dict[str, Any], block: tuple[int, int] | None) -> dict[str, Any]:
+    """``config`` with ``quantization_config.weight_block_size`` = ``block`` (quant_method ``fp8`` unless it
+    names one), as transformers' FP8 checkpoints declare it, so the engine's FP8 linears and experts size
+    their scale grids with it; the input is left alone. ``block`` None: ``config`` unchanged."""
+    if block is None:
+        return config
+    qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}
+    return {**config, "quantization_config": {"quant_method": "fp8", **qc, "weight_block_size": list(block)}}
 
 
 def _canonical_activation(config: dict[str, Any]) -> dict[str, Any]:
