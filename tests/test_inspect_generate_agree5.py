@@ -184,3 +184,44 @@ def test_fp8_block_without_quantization_config_uses_the_block_inspect_infers(ckp
     assert res.exit_code == 0, res.output
     assert "weight_block_size" not in (tmp_path / "layout" / "config.json").read_text()  # (the case)
     assert greedy_tokens(tmp_path / "layout") == want
+
+
+# ----------------------------------------------------------------------------- 6. messages
+
+
+def test_one_fact_one_finding(ckpt, tmp_path, no_model_build):
+    bad = edited(ckpt("deepseek_v32"), tmp_path / "bad", index_topk=0)
+    found, _, rc = findings(bad, "config-invalid")
+    assert rc == 1
+    assert [f["message"] for f in found] == ["config.json: index_topk must be a positive integer, got 0"]
+    assert generate_error(bad) == found[0]["message"]
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "qk_rope_head_dim"])
+def test_dsa_config_without_a_schedule_field_names_it_and_transformers_default(ckpt, tmp_path, no_model_build,
+                                                                               field):
+    import transformers
+
+    default = getattr(transformers.GlmMoeDsaConfig(), field)  # the oracle: 78 layers, rope dim 64
+    bad = edited(ckpt("glm_moe_dsa"), tmp_path / "bad", drop=(field,))
+    found, report, rc = findings(bad, "config-missing-field")
+    named = f"{field} (transformers' GlmMoeDsaConfig default: {default})"
+    assert rc == 1 and not report["servable"]
+    assert [f["severity"] for f in found] == ["error"] and f"config.json has no {named}" in found[0]["message"]
+    assert not [f for f in report["findings"] if f["code"] == "config-invalid"]  # not "got None" / index rope
+    assert f"missing required field {named}" in generate_error(bad)
+
+
+def test_missing_tensors_from_a_defaulted_schedule_field_name_the_default(ckpt, tmp_path):
+    import transformers
+
+    default = transformers.DeepseekV3Config().first_k_dense_replace  # 3: every fixture layer is dense
+    bad = edited(ckpt("deepseek_v3"), tmp_path / "bad", drop=("first_k_dense_replace",))
+    found, _, rc = findings(bad, "missing-tensors")
+    assert rc == 1 and len(found) == 1
+    msg = found[0]["message"]
+    assert "model.layers.1.mlp.gate_proj.weight" in msg and "model.layers.0." not in msg  # layer 0 is dense
+    assert f"first_k_dense_replace={default} is transformers' DeepseekV3Config default" in msg
+    line = generate_error(bad)
+    assert "model.layers.1.mlp.gate_up_proj.weight" in line and f"defaults: first_k_dense_replace={default}" in line
+    assert "num_mtp_layers" not in line  # (defaulted too, but no engine model reads it)

@@ -252,6 +252,47 @@ def attention_notes(flat: dict[str, Any], fam: Family | None,
     return out
 
 
+def _name_schedule_defaults(found: list[Finding], flat: dict[str, Any]) -> list[Finding]:
+    """``found`` with each ``missing-tensors`` message naming the MLP-schedule fields config.json leaves out
+    whose transformers default decided which layers are MoE (:data:`atomtool.inspect.memory.SCHEDULE_DEFAULT_FIELDS`:
+    ``first_k_dense_replace`` absent -> ``DeepseekV3Config``'s 3 dense layers), the likely cause."""
+    from atomtool.inspect.hf_registry import config_class
+
+    cls = config_class(str(flat.get("model_type", "")))
+    named = [f"{k}={mem.schedule_default(flat, k)!r}" for k in mem.SCHEDULE_DEFAULT_FIELDS
+             if k not in flat and mem.schedule_default(flat, k) is not None]
+    if not named or cls is None:
+        return found
+    note = (f"; {', '.join(named)} is transformers' {cls.__name__} default (config.json does not set it): set it "
+            f"in config.json if the checkpoint differs")
+    return [Finding(f.code, f.severity, f.module, f.message + note) if f.code == "missing-tensors" else f
+            for f in found]
+
+
+#: size fields the DSA schedule (:func:`atomtool.inspect.dsa.flatten_dsa_config`) is read from: the layer
+#: count, and ``qk_rope_head_dim`` (the indexer's rope dim defaults to it)
+DSA_SCHEDULE_SIZE_FIELDS = ("num_hidden_layers", "qk_rope_head_dim")
+
+
+def _absent_schedule_fields(absent: list[str], model_type: str) -> list[Finding]:
+    """``config-missing-field`` errors for :data:`DSA_SCHEDULE_SIZE_FIELDS` config.json leaves out, naming
+    transformers' default for each as the engine's loader does
+    (``atomtool.serve.model_config.check_size_fields``) -- rather than the schedule error the missing field
+    causes (``got None``; an indexer rope dim from a default the user never wrote)."""
+    from atomtool.inspect.hf_registry import config_class
+
+    cls = config_class(model_type)
+    out = []
+    for key in absent:
+        default = getattr(cls, key, None) if cls is not None else None
+        named = f" (transformers' {cls.__name__} default: {default!r})" if default is not None else ""
+        out.append(Finding("config-missing-field", "error", None,
+                           f"config.json has no {key}{named}: the engine refuses a config without it (it does not "
+                           f"assume a reference model's size for a field that shapes the weights), and the DSA "
+                           f"schedule is read from it; add it to config.json"))
+    return out
+
+
 def build_report(
     source: str,
     config: dict[str, Any] | None,
@@ -317,18 +358,25 @@ def build_report(
                                 f"yet; serve supports: {', '.join(supported_architectures())}"))
     flat: dict[str, Any] = dict(tc)
     schedule_ok = False
+    schedule_unreadable = False  # the DSA schedule failed for want of a field: nothing is sized from it
     if config is not None and not_hf is None:  # a non-HF config's fields mean something else: not read
         try:
             flat = flatten_dsa_config(raw)
             schedule_ok = True
         except ConfigError as exc:  # report what can be known; the schedule itself is unusable
-            findings.append(Finding("config-invalid", "error", None, str(exc)))
+            absent = [k for k in engine_missing_size_fields(tc) if k in DSA_SCHEDULE_SIZE_FIELDS]
+            if absent and fam is not None and fam.servable:  # the cause: a field left out (as generate says)
+                findings.extend(_absent_schedule_fields(absent, model_type))
+                schedule_unreadable = True
+            else:
+                findings.append(Finding("config-invalid", "error", None, str(exc)))
     bad_sizes = (invalid_size_fields(flat) + invalid_attention_fields(flat) + invalid_quantization_config(raw)
                  if config is not None and not_hf is None else [])  # no sizes computed from these
     findings.extend(bad_sizes)
     filled: list[tuple[str, Any, str]] = []
     engine_missing: list[str] = []
-    if config is not None and not_hf is None and not any(f.code == "config-invalid" for f in findings):
+    if (config is not None and not_hf is None and not schedule_unreadable
+            and not any(f.code == "config-invalid" for f in findings)):
         # transformers' config class (as the engine's loader builds it) fills absent sizes and refuses what
         # its strict field types refuse; our own messages above are more specific, so only when they passed
         flat = dict(flat)
@@ -348,11 +396,12 @@ def build_report(
         dsa = DsaInfo(int(flat["index_topk"]), int(flat["index_n_heads"]), int(flat["index_head_dim"]),
                       int(flat["index_rope_dim"]), bool(flat["indexer_rope_interleave"]), roles)
         findings.extend(dsa_findings(tensors, roles))
-    config_bad = any(f.code == "config-invalid" for f in findings)  # no sizes computed from this config
+    # no sizes computed from this config
+    config_bad = schedule_unreadable or any(f.code == "config-invalid" for f in findings)
     if config is not None and not_hf is None and not config_bad:
         findings.extend(attention_notes(flat, fam, filled, engine_missing))
     if config is not None and not config_bad:
-        findings.extend(missing_tensor_findings(tensors, flat, fam, roles))
+        findings.extend(_name_schedule_defaults(missing_tensor_findings(tensors, flat, fam, roles), flat))
         findings.extend(extra_layer_findings(tensors, flat, fam))
         findings.extend(tied_head_findings(tensors, flat))
 
@@ -428,6 +477,9 @@ def build_report(
         mpe = flat.get("max_position_embeddings")
         memory["max_position_embeddings"] = mpe if isinstance(mpe, int) else None
 
+    # one finding per fact: two checks that refuse the same field say it once (index_topk: 0 is refused both
+    # by the DSA schedule and by the size-field check, in the same words)
+    findings = list(dict.fromkeys(findings))
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return InspectReport(
         source=source, architecture=arch, model_type=model_type, family=fam.name if fam else "unknown",

@@ -398,12 +398,26 @@ def _reads_int_moe_layer_freq(flat: dict[str, Any]) -> bool:
     return str(flat.get("model_type", "")) in INT_MOE_LAYER_FREQ_TYPES or _reads_field(flat, "moe_layer_freq")
 
 
+#: fields of the MLP schedule whose absence means transformers' default, not "none"
+#: (``DeepseekV3Config.first_k_dense_replace`` 3: the first three layers have dense MLPs)
+SCHEDULE_DEFAULT_FIELDS = ("first_k_dense_replace",)
+
+
+def schedule_default(flat: dict[str, Any], key: str) -> Any:
+    """transformers' default for MLP-schedule field ``key`` (:data:`SCHEDULE_DEFAULT_FIELDS`) of the
+    model_type's config class, or None (not a known model_type / no default)."""
+    from atomtool.inspect.hf_registry import config_field_default
+
+    return config_field_default(str(flat.get("model_type", "")), key)
+
+
 def mlp_kinds(flat: dict[str, Any]) -> list[str]:
     """Per layer ``dense`` or ``sparse`` (MoE) MLP: ``mlp_layer_types``; MiniMax-M3's ``moe_layer_freq``
     list (1 = MoE); else MoE iff ``i >= first_k_dense_replace``, ``(i + 1) % decoder_sparse_step == 0``
     (Qwen-MoE), ``i % moe_layer_freq == 0`` (an int; DeepSeek's remote code, not transformers' DeepseekV3,
     which ignores it: :func:`_reads_int_moe_layer_freq`) and ``i`` not in ``mlp_only_layers``, each field
-    only where the model transformers builds reads it."""
+    only where the model transformers builds reads it; an absent ``first_k_dense_replace`` is transformers'
+    default for the model_type (:func:`schedule_default`), as the engine completes the config."""
     n = _int(flat, "num_hidden_layers")
     kinds = flat.get("mlp_layer_types")
     if isinstance(kinds, list) and len(kinds) == n:
@@ -414,7 +428,8 @@ def mlp_kinds(flat: dict[str, Any]) -> list[str]:
     experts = _int(flat, "n_routed_experts") or _int(flat, "num_experts") or _int(flat, "num_local_experts")
     if not experts:
         return ["dense"] * n
-    first = _int(flat, "first_k_dense_replace")
+    key = "first_k_dense_replace"
+    first = _int(flat if key in flat else {key: schedule_default(flat, key)}, key)
     step = (_int(flat, "decoder_sparse_step", 1) or 1) if _reads_field(flat, "decoder_sparse_step") else 1
     every = freq if _is_pos_int(freq) and _reads_int_moe_layer_freq(flat) else 1
     only_v = flat.get("mlp_only_layers") if _reads_field(flat, "mlp_only_layers") else None

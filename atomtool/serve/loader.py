@@ -298,11 +298,19 @@ def _build_model(arch: str, config: dict[str, Any], specs: Any, dtype: torch.dty
 @contextmanager
 def _name_defaults(defaulted: dict[str, Any], config_path: Path) -> Iterator[None]:
     """Weights that do not fit a model built with transformers' defaults for fields config.json left out
-    (e.g. ``Qwen3Config.head_dim`` 128): the load error says which fields were defaulted and to what."""
+    (e.g. ``Qwen3Config.head_dim`` 128): the load error says which fields were defaulted and to what -- only
+    the fields that size the tensors or the MLP schedule, the plausible causes."""
+    from atomtool.inspect.hf_config import SIZE_FIELDS
+    from atomtool.inspect.memory import SCHEDULE_DEFAULT_FIELDS
+
+    # only fields that shape the tensors or decide which layers carry which (a defaulted num_mtp_layers, read
+    # by no engine model, is never the cause)
+    shaping = {*SIZE_FIELDS, *SCHEDULE_DEFAULT_FIELDS, "head_dim", "n_shared_experts"}
     try:
         yield
     except EngineError as exc:
-        sizes = {k: v for k, v in defaulted.items() if isinstance(v, int) and not isinstance(v, bool)}
+        sizes = {k: v for k, v in defaulted.items()
+                 if k in shaping and isinstance(v, int) and not isinstance(v, bool)}
         if not sizes:
             raise
         shown = ", ".join(f"{k}={v!r}" for k, v in sizes.items())
@@ -329,7 +337,7 @@ def _check_config_values(raw_config: dict[str, Any]) -> None:
         flat = text_config(raw_config)
     bad = invalid_size_fields(flat) + invalid_quantization_config(raw_config)
     if bad:
-        raise ConfigError("; ".join(one_line(f.message) for f in bad))
+        raise ConfigError("; ".join(dict.fromkeys(one_line(f.message) for f in bad)))
 
 
 def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
