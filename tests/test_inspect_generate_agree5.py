@@ -225,3 +225,18 @@ def test_missing_tensors_from_a_defaulted_schedule_field_name_the_default(ckpt, 
     line = generate_error(bad)
     assert "model.layers.1.mlp.gate_up_proj.weight" in line and f"defaults: first_k_dense_replace={default}" in line
     assert "num_mtp_layers" not in line  # (defaulted too, but no engine model reads it)
+
+
+def test_unknown_quant_method_is_named_and_scales_that_fit_no_block_are_refused_by_both(ckpt, tmp_path,
+                                                                                       no_model_build):
+    fp8 = write_fp8_block_checkpoint(ckpt("llama"), tmp_path / "fp8", block=24)  # no power-of-two block fits
+    qc = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert not [f for f in inspect_json(fp8)[0]["findings"] if f["code"] == "quant-method-unknown"]
+    bad = edited(fp8, tmp_path / "bad", quantization_config={**qc, "quant_method": "bogus"})
+    unknown, report, rc = findings(bad, "quant-method-unknown")
+    assert len(unknown) == 1 and "quant_method 'bogus' is known neither to atomtool nor to transformers" \
+        in unknown[0]["message"]
+    scale = [f for f in report["findings"] if f["code"] == "scale-shape-mismatch"]
+    assert rc == 1 and not report["servable"] and scale and all(f["severity"] == "error" for f in scale)
+    line = generate_error(bad)
+    assert line.startswith(f"{bad}: scale-shape-mismatch: {scale[0]['message']}"), (line, scale[0])

@@ -11,7 +11,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from atomtool.errors import ConfigError, LayoutError, SourceError
+from atomtool.errors import ConfigError, LayoutError, SourceError, clip, one_line
 from atomtool.inspect import memory as mem
 from atomtool.inspect.config_check import (
     invalid_attention_fields,
@@ -269,6 +269,30 @@ def _name_schedule_defaults(found: list[Finding], flat: dict[str, Any]) -> list[
             for f in found]
 
 
+def _unknown_quant_method(spec: QuantSpec | None, qcfg: dict[str, Any] | None) -> list[Finding]:
+    """``quant-method-unknown`` (warning) when config.json's ``quantization_config`` names a ``quant_method``
+    that neither atomtool (:func:`atomtool.inspect.quant.parse_quant_config` gives it no scheme) nor
+    transformers knows (``AutoQuantizationConfig.from_dict`` raises "Unknown quantization type", so
+    ``from_pretrained`` refuses the checkpoint): nothing it declares (``weight_block_size``, exclusions) is
+    read, the modules are classified from the stored tensors alone."""
+    if spec is None or spec.scheme is not None or qcfg is None:
+        return []
+    try:
+        from transformers.quantizers.auto import AutoQuantizationConfig
+
+        AutoQuantizationConfig.from_dict(dict(qcfg))
+        return []
+    except ImportError:
+        return []
+    except Exception as exc:  # transformers' refusal (ValueError) or a config it cannot parse
+        why = one_line(exc)
+    return [Finding("quant-method-unknown", "warning", None,
+                    f"config.json: quantization_config.quant_method {spec.method!r} is known neither to atomtool "
+                    f"nor to transformers (which refuses to load the checkpoint: {clip(why, 120)}); its other "
+                    f"fields (weight_block_size, exclusions) are not read, modules are classified from the stored "
+                    f"tensors alone")]
+
+
 #: size fields the DSA schedule (:func:`atomtool.inspect.dsa.flatten_dsa_config`) is read from: the layer
 #: count, and ``qk_rope_head_dim`` (the indexer's rope dim defaults to it)
 DSA_SCHEDULE_SIZE_FIELDS = ("num_hidden_layers", "qk_rope_head_dim")
@@ -407,6 +431,7 @@ def build_report(
 
     qcfg = raw.get("quantization_config") or tc.get("quantization_config")
     spec = parse_quant_config(qcfg if isinstance(qcfg, dict) else None, hf_quant_config)
+    findings.extend(_unknown_quant_method(spec, qcfg if isinstance(qcfg, dict) else None))
     modules, other, qf = classify_modules(tensors, spec)
     findings.extend(qf)
     findings.extend(fusion_findings({m.name: m for m in modules}, fam))
