@@ -31,6 +31,7 @@ from tests.checkpoints import (
 )
 from tests.inspect_cli import inspect_json
 from tests.test_config_weight_agreement import (
+    assert_refused_alike,
     edited,
     findings,
     generate_error,
@@ -99,6 +100,13 @@ def test_zero_shared_experts_checkpoint_is_served_as_transformers_serves_it(tmp_
     res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "layout")])
     assert res.exit_code == 0, res.output
     assert greedy_tokens(tmp_path / "layout") == want
+
+
+def test_shared_expert_rows_with_n_shared_experts_zero_are_refused_alike(ckpt, tmp_path, no_model_build):
+    # transformers builds 0-row shared experts for this config and refuses the stored 32 rows (size mismatch)
+    bad = edited(ckpt("deepseek_v3"), tmp_path / "bad", n_shared_experts=0)
+    assert_refused_alike(bad, "mlp.shared_experts.down_proj.weight is [64, 32] but config.json implies [64, 0]",
+                         "moe_intermediate_size=32 x n_shared_experts=0 = 0")
 
 
 # ----------------------------------------------------------------------------- 3. features the engine refuses

@@ -127,6 +127,25 @@ def _render(expr: str, vals: dict[str, int]) -> str:
     return text.replace("*", " x ").replace("+", " + ")
 
 
+_SHARED_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.)(mlp\.shared_experts\.(?:gate|up|down)_proj)\.weight$")
+
+
+def _stored_shared_experts(tensors: dict[str, TensorInfo], entries: list[tuple[str, str, str]],
+                           cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Shape entries for the shared-expert modules stored on a decoder layer of a config with
+    ``n_shared_experts: 0``: transformers builds them with ``moe_intermediate_size x 0`` rows (and writes
+    such empty tensors), so stored rows disagree with config.json (transformers refuses them as a size
+    mismatch, the engine as unexpected tensors) -- only empty ones load."""
+    n = cfg.get("num_hidden_layers")
+    listed = {name for name, _, _ in entries}
+    out = []
+    for name in tensors:
+        m = _SHARED_EXPERT.match(name)
+        if m and isinstance(n, int) and int(m.group(2)) < n and m.group(1) + m.group(3) not in listed:
+            out.append((m.group(1) + m.group(3), "module", m.group(3)))
+    return out
+
+
 def shape_findings(tensors: dict[str, TensorInfo], cfg: dict[str, Any], family: Family | None,
                    roles: list[str] | None, defaults: dict[str, str],
                    located: dict[str, str] | None = None) -> list[Finding]:
@@ -156,6 +175,8 @@ def shape_findings(tensors: dict[str, TensorInfo], cfg: dict[str, Any], family: 
         return []
     table = MLA_SHAPES if family.attention == "mla" else GQA_SHAPES
     vals = _values(cfg)
+    if family.attention == "mla" and vals.get("n_shared_experts") == 0:
+        entries = entries + _stored_shared_experts(tensors, entries, cfg)
     # the routed-expert count's field name differs by family (n_routed_experts, num_experts, ...)
     experts = next((f for f in EXPERT_COUNT_FIELDS if vals.get(f)), "n_routed_experts")
     sized: dict[str, tuple[tuple[str, ...], list[int | None]]] = {}  # rel -> (dims, values), once per rel
