@@ -124,9 +124,14 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
             rope_theta (named), a repo id neither cached nor downloadable.
         LayoutError: an unreadable, malformed or unsupported-version ``atomtool.json``.
         UnsupportedArchitectureError: the architecture is not served (lists the supported ones).
-        EngineError: no weights, a scheme outside ``SERVABLE_SCHEMES``, a ``hidden_act`` the engine does not
-            run, missing / unexpected / mis-shaped tensors (named; a raw checkpoint's with inspect's
+        EngineError: no weights, a scheme outside ``SERVABLE_SCHEMES``, a ``hidden_act`` or another config
+            feature the engine does not run (inspect's ``activation-not-servable`` / ``feature-not-servable``
+            words: MLA without q_lora_rank, MLA attention_bias, dynamic / longrope rope), FP8 scale grids that
+            fit no block, missing / unexpected / mis-shaped tensors (named; a raw checkpoint's with inspect's
             ``shape-mismatch`` message, before the model is built), bad dtype or device.
+
+    An FP8 block checkpoint whose config.json declares no ``weight_block_size`` is served with the block its
+    scale grids imply (:func:`inferred_fp8_block`, :func:`layout_fp8_block`).
     """
     model_dir = resolve_model_dir(model_path)
     raw_config = read_config(model_dir)
