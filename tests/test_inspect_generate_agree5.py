@@ -248,3 +248,14 @@ def test_unknown_quant_method_is_named_and_scales_that_fit_no_block_are_refused_
     assert rc == 1 and not report["servable"] and scale and all(f["severity"] == "error" for f in scale)
     line = generate_error(bad)
     assert line.startswith(f"{bad}: scale-shape-mismatch: {scale[0]['message']}"), (line, scale[0])
+
+
+def test_qk_norms_under_a_model_type_without_them_are_refused_alike(ckpt, tmp_path, no_model_build):
+    bad = edited(ckpt("qwen3"), tmp_path / "bad", model_type="llama")  # a Qwen3 checkpoint mislabelled
+    found, report, rc = findings(bad, "unexpected-tensors")
+    assert rc == 1 and not report["servable"] and len(found) == 1
+    assert found[0]["message"].startswith("4 q/k norm tensor(s) the model of model_type 'llama' does not have: "
+                                          "model.layers.0.self_attn.k_norm.weight")
+    assert generate_error(bad).startswith(f"{bad}: unexpected-tensors: {found[0]['message']}")
+    _, report, rc = findings(ckpt("qwen3"), "unexpected-tensors")  # the real model_type: no finding
+    assert rc == 0 and report["servable"]

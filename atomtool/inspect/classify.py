@@ -293,6 +293,29 @@ def _unknown_quant_method(spec: QuantSpec | None, qcfg: dict[str, Any] | None) -
                     f"tensors alone")]
 
 
+_QK_NORM = re.compile(r"^model\.layers\.\d+\.self_attn\.[qk]_norm\.weight$")
+
+
+def unread_qk_norm_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any], fam: Family | None
+                            ) -> list[Finding]:
+    """``unexpected-tensors`` (error) for per-head q/k RMSNorm weights (``self_attn.q_norm`` / ``k_norm``, a
+    Qwen3 feature) stored in a ``llama``-family checkpoint whose model_type has none (``llama``, ``qwen2``,
+    ``mistral``; e.g. a Qwen3 checkpoint whose config.json says ``model_type: llama``): transformers builds
+    that model_type's model and leaves them unused, the engine's model has no such parameters and refuses
+    them (the loader refuses with this message)."""
+    mt = str(flat.get("model_type", ""))
+    if fam is None or fam.name != "llama" or mt == "qwen3":
+        return []
+    names = sorted((n for n in tensors if _QK_NORM.match(n)), key=lambda n: (int(n.split(".")[2]), n))
+    if not names:
+        return []
+    more = f" (+{len(names) - 2} more)" if len(names) > 2 else ""
+    return [Finding("unexpected-tensors", "error", None,
+                    f"{len(names)} q/k norm tensor(s) the model of model_type {mt!r} does not have: "
+                    f"{', '.join(names[:2])}{more}; transformers leaves them unused, the engine refuses them. A "
+                    f"Qwen3 checkpoint needs model_type \"qwen3\" in config.json")]
+
+
 #: size fields the DSA schedule (:func:`atomtool.inspect.dsa.flatten_dsa_config`) is read from: the layer
 #: count, and ``qk_rope_head_dim`` (the indexer's rope dim defaults to it)
 DSA_SCHEDULE_SIZE_FIELDS = ("num_hidden_layers", "qk_rope_head_dim")
@@ -427,6 +450,7 @@ def build_report(
     if config is not None and not config_bad:
         findings.extend(_name_schedule_defaults(missing_tensor_findings(tensors, flat, fam, roles), flat))
         findings.extend(extra_layer_findings(tensors, flat, fam))
+        findings.extend(unread_qk_norm_findings(tensors, flat, fam))
         findings.extend(tied_head_findings(tensors, flat))
 
     qcfg = raw.get("quantization_config") or tc.get("quantization_config")

@@ -352,7 +352,8 @@ def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
     and its shape), a linear stored in a scheme outside ``SERVABLE_SCHEMES`` (AWQ, GPTQ, NVFP4, ...), or
     parts of one fused / stacked module stored in schemes that cannot be fused (inspect's error findings
     ``fused-shards-disagree`` / ``experts-disagree``: the reason convert refuses it with, not the fused
-    names the engine would then lack), or FP8 scales that fit no block (``scale-shape-mismatch``).
+    names the engine would then lack), FP8 scales that fit no block (``scale-shape-mismatch``), or tensors
+    the engine's model does not have (``unexpected-tensors``: q/k norms under a model_type without them).
 
     Raises:
         EngineError: one line naming the directory (and the first mis-shaped tensor, the first unservable
@@ -371,7 +372,8 @@ def _check_raw_servable(model_path: str | os.PathLike, report: Any) -> None:
         raise EngineError(f"{model_path}: layer {bad[0].name} is stored as {bad[0].scheme}; {_SCHEME_HINT}")
     # (a scale grid that fits no block: the engine could only guess one, so it refuses as inspect does)
     unfusable = [f for f in report.findings
-                 if f.code in (*UNFUSABLE_CODES, "scale-shape-mismatch") and f.severity == "error"]
+                 if f.code in (*UNFUSABLE_CODES, "scale-shape-mismatch", "unexpected-tensors")
+                 and f.severity == "error"]
     if unfusable:
         more = f" (+{len(unfusable) - 1} more)" if len(unfusable) > 1 else ""
         raise EngineError(f"{model_path}: {unfusable[0].code}: {unfusable[0].message}{more}; see "
