@@ -4,13 +4,16 @@ Schema (docs/LAYOUT.md has the full description)::
 
     {"format": "atomtool-layout", "version": 1,
      "tool": {"name": "atomtool", "version": "0.1.0"}, "created": "2026-11-30T08:00:00Z",
-     "source": {"path", "repo_id", "revision", "architecture", "family", "fingerprint", "files"},
+     "source": {"path", "repo_id", "revision", "commit", "forced", "architecture", "family", "fingerprint",
+                "files"},
      "dtype_policy": "auto", "warnings": [...], "notes": [...], "indexer_types": [...] | null,
      "carried_files": [{"path", "size", "sha256"}], "not_carried": [{"path", "reason"}],
      "config_sha256": "<sha256 of the layout's config.json bytes>",
+     "dropped_sources": {"<source name>": "<reason>"} (only when convert left source tensors out),
      "tensors": {"<output name>": {"dtype", "shape", "scheme", "op", "block_size", "file", "sha256",
                                    "parts": [{"source", "source_dtype", "source_shape",
-                                              "rows", "stack_index", "pad_rows"}]}}}
+                                              "rows", "stack_index", "pad_rows",
+                                              "scale", "scale_block" (dequantized FP8 parts only)}]}}}
 
 serve reads a layout back with :func:`load_layout_specs` (output specs with their parts, so it can split
 fused tensors by the parts' row ranges) and recognises one with :func:`is_layout`.

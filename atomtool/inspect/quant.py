@@ -437,7 +437,7 @@ def classify_module(name: str, roles: dict[str, TensorInfo], spec: QuantSpec | N
     Returns the :class:`ModuleInfo` (``declared_quantized`` and ``treated_as`` filled) and findings:
     fp8-without-scale (error), scale-shape-mismatch (error), float-with-companions (warning),
     unknown-scheme (error), config-quant-stored-float (warning/info), excluded-but-stored-quantized
-    (error), scheme-mismatch (error).
+    (warning), scheme-mismatch (error).
     """
     findings: list[Finding] = []
     w = roles.get("weight")
