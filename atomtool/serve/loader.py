@@ -141,11 +141,12 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     from atomtool.inspect.dsa import text_config
     from atomtool.inspect.families import family_for, unsupported_activation, unsupported_features
 
-    check_size_fields(text_config(raw_config), config_path)
-    act = unsupported_activation(family_for(arch), text_config(raw_config))  # inspect's activation-not-servable
+    text, family = text_config(raw_config), family_for(arch)
+    check_size_fields(text, config_path)
+    act = unsupported_activation(family, text)  # inspect's activation-not-servable
     if act is not None:
         raise EngineError(act)
-    features = unsupported_features(family_for(arch), text_config(raw_config))  # inspect's feature-not-servable
+    features = unsupported_features(family, text)  # inspect's feature-not-servable
     if features:
         raise EngineError(f"{config_path}: {'; '.join(features)}; atomtool cannot serve this checkpoint")
     dev = resolve_device(device)
