@@ -50,6 +50,20 @@ class DType(str, Enum):
     float32 = "float32"
 
 
+class Fp8Activations(str, Enum):
+    auto = "auto"
+    dynamic = "dynamic"
+    weight_only = "weight-only"
+
+
+_FP8_ACT_HELP = ("FP8 block checkpoints: 'dynamic' quantizes each linear's input to FP8 per token and "
+                 "group of weight_block_size[1] (32, 64 or 128; other blocks stay weight-only) columns (W8A8, "
+                 "as DeepSeek's reference and transformers' FP8 kernels do; faster on GPU), "
+                 "'weight-only' widens the FP8 weights and keeps the activations (the dequantized "
+                 "reference's numerics). auto: dynamic when the checkpoint declares activation_scheme "
+                 "dynamic and the dtype is not float32.")
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -161,6 +175,7 @@ def generate_cmd(
                                                   "--max-tokens.")] = False,
     dtype: Annotated[DType, typer.Option(help=_DTYPE_HELP)] = DType.auto,
     device: Annotated[Device, typer.Option(help=_DEVICE_HELP)] = Device.auto,
+    fp8_activations: Annotated[Fp8Activations, typer.Option(help=_FP8_ACT_HELP)] = Fp8Activations.auto,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of {prompt, text, token_ids, "
                                                             "finish_reason} instead of text.")] = False,
 ) -> None:
@@ -169,7 +184,8 @@ def generate_cmd(
 
     raise typer.Exit(run_generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
-                                  device=device.value, json_out=json_out))
+                                  device=device.value, json_out=json_out,
+                                  fp8_activations=fp8_activations.value))
 
 
 @app.command("serve", short_help="Serve a model over an OpenAI-compatible HTTP API.")
@@ -203,6 +219,7 @@ def serve_cmd(
         help="KV cache size in bytes; overrides the GPU budget. Default on CPU: 1073741824 (1 GiB).")] = None,
     dtype: Annotated[DType, typer.Option(help=_DTYPE_HELP)] = DType.auto,
     device: Annotated[Device, typer.Option(help=_DEVICE_HELP)] = Device.auto,
+    fp8_activations: Annotated[Fp8Activations, typer.Option(help=_FP8_ACT_HELP)] = Fp8Activations.auto,
     enforce_eager: Annotated[bool, typer.Option(help="Disable CUDA graphs (run every decode step "
                                                      "eagerly).")] = False,
     chat_template: Annotated[str | None, typer.Option(
@@ -226,7 +243,8 @@ def serve_cmd(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory, dtype=dtype.value,
         device=device.value, enforce_eager=enforce_eager, chat_template=chat_template,
-        tensor_parallel_size=tensor_parallel_size, max_request_bytes=max_request_bytes))
+        tensor_parallel_size=tensor_parallel_size, max_request_bytes=max_request_bytes,
+        fp8_activations=fp8_activations.value))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

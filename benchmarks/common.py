@@ -374,10 +374,12 @@ def init_random_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def build_random_model(raw_config: dict[str, Any], device: torch.device, *, dtype: torch.dtype = torch.bfloat16,
-                       fp8: bool = False, seed: int = 0):
+                       fp8: bool = False, seed: int = 0, fp8_activations: str = "auto"):
     """Our engine model class for ``raw_config`` with random weights created directly on ``device``.
 
-    Returns (model, config_flat). ``fp8``: DeepSeek FP8 block weights (see :func:`fp8_layout_specs`).
+    Returns (model, config_flat). ``fp8``: DeepSeek FP8 block weights (see :func:`fp8_layout_specs`), their
+    activations treated as ``fp8_activations`` says (``auto`` | ``dynamic`` | ``weight-only``, as
+    ``atomtool serve --fp8-activations``); ``model.act_quant`` records the outcome.
     """
     from atomtool.inspect.dsa import flatten_dsa_config
     from atomtool.serve.models.registry import get_model_class, resolve_architecture
@@ -388,6 +390,10 @@ def build_random_model(raw_config: dict[str, Any], device: torch.device, *, dtyp
     model = cls(cfg, specs, dtype, device)
     init_random_(model, seed)
     model.post_load()
+    from atomtool.serve.layers.fp8_activations import apply_fp8_activations, resolve_fp8_activations
+
+    act = resolve_fp8_activations(fp8_activations, cfg, dtype)
+    model.act_quant = act if apply_fp8_activations(model, act) else None
     model.eval()
     return model, cfg
 

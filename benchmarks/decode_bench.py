@@ -144,8 +144,9 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
         n_moe = args.moe_layers or choose_moe_layers(device, max_tokens_needed, smoke)
         args.moe_layers_used = n_moe
         raw = C.dsv32_config(3 + n_moe, 3, smoke=smoke)
-        model, cfg = C.build_random_model(raw, device, fp8=True)
-        label = f"DeepSeek-V3.2-shaped FP8, {3 + n_moe} layers (3 dense + {n_moe} MoE)"
+        model, cfg = C.build_random_model(raw, device, fp8=True, fp8_activations=args.fp8_activations)
+        act = f"W8A8 {model.act_quant}" if model.act_quant else "weight-only"
+        label = f"DeepSeek-V3.2-shaped FP8 ({act}), {3 + n_moe} layers (3 dense + {n_moe} MoE)"
     else:
         raw = C.qwen3_config(smoke=smoke)
         model, cfg = C.build_random_model(raw, device)
@@ -199,6 +200,7 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
             else:
                 gpu = C.time_gpu(lambda batch=batch: runner.run(batch), device, warmup=1, iters=iters)
             r = C.record("decode", model=name, label=label, batch=B, ctx=ctx, graphs=graphed,
+                         act_quant=getattr(model, "act_quant", None),
                          step_ms=step["median_s"] * 1e3, gpu_ms=gpu * 1e3, floor_ms=floor * 1e3,
                          bound="memory" if t_mem >= t_cmp else "compute", bytes_GB=nbytes / 1e9,
                          flops_G=flops / 1e9, roofline_frac=floor / gpu, roofline_frac_step=floor / step["median_s"],
@@ -248,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--point-budget-s", type=float, default=6.0, help="rough seconds of timing per point")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of a batch-1 step")
+    ap.add_argument("--fp8-activations", default="auto", choices=["auto", "dynamic", "weight-only"],
+                    help="FP8 linears and experts: W8A8 or weight-only (as atomtool serve --fp8-activations)")
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
     torch.manual_seed(0)

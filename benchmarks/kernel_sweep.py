@@ -48,7 +48,7 @@ def _fp8_weight(N: int, K: int, device, gen) -> tuple[torch.Tensor, torch.Tensor
     return w, s
 
 
-def sweep_linear(device, configs, shapes, copy_bw: float) -> list[dict]:
+def sweep_linear(device, configs, shapes, copy_bw: float, act_quant: str | None = None) -> list[dict]:
     L = importlib.import_module("atomtool.serve.ops.triton.linear")  # the package re-exports `linear` the op
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -59,10 +59,11 @@ def sweep_linear(device, configs, shapes, copy_bw: float) -> list[dict]:
     x = {K: torch.randn(1, K, device=device, dtype=torch.bfloat16, generator=gen) for _, _, K, _ in shapes}
     step_bytes = sum(N * K * c for _, N, K, c in shapes)
     rows = []
-    default = L.FP8_LINEAR_CONFIG
+    attr = "FP8_LINEAR_W8A8_CONFIG" if act_quant else "FP8_LINEAR_CONFIG"
+    default = getattr(L, attr)
     try:
         for cfg in configs:
-            L.FP8_LINEAR_CONFIG = cfg
+            setattr(L, attr, cfg)
             total = 0.0
             per = {}
             for name, _n, K, count in shapes:
@@ -72,23 +73,24 @@ def sweep_linear(device, configs, shapes, copy_bw: float) -> list[dict]:
                 def call(ws=ws, K=K, i=i):
                     w, s = ws[i[0] % len(ws)]
                     i[0] += 1
-                    L.fp8_block_linear(x[K], w, s)
+                    L.fp8_block_linear(x[K], w, s, act_quant=act_quant)
 
                 t = C.seconds_per_call(call, device)
                 per[name] = t
                 total += t * count
-            row = C.record("kernel_sweep", kernel="fp8_linear", M=1, **vars(cfg), step_ms=total * 1e3,
+            row = C.record("kernel_sweep", kernel="fp8_linear", M=1, act_quant=act_quant, **vars(cfg),
+                           step_ms=total * 1e3,
                            step_GBps=step_bytes / total / 1e9, of_copy=step_bytes / total / copy_bw,
                            per_us={k: round(v * 1e6, 2) for k, v in per.items()})
             rows.append(row)
             print(f"  {cfg}: {total * 1e3:.3f} ms/step, {step_bytes / total / 1e9:,.0f} GB/s "
                   f"({step_bytes / total / copy_bw:.0%} of copy)", flush=True)
     finally:
-        L.FP8_LINEAR_CONFIG = default
+        setattr(L, attr, default)
     return rows
 
 
-def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool) -> list[dict]:
+def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool, act_quant: str | None = None) -> list[dict]:
     Mo = importlib.import_module("atomtool.serve.ops.triton.moe")
 
     E, H, inter, k = (256, 7168, 2048, 8) if not smoke else (16, 256, 128, 4)
@@ -98,7 +100,8 @@ def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool) -> list[dict
     s13 = torch.rand(E, 2 * inter // 128, H // 128, device=device, generator=gen) * 0.01
     s2 = torch.rand(E, H // 128, inter // 128, device=device, generator=gen) * 0.01
     rows = []
-    default = Mo.MOE_GEMM_CONFIG
+    attr = "MOE_GEMM_W8A8_CONFIG" if act_quant else "MOE_GEMM_CONFIG"
+    default = getattr(Mo, attr)
     try:
         for T in T_list:
             x = torch.randn(T, H, device=device, dtype=torch.bfloat16, generator=gen)
@@ -108,22 +111,23 @@ def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool) -> list[dict
             distinct = sum(len(torch.unique(r)) for r in routes) / len(routes)
             nbytes = distinct * (w13[0].numel() + w2[0].numel())
             for cfg in configs:
-                Mo.MOE_GEMM_CONFIG = cfg
+                setattr(Mo, attr, cfg)
                 i = [0]
 
                 def call(x=x, routes=routes, weights=weights, i=i):
                     ids = routes[i[0] % len(routes)]
                     i[0] += 1
-                    Mo.fused_moe(x, w13, w2, weights, ids, s13, s2)
+                    Mo.fused_moe(x, w13, w2, weights, ids, s13, s2, act_quant=act_quant)
 
                 t = C.seconds_per_call(call, device, calls=16)
-                row = C.record("kernel_sweep", kernel="fused_moe_fp8", T=T, **vars(cfg), us=t * 1e6,
+                row = C.record("kernel_sweep", kernel="fused_moe_fp8", T=T, act_quant=act_quant, **vars(cfg),
+                               us=t * 1e6,
                                GBps=nbytes / t / 1e9, of_copy=nbytes / t / copy_bw, distinct_experts=distinct)
                 rows.append(row)
                 print(f"  T={T} {cfg}: {t * 1e6:.1f} us, {nbytes / t / 1e9:,.0f} GB/s "
                       f"({nbytes / t / copy_bw:.0%} of copy)", flush=True)
     finally:
-        Mo.MOE_GEMM_CONFIG = default
+        setattr(Mo, attr, default)
     return rows
 
 
@@ -168,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU toy sizes under the Triton interpreter")
     ap.add_argument("--quick", action="store_true", help="a few candidates only")
     ap.add_argument("--only", choices=["linear", "moe", "mla"], default=None)
+    ap.add_argument("--act-quant", choices=["dynamic", "dynamic_ue8m0"], default=None,
+                    help="sweep the W8A8 kernels (activations quantized per token) instead of weight-only")
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
     if device.type != "cuda" and not args.smoke:
@@ -192,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes = DSV32_LINEARS
         T_list = [1, 8]
-        if args.quick:
+        if args.act_quant:  # W8A8 always runs the swapped (wgmma) tile
+            lin = [Fp8LinearConfig(block_n=bn, split_target=tg, num_warps=nw, num_stages=ns)
+                   for bn, tg, ns, nw in itertools.product((64, 128), (256, 512, 1024), (3, 4, 6), (4,))]
+            lin += [Fp8LinearConfig(block_n=128, num_warps=8), Fp8LinearConfig(block_n=256, num_warps=8),
+                    Fp8LinearConfig(tma=False)]
+            moe = [MoeGemmConfig(block_n=bn, num_warps=nw, num_stages=ns)
+                   for bn, ns, nw in itertools.product((64, 128), (3, 4, 6), (4, 8))]
+        elif args.quick:
             lin = [Fp8LinearConfig(tma=False), Fp8LinearConfig(), Fp8LinearConfig(block_n=128),
                    Fp8LinearConfig(block_n=128, num_warps=8), Fp8LinearConfig(block_n=128, num_stages=4),
                    Fp8LinearConfig(block_n=128, split_target=1024), Fp8LinearConfig(block_n=256),
@@ -213,12 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     if args.only in (None, "linear"):
         print(f"\n== FP8 linear at M=1, {len(lin)} configs")
-        results += sweep_linear(device, lin, shapes, copy_bw)
+        results += sweep_linear(device, lin, shapes, copy_bw, args.act_quant)
         best = min((r for r in results if r["kernel"] == "fp8_linear"), key=lambda r: r["step_ms"])
         print(f"best linear: {best}")
     if args.only in (None, "moe"):
         print(f"\n== fused MoE FP8, {len(moe)} configs")
-        mo = sweep_moe(device, moe, T_list, copy_bw, args.smoke)
+        mo = sweep_moe(device, moe, T_list, copy_bw, args.smoke, args.act_quant)
         for T in T_list:
             best = min((r for r in mo if r["T"] == T), key=lambda r: r["us"])
             print(f"best moe T={T}: {best}")

@@ -373,6 +373,78 @@ def test_fp8_block_linear_small_m_split_k(N, K, block, monkeypatch):
     _close(tri.linear(xb, w, bb, s, block), torch_ref.linear(xb, w, bb, s, block), 0.3, 0.02)
 
 
+def test_act_quant_fp8_reference_follows_deepseek_act_quant():
+    """The reference quantizer against DeepSeek-V3's act_quant written out by hand: per token and 128-wide
+    group, s = amax / 448 (floor 1e-4), q = e4m3(x / s); ue8m0 rounds s up to a power of two."""
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(3, 200, generator=g) * torch.tensor([1.0, 1e-7, 30.0])[:, None]
+    x[0, 128:] = 0.0  # an all-zero group: scale 1e-4 / 448, q = 0
+    q, s = torch_ref.act_quant_fp8(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (3, 200) and s.shape == (3, 2)
+    for t in range(3):
+        for gi, cols in enumerate((slice(0, 128), slice(128, 200))):
+            grp = x[t, cols]
+            want_s = torch.clamp(grp.abs().max(), min=1e-4) / 448
+            assert s[t, gi] == want_s
+            assert torch.equal(q[t, cols].float(), (grp * (1 / want_s)).to(torch.float8_e4m3fn).float())
+            assert q[t, cols].float().abs().max() <= 448
+    assert torch.all(q[0, 128:].float() == 0)
+    _, s_pow2 = torch_ref.act_quant_fp8(x, 128, round_scale=True)
+    assert torch.equal(torch.log2(s_pow2), torch.ceil(torch.log2(s)))
+    assert torch.all(s_pow2 >= s) and torch.all(s_pow2 < 2 * s)
+    # W8A8 error is that of e4m3 (3 mantissa bits) on both sides, not more
+    w = torch.randn(40, 200, generator=g).to(torch.float8_e4m3fn)
+    sw = torch.rand(1, 2, generator=g) + 0.5
+    xr = torch.randn(5, 200, generator=g)
+    exact = torch_ref.linear(xr, w, None, sw, (128, 128))
+    w8a8 = torch_ref.linear(xr, w, None, sw, (128, 128), "dynamic")
+    assert (w8a8 - exact).norm() / exact.norm() < 0.05
+    with pytest.raises(ValueError, match="act_quant"):
+        torch_ref.linear(xr, w, None, sw, (128, 128), "static")
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "dynamic_ue8m0"])
+@pytest.mark.parametrize("M,N,K,block", [(5, 70, 96, (32, 32)), (3, 130, 200, (128, 128)), (17, 1100, 256, (64, 64))])
+def test_fp8_block_linear_w8a8(mode, M, N, K, block):
+    """W8A8 (activations quantized per token and K block inside the kernel, e4m3 x e4m3 dots) equals the
+    W8A8 reference (same quantized activations, float32 sums) with and without split-K and bias, and every
+    row is the same bits alone as in the batch."""
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(M, K, generator=g) * 3
+    w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
+    b = torch.randn(N, generator=g)
+    full = tri.linear(x, w, b, s, block, mode)
+    _close(full, torch_ref.linear(x, w, b, s, block, mode), 1e-4, 1e-5)
+    assert torch.equal(tri.linear(x[M - 1:], w, b, s, block, mode)[0], full[M - 1])
+    xb = x.bfloat16()
+    _close(tri.linear(xb, w, None, s, block, mode), torch_ref.linear(xb, w, None, s, block, mode), 0.3, 0.02)
+
+
+def test_fp8_w8a8_refuses_blocks_it_cannot_serve():
+    x = torch.randn(2, 48)
+    w = torch.randn(8, 48).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="K block 16 is not served by W8A8"):
+        tri.linear(x, w, None, torch.ones(1, 3), (16, 16), "dynamic")
+    with pytest.raises(ValueError, match="act_quant 'static'"):
+        tri.linear(x, w, None, torch.ones(1, 2), (32, 32), "static")
+
+
+def test_fused_moe_w8a8_matches_reference():
+    T, H, inter, E, k, block = 7, 64, 48, 4, 2, (32, 32)
+    x, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k)
+    g = torch.Generator().manual_seed(9)
+    w13q, w2q = (w13 * 4).to(torch.float8_e4m3fn), (w2 * 4).to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, -(-2 * inter // 32), H // 32, generator=g) + 0.5
+    s2 = torch.rand(E, H // 32, -(-inter // 32), generator=g) + 0.5
+    for mode in ("dynamic", "dynamic_ue8m0"):
+        out = tri.fused_moe(x, w13q, w2q, tw, ids, s13, s2, block, mode)
+        _close(out, torch_ref_mla.fused_moe(x, w13q, w2q, tw, ids, s13, s2, block, mode), 1e-4, 1e-5)
+        assert torch.equal(tri.fused_moe(x[3:4], w13q, w2q, tw[3:4], ids[3:4], s13, s2, block, mode)[0], out[3])
+    exact = torch_ref_mla.fused_moe(x, w13q, w2q, tw, ids, s13, s2, block)
+    assert (out - exact).norm() / exact.norm() < 0.1  # and W8A8 stays near the dequantized result
+
+
 def test_split_k_plan_depends_on_the_weight_only():
     from atomtool.serve.ops.triton.linear import split_k_plan
 

@@ -13,7 +13,8 @@ from atomtool.serve.sampling_params import SamplingParams
 def engine_summary(engine) -> str:
     """What a loaded :class:`~atomtool.serve.engine.llm_engine.LLMEngine` runs, for the startup line:
     ``LlamaForCausalLM, float32 on cpu, max_model_len 32, KV cache 2 blocks x 16 tokens = 16.00 KiB``
-    (architecture from config.json, activation dtype, device with its index on CUDA, KV pool bytes)."""
+    (architecture from config.json, activation dtype, device with its index on CUDA, KV pool bytes), plus
+    ``, FP8 W8A8 (dynamic)`` when FP8 block layers quantize their activations."""
     import torch
 
     archs = engine.config.get("architectures") or [type(engine.model).__name__]
@@ -22,7 +23,9 @@ def engine_summary(engine) -> str:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     pool = engine.kv_pool
-    return (f"{archs[0]}, {dtype} on {device}, max_model_len {engine.max_model_len}, KV cache "
+    act = getattr(engine, "act_quant", None)
+    w8a8 = f", FP8 W8A8 ({act.replace('_', ' ')})" if act else ""
+    return (f"{archs[0]}, {dtype} on {device}{w8a8}, max_model_len {engine.max_model_len}, KV cache "
             f"{pool.num_blocks} blocks x {pool.block_size} tokens = {human_bytes(pool.nbytes)}")
 
 
@@ -50,7 +53,7 @@ def check_prompt_text(prompts: list[str]) -> None:
 def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
                  dtype: str = "auto", device: str = "auto", json_out: bool = False,
-                 kv_cache_memory: int | None = None) -> int:
+                 kv_cache_memory: int | None = None, fp8_activations: str = "auto") -> int:
     """Generate for every prompt (one continuous batch) and print the completions; returns the exit code.
 
     ``--json`` prints a list of ``{"prompt", "text", "token_ids", "finish_reason"}``, one per prompt in order.
@@ -68,7 +71,7 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temper
     check_prompt_text(list(prompts))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             ignore_eos=ignore_eos).validate()
-    llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory)
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, fp8_activations=fp8_activations)
     if llm.engine.max_model_len_note:  # stderr: stdout holds only the completions
         print(f"warning: {llm.engine.max_model_len_note}", file=sys.stderr)
     outputs = llm.generate(list(prompts), params)

@@ -35,6 +35,7 @@ class LoadedModel:
     model_dir: Path
     dtype: torch.dtype
     device: torch.device
+    act_quant: str | None = None    # W8A8 mode of the FP8 block layers (None: weight-only / no FP8 layers)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -110,7 +111,7 @@ def _layout_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "auto") -> LoadedModel:
+               device: str | torch.device = "auto", fp8_activations: str = "auto") -> LoadedModel:
     """Build the engine model for ``model_path`` and load its weights.
 
     ``model_path``: a directory, or a Hub repo id (:func:`resolve_model_dir`). A directory with an
@@ -131,7 +132,9 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
             ``shape-mismatch`` message, before the model is built), bad dtype or device.
 
     An FP8 block checkpoint whose config.json declares no ``weight_block_size`` is served with the block its
-    scale grids imply (:func:`inferred_fp8_block`, :func:`layout_fp8_block`).
+    scale grids imply (:func:`inferred_fp8_block`, :func:`layout_fp8_block`). ``fp8_activations``
+    (``auto`` | ``dynamic`` | ``weight-only``) picks W8A8 or weight-only numerics for FP8 block layers
+    (:mod:`atomtool.serve.layers.fp8_activations`; an unknown value is an EngineError).
     """
     model_dir = resolve_model_dir(model_path)
     raw_config = read_config(model_dir)
@@ -151,6 +154,14 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         raise EngineError(f"{config_path}: {'; '.join(features)}; atomtool cannot serve this checkpoint")
     dev = resolve_device(device)
     from atomtool.convert.layout import MANIFEST_NAME
+    from atomtool.serve.layers.fp8_activations import (
+        FP8_ACTIVATION_CHOICES,
+        apply_fp8_activations,
+        resolve_fp8_activations,
+    )
+
+    if fp8_activations not in FP8_ACTIVATION_CHOICES:  # before reading any weight
+        resolve_fp8_activations(fp8_activations, raw_config, torch.float32)
     from atomtool.inspect.dsa import flatten_dsa_config
 
     # a manifest makes the directory a layout: an unreadable or unsupported one is a LayoutError, never a
@@ -189,8 +200,10 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         model = _build_model(arch, config, plan.tensors, torch_dtype, dev, config_path)
         with _name_defaults(defaulted, config_path):
             model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
+    act_quant = resolve_fp8_activations(fp8_activations, config, torch_dtype)
+    act_quant = act_quant if apply_fp8_activations(model, act_quant) else None
     model.eval()
-    return LoadedModel(model, config, arch, model_dir, torch_dtype, dev)
+    return LoadedModel(model, config, arch, model_dir, torch_dtype, dev, act_quant)
 
 
 def inferred_fp8_block(model_path: str | os.PathLike, report: Any) -> tuple[int, int] | None:

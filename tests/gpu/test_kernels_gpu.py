@@ -301,6 +301,53 @@ def test_fp8_block_linear_tma_changes_no_bit(tri, M, monkeypatch):
         assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "dynamic_ue8m0"])
+@pytest.mark.parametrize("N,K", [(7168, 16384), (2112 + 40, 7168), (24576, 1536)])
+def test_fp8_block_linear_w8a8(tri, mode, N, K, monkeypatch, gpu_report):
+    """W8A8 (per-token 1x128 activation groups quantized in the kernel, e4m3 x e4m3 tensor-core dots) against
+    the W8A8 reference for M = 1 .. 600, with the TMA and the pointer tile loads giving the same bits, and
+    each row the same bits alone as in the batch; its distance to the weight-only result is reported."""
+    import dataclasses
+    import importlib
+
+    L = importlib.import_module("atomtool.serve.ops.triton.linear")
+    g = torch.Generator().manual_seed(29)
+    w, s = _fp8_weight(N, K, g)
+    x = torch.randn(600, K, generator=g).to(DEV, torch.bfloat16)
+    b = torch.randn(N, generator=g).to(DEV, torch.bfloat16)
+    full = tri.linear(x, w, b, s, (128, 128), mode)
+    ref = torch_ref.linear(x.float(), w, b.float(), s, (128, 128), mode)
+    err = _rel(full, ref)
+    gpu_report[f"fp8_w8a8_{mode}_rel_err_N{N}_K{K}"] = err
+    gpu_report[f"fp8_w8a8_{mode}_vs_weight_only_rel_N{N}_K{K}"] = _rel(full, torch_ref.linear(x.float(), w, b.float(), s))
+    assert err <= 1e-2
+    for m in (1, 7, 16):
+        assert torch.equal(tri.linear(x[:m], w, b, s, (128, 128), mode), full[:m])
+        assert torch.equal(tri.linear(x[m - 1:m], w, b, s, (128, 128), mode)[0], full[m - 1])
+    monkeypatch.setattr(L, "FP8_LINEAR_CONFIG", dataclasses.replace(L.FP8_LINEAR_CONFIG, tma=False))
+    assert torch.equal(tri.linear(x[:17], w, b, s, (128, 128), mode), full[:17])
+
+
+def test_fused_moe_w8a8(tri, gpu_report):
+    """W8A8 experts against the W8A8 reference at decode and prefill sizes; a token's bits do not depend on
+    its batch."""
+    g = torch.Generator().manual_seed(19)
+    E, k, H, inter = 64, 6, 1024, 512
+    x = torch.randn(300, H, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(300)]).to(DEV)
+    tw = torch.rand(300, k, generator=g).to(DEV)
+    q13, s13 = _fp8_weight(2 * inter, H, g, lead=(E,))
+    q2, s2 = _fp8_weight(H, inter, g, lead=(E,))
+    for mode in ("dynamic", "dynamic_ue8m0"):
+        out = tri.fused_moe(x, q13, q2, tw, ids, s13, s2, (128, 128), mode)
+        err = _rel(out, torch_ref_mla.fused_moe(x.float(), q13, q2, tw, ids, s13, s2, (128, 128), mode))
+        gpu_report[f"fused_moe_w8a8_{mode}_rel_err"] = err
+        assert err <= 2e-2
+        for t in (0, 7, 299):
+            assert torch.equal(tri.fused_moe(x[t:t + 1], q13, q2, tw[t:t + 1], ids[t:t + 1], s13, s2, (128, 128),
+                                             mode)[0], out[t])
+
+
 @pytest.mark.parametrize("T", [1, 64, 1000])
 def test_fused_moe_bf16_and_fp8(tri, T, gpu_report):
     g = torch.Generator().manual_seed(8)

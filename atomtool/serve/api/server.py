@@ -138,7 +138,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None, dtype: str = "auto",
               device: str = "auto", enforce_eager: bool = False, chat_template: str | None = None,
-              tensor_parallel_size: int = 1, max_request_bytes: int | None = None) -> int:
+              tensor_parallel_size: int = 1, max_request_bytes: int | None = None,
+              fp8_activations: str = "auto") -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
@@ -176,7 +177,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     engine = LLMEngine.from_model(model, dtype=dtype, device=device, max_model_len=max_model_len,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                                  enforce_eager=enforce_eager)
+                                  enforce_eager=enforce_eager, fp8_activations=fp8_activations)
     app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model,
                      max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES)
     server = _uvicorn_server(app, sock, "info")

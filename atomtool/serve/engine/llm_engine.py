@@ -75,6 +75,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.device = torch.device(device)
+        self.act_quant: str | None = None  # W8A8 mode of FP8 block layers, set by from_model
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.enforce_eager = enforce_eager
         self.vocab_size = int(config.get("vocab_size", 0))
@@ -133,8 +134,11 @@ class LLMEngine:
                    max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                    kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, block_size: int = 16,
                    enforce_eager: bool = False, enable_prefix_caching: bool = True,
-                   backend: str | None = None) -> LLMEngine:
+                   backend: str | None = None, fp8_activations: str = "auto") -> LLMEngine:
         """Load a layout or raw HF checkpoint directory and build the engine.
+
+        fp8_activations: ``auto`` | ``dynamic`` (W8A8) | ``weight-only`` for FP8 block layers
+            (:mod:`atomtool.serve.layers.fp8_activations`).
 
         backend: op backend (``auto`` | ``torch`` | ``triton`` | ``aiter``; see :mod:`atomtool.serve.ops`);
             process-wide, the models resolve their ops when built.
@@ -147,13 +151,15 @@ class LLMEngine:
         from atomtool.serve.loader import load_model
 
         ops.set_backend(backend)  # None / "auto": ATOMTOOL_BACKEND or automatic selection
-        loaded = load_model(model_path, dtype=dtype, device=device)
+        loaded = load_model(model_path, dtype=dtype, device=device, fp8_activations=fp8_activations)
         tokenizer = load_tokenizer(loaded.model_dir)
-        return cls(loaded.model, tokenizer, loaded.config, device=loaded.device, model_dir=loaded.model_dir,
-                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-                   gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                   enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching)
+        engine = cls(loaded.model, tokenizer, loaded.config, device=loaded.device, model_dir=loaded.model_dir,
+                     max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                     gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                     enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching)
+        engine.act_quant = loaded.act_quant  # what FP8 block layers run (None: weight-only or none)
+        return engine
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:

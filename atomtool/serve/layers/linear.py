@@ -21,7 +21,8 @@ class Linear(nn.Module):
 
     x: [T, in_features] in the activation dtype -> [T, out_features] same dtype. ``fp8_block``: weight is
     float8_e4m3fn [out, in] with ``weight_scale_inv`` [ceil(out/bn), ceil(in/bk)] float32, dequantized by the
-    op (``W = fp8 * scale_inv[i // bn, j // bk]``).
+    op (``W = fp8 * scale_inv[i // bn, j // bk]``), or run W8A8 when ``act_quant`` is set
+    (:mod:`.fp8_activations`; None: weight-only).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
@@ -43,12 +44,13 @@ class Linear(nn.Module):
                                                  requires_grad=False)
         else:
             self.weight_scale_inv = None
+        self.act_quant: str | None = None
         self._op = get_op("linear", device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_size is None:
             return self._op(x, self.weight, self.bias)
-        return self._op(x, self.weight, self.bias, self.weight_scale_inv, self.block_size)
+        return self._op(x, self.weight, self.bias, self.weight_scale_inv, self.block_size, self.act_quant)
 
 
 def fp8_block_size(config_flat: dict[str, Any]) -> tuple[int, int]:

@@ -75,7 +75,8 @@ class StackedExperts(nn.Module):
     """Routed experts stacked per layer: ``w13`` [E, 2I, H] (gate ‖ up), ``w2`` [E, H, I].
 
     ``fp8_block`` (bn, bk): the weights stay float8_e4m3fn with ``weight_scale_inv`` [E, ceil(N/bn), ceil(K/bk)]
-    (the ``fused_moe`` op dequantizes). Otherwise float; FP8 checkpoints whose gate/up parts needed alignment
+    (the ``fused_moe`` op dequantizes, or runs W8A8 when ``act_quant`` is set: :mod:`.fp8_activations`).
+    Otherwise float; FP8 checkpoints whose gate/up parts needed alignment
     padding are dequantized (and un-padded) by the model's loader instead.
     """
 
@@ -83,6 +84,7 @@ class StackedExperts(nn.Module):
                  fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.block_size = fp8_block
+        self.act_quant: str | None = None
         wdtype = torch.float8_e4m3fn if fp8_block else dtype
         self.w13 = nn.Module()
         self.w2 = nn.Module()
@@ -101,7 +103,7 @@ class StackedExperts(nn.Module):
         if self.block_size is None:
             return {}
         return {"w13_scale_inv": self.w13.weight_scale_inv, "w2_scale_inv": self.w2.weight_scale_inv,
-                "block_size": self.block_size}
+                "block_size": self.block_size, "act_quant": self.act_quant}
 
 
 def experts_fp8_block(prefix: str, specs: dict[str, OutputTensor] | None, cfg: dict) -> tuple[int, int] | None:

@@ -77,15 +77,80 @@ def dequant_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block_size:
     return (weight.float() * scale).to(dtype)
 
 
+def act_quant_fp8(x: torch.Tensor, group: int, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8 activation quantization in 1 x ``group`` groups (DeepSeek-V3's ``act_quant``, the
+    input side of its W8A8 ``fp8_gemm``; transformers' fine-grained FP8 kernels do the same).
+
+    x: [T, K] float; returns (q [T, K] float8_e4m3fn, s [T, ceil(K/group)] float32) with
+    ``s = max(amax(group), 1e-4) / 448`` (rounded up to a power of two under ``round_scale``, DeepSeek's
+    ``scale_fmt: ue8m0``) and ``q = e4m3(x * (1 / s))`` rounded to nearest even, so ``x ~= q * s`` (DeepSeek
+    divides, ``x / s``; the reciprocal is what the kernels compute per group, and the two differ only where
+    x / s lies within a float32 rounding of an e4m3 rounding midpoint).
+    """
+    T, K = x.shape
+    nb = -(-K // group)
+    xf = F.pad(x.float(), (0, nb * group - K)).view(T, nb, group)
+    s = xf.abs().amax(-1).clamp(min=1e-4) / 448.0
+    if round_scale:
+        mant, exp = torch.frexp(s)  # s = mant * 2**exp, mant in [0.5, 1): a power of two iff mant == 0.5
+        s = torch.ldexp(torch.ones_like(s), torch.where(mant == 0.5, exp - 1, exp))
+    q = (xf * (1.0 / s)[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(T, nb * group)[:, :K], s
+
+
+def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                block_size: tuple[int, int], round_scale: bool = False) -> torch.Tensor:
+    """W8A8 FP8 block GEMM (DeepSeek-V3's ``fp8_gemm`` after ``act_quant``): x quantized per token in 1 x bk
+    groups (:func:`act_quant_fp8`), each K block's e4m3 x e4m3 product (exact in float32) scaled by the two
+    scales: ``y = sum_kb (q[:, kb] @ w[:, kb]^T) * s_x[:, kb] * s_w[n // bn, kb]``, in float32.
+
+    x: [T, K]; weight: [N, K] float8_e4m3fn; weight_scale_inv: [ceil(N/bn), ceil(K/bk)] float32.
+    Returns [T, N] float32.
+    """
+    bn, bk = block_size
+    N, K = weight.shape
+    q, sx = act_quant_fp8(x, bk, round_scale)
+    w = weight.float()
+    sw = weight_scale_inv.float().repeat_interleave(bn, 0)[:N]
+    out = torch.zeros(x.shape[0], N, dtype=torch.float32, device=x.device)
+    for kb in range(sx.shape[1]):
+        cols = slice(kb * bk, min(K, (kb + 1) * bk))
+        out += (q[:, cols].float() @ w[:, cols].T) * (sx[:, kb, None] * sw[None, :, kb])
+    return out
+
+
+#: ``act_quant`` values of the FP8 ops: None (weights dequantized, activations kept) or W8A8 with dynamic
+#: per-token scales, plain or rounded to powers of two (``ue8m0``)
+ACT_QUANT_MODES = ("dynamic", "dynamic_ue8m0")
+
+
+def act_quant_fp8_supported(bk: int) -> bool:
+    """Whether the W8A8 kernels serve a weight with K block ``bk``: one kernel K step must be exactly one
+    activation group (K steps are at most 128 wide) and e4m3 tensor-core dots need K steps of >= 32."""
+    return bk in (32, 64, 128)
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+               block_size: tuple[int, int], act_quant: str | None) -> torch.Tensor:
+    """``x @ W^T`` for an FP8 block weight, in x's dtype: dequantized weight (``act_quant`` None) or W8A8
+    (:func:`linear_w8a8`). Raises ValueError for an unknown ``act_quant``."""
+    if act_quant is None:
+        return F.linear(x, dequant_fp8_block(weight, weight_scale_inv, block_size, x.dtype))
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"fp8 act_quant {act_quant!r}: expected None or one of {', '.join(ACT_QUANT_MODES)}")
+    return linear_w8a8(x, weight, weight_scale_inv, block_size, act_quant == "dynamic_ue8m0").to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale_inv: torch.Tensor | None = None,
-           block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+           block_size: tuple[int, int] = (128, 128), act_quant: str | None = None) -> torch.Tensor:
     """``y = x @ W^T + b``. x: [T, K]; weight: [N, K] in x's dtype, or float8_e4m3fn with ``weight_scale_inv``
-    [ceil(N/bn), ceil(K/bk)] float32 (FP8 block quantization, dequantized with :func:`dequant_fp8_block`);
-    bias: [N] or None. Returns [T, N] in x's dtype."""
-    if weight_scale_inv is not None:
-        weight = dequant_fp8_block(weight, weight_scale_inv, block_size, x.dtype)
-    return F.linear(x, weight, bias)
+    [ceil(N/bn), ceil(K/bk)] float32 (FP8 block quantization: dequantized with :func:`dequant_fp8_block`, or
+    W8A8 under ``act_quant``, :func:`fp8_matmul`); bias: [N] or None. Returns [T, N] in x's dtype."""
+    if weight_scale_inv is None:
+        return F.linear(x, weight, bias)
+    y = fp8_matmul(x, weight, weight_scale_inv, block_size, act_quant)
+    return y if bias is None else y + bias
 
 
 def store_cache(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from atomtool.serve.ops import register_op
 from atomtool.serve.ops.torch_ref import (
-    dequant_fp8_block,
+    fp8_matmul,
     gather_cache,
     query_spans,
     rms_norm,
@@ -150,14 +150,16 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
-              w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+              w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
+              act_quant: str | None = None) -> torch.Tensor:
     """Routed SwiGLU experts: ``y[t] = Σ_j w[t,j] · W2[e] (silu(G[e] x[t]) * U[e] x[t])``, ``e = ids[t,j]``.
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32;
     topk_ids: [T, k] int. FP8 block experts: w13/w2 float8_e4m3fn with ``w13_scale_inv``
     [E, ceil(2I/bn), ceil(H/bk)] and ``w2_scale_inv`` [E, ceil(H/bn), ceil(I/bk)] float32, ``block_size``
     (bn, bk); each hit expert is dequantized (``W = fp8 * scale_inv[i // bn, j // bk]``). Experts are visited
-    in ascending id and accumulated in x's dtype (HF ``DeepseekV3Experts`` order). Returns [T, H] in x's dtype.
+    in ascending id and accumulated in x's dtype (HF ``DeepseekV3Experts`` order). ``act_quant``: W8A8 for
+    FP8 experts (``torch_ref.fp8_matmul``). Returns [T, H] in x's dtype.
     """
     if (w13_scale_inv is None) != (w2_scale_inv is None):
         raise ValueError("fused_moe: give both w13_scale_inv and w2_scale_inv, or neither")
@@ -167,13 +169,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     for e in torch.unique(ids).tolist():
         if e < 0 or e >= E:
             continue
-        g13, g2 = w13[e], w2[e]
-        if w13_scale_inv is not None:
-            g13 = dequant_fp8_block(g13, w13_scale_inv[e], block_size, x.dtype)
-            g2 = dequant_fp8_block(g2, w2_scale_inv[e], block_size, x.dtype)
         tok, slot = torch.where(ids == e)
-        g, u = F.linear(x[tok], g13).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, g2)
+        if w13_scale_inv is not None:
+            g, u = fp8_matmul(x[tok], w13[e], w13_scale_inv[e], block_size, act_quant).chunk(2, dim=-1)
+            y = fp8_matmul(F.silu(g) * u, w2[e], w2_scale_inv[e], block_size, act_quant)
+        else:
+            g, u = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, w2[e])
         # weighted in float32, rounded once (HF: bf16 activations * fp32 router weights promote to fp32)
         y = y.float() * topk_weights[tok, slot, None].float()
         out.index_add_(0, tok, y.to(out.dtype))

@@ -54,8 +54,34 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_fp8() -> None:
+    """Make Triton 3.6's interpreter round float32 / float16 -> float8e4nv to nearest even, as the GPU does.
+
+    The interpreter's own downcast rounds half up on the mantissa bits and drops the carry into the exponent
+    (31.07 -> 16 instead of 32), which the W8A8 activation quantization (``linear._act_quant``) would inherit
+    in the CPU tests. This routes those conversions through torch's IEEE cast, saturating at +-448 as the
+    GPU's ``cvt.rn.satfinite`` does. Applied only when TRITON_INTERPRET is set.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_atomtool_fp8_fix", False):
+        return
+
+    def patched(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16):
+            x = torch.from_numpy(np.ascontiguousarray(input).astype(np.float32))
+            return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    patched._atomtool_fp8_fix = True
+    interpreter._convert_float = patched
+
+
 if interpreting():
     _patch_interpreter_index()
+    _patch_interpreter_fp8()
 
 
 _SM_COUNT: dict[str, int] = {}

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atomtool.serve.ops.torch_ref import ACT_QUANT_MODES, act_quant_fp8_supported
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
@@ -49,11 +50,41 @@ def _load_step(a_rows, w_rows, s_row, kk, k0, k_end, m_ok, n_ok, bk):
 
 
 @triton.jit
+def _act_quant(a, ROUND_SCALE: tl.constexpr):
+    """Dynamic per-token FP8 quantization of one activation tile [R, BLOCK_K] (one 1 x BLOCK_K group per row):
+    scale s = max(amax, 1e-4) / 448 (a power of two rounded up under ROUND_SCALE, DeepSeek's ``ue8m0``
+    ``scale_fmt``), q = e4m3(a * (1 / s)) rounded to nearest even; returns (q [R, BLOCK_K] e4m3, s [R] float32).
+    DeepSeek-V3's ``act_quant`` (and transformers' fine-grained FP8 kernels); divisions are IEEE (``div_rn``)
+    so the torch reference (``torch_ref.act_quant_fp8``) gives the same bits."""
+    a32 = a.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-4)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    if ROUND_SCALE:
+        # ceil to a power of two on the float32 bits (exact for the positive normal scales here)
+        s = ((s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    # one IEEE division per row, then multiplies: a division per element costs a slow-path call on the GPU
+    inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    q = (a32 * inv[:, None]).to(tl.float8e4nv)
+    return q, s
+
+
+@triton.jit
 def _fp8_step(acc, a, w, sc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-              SWAP_AB: tl.constexpr):
+              SWAP_AB: tl.constexpr, ACT_FP8: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False):
     """acc + (a @ widen(w)^T) * sc for one K step inside one scale block (transposed under SWAP_AB).
     e4m3 -> fp32 -> DOT_DTYPE is exact; on sm90 Triton's direct e4m3 -> bf16 conversion measured slower (FP8
-    linear 19.6 -> 25.7 us per call at M = 1), and so did widening by integer ops (1.35 -> 1.52 ms per step)."""
+    linear 19.6 -> 25.7 us per call at M = 1), and so did widening by integer ops (1.35 -> 1.52 ms per step).
+    ACT_FP8 (W8A8): the activation tile is quantized per row (``_act_quant``; the K step is the whole scale
+    block, so one group) and the dot runs e4m3 x e4m3 on the FP8 tensor cores with no weight widened:
+    acc + (q @ w^T) * (s_a * sc)."""
+    if ACT_FP8:
+        q, sa = _act_quant(a, ROUND_SCALE)
+        if SWAP_AB:
+            part = tl.dot(w, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32))
+            return acc + part * (sc[:, None] * sa[None, :])
+        else:
+            part = tl.dot(q, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
+            return acc + part * (sa[:, None] * sc[None, :])
     if SWAP_AB:
         part = dot_acc(w.to(tl.float32), tl.trans(a), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_DTYPE)
         return acc + part * sc[:, None]
@@ -78,7 +109,7 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr,
                            FUSED_SUM: tl.constexpr, USE_PDL: tl.constexpr = False,
-                           ):
+                           ACT_FP8: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False):
     # program (pid_m, pid_n, pid_s) owns a BLOCK_M x BLOCK_N tile and the K range [pid_s * k_chunk, + k_chunk);
     # with one split (k_chunk >= K) c_ptr is the output, else it is split pid_s's fp32 partial plane.
     # SWAP_AB computes the transposed tile W_tile @ a_tile^T ([BLOCK_N, BLOCK_M]): the widened weight tile is
@@ -98,7 +129,7 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
     w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn
     for k0 in range(k_start, k_end, BLOCK_K):
         a, w, sc = _load_step(a_rows, w_rows, s_row, kk, k0, k_end, m_ok, n_ok, bk)
-        acc = _fp8_step(acc, a, w, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, SWAP_AB)
+        acc = _fp8_step(acc, a, w, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, SWAP_AB, ACT_FP8, ROUND_SCALE)
     c_base = c_ptr + pid_s.to(tl.int64) * s_cs
     if SWAP_AB:
         if HAS_BIAS and not FUSED_SUM:
@@ -133,23 +164,35 @@ def _fp8_block_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, out_ptr, cnt_pt
 @triton.jit
 def _fp8_block_gemm_tma_kernel(a_desc, w_desc, s_ptr, bias_ptr, c_ptr, M, N, K, bn, bk, k_chunk, s_sn, s_cm, s_cs,
                                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # _fp8_block_gemm_kernel (SWAP_AB off, no fused sum) with the activation and weight tiles fetched by the
-    # Hopper tensor-memory accelerator (TMA): one bulk copy per tile instead of per-thread addresses, masks
-    # and cp.async; out-of-bounds rows / columns arrive as zeros, which is what the masked loads read. Same
-    # tiles, same K order, same dot: the same bits.
+                               BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
+                               ACT_FP8: tl.constexpr = False, ROUND_SCALE: tl.constexpr = False,
+                               SWAP_AB: tl.constexpr = False):
+    # _fp8_block_gemm_kernel (no fused sum) with the activation and weight tiles fetched by the Hopper
+    # tensor-memory accelerator (TMA): one bulk copy per tile instead of per-thread addresses, masks and
+    # cp.async; out-of-bounds rows / columns arrive as zeros, which is what the masked loads read. Same tiles,
+    # same K order, same dot: the same bits.
     grid_dependency_wait(USE_PDL)
     m, n, m_ok, n_ok, s_row, k_start, k_end = _tile(s_ptr, M, N, K, bn, k_chunk, s_sn, BLOCK_M, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         a = a_desc.load([tl.program_id(0) * BLOCK_M, k0])
         w = w_desc.load([tl.program_id(1) * BLOCK_N, k0])
         sc = tl.load(s_row + k0 // bk, mask=n_ok, other=0.0)
-        acc = _fp8_step(acc, a, w, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, False)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + tl.program_id(2).to(tl.int64) * s_cs + m[:, None].to(tl.int64) * s_cm + n[None, :],
-             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc = _fp8_step(acc, a, w, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, SWAP_AB, ACT_FP8, ROUND_SCALE)
+    c_base = c_ptr + tl.program_id(2).to(tl.int64) * s_cs
+    if SWAP_AB:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(c_base + m[None, :].to(tl.int64) * s_cm + n[:, None], acc.to(c_ptr.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_base + m[:, None].to(tl.int64) * s_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -217,6 +260,11 @@ class Fp8LinearConfig:
 
 #: the configuration every call uses (the sweep benchmark replaces it to compare candidates)
 FP8_LINEAR_CONFIG = Fp8LinearConfig()
+#: the configuration of W8A8 calls (``act_quant``; always the swapped tile). H200 sweep at M = 1 over one
+#: DeepSeek-V3.2 step's FP8 weights (``kernel_sweep --only linear --act-quant dynamic_ue8m0``): 1.196 ms with
+#: 128-wide tiles and split target 256, 1.270 ms with the weight-only default's 64 / 512, 1.33-1.55 ms for
+#: 3+ stages or 8 warps
+FP8_LINEAR_W8A8_CONFIG = Fp8LinearConfig(block_n=128, split_target=256)
 
 
 def split_k_plan(N: int, K: int, block_n: int, block_k: int, target: int | None = None) -> tuple[int, int]:
@@ -235,9 +283,13 @@ def split_k_plan(N: int, K: int, block_n: int, block_k: int, target: int | None 
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                     bias: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
+                     act_quant: str | None = None) -> torch.Tensor:
     """x: [..., K] (bf16/fp16/fp32); weight: [N, K] float8_e4m3fn; weight_scale_inv: [ceil(N/bn), ceil(K/bk)]
-    float32; bias: [N] or None. Returns [..., N] in x's dtype. Raises ValueError on mismatched shapes."""
+    float32; bias: [N] or None; act_quant: None (weights widened, activations kept) or an
+    ``ACT_QUANT_MODES`` mode (W8A8: activations quantized per token and 1 x bk group inside the kernel, see
+    ``_act_quant``; needs bk in 32 / 64 / 128). Returns [..., N] in x's dtype. Raises ValueError on
+    mismatched shapes or an unusable act_quant."""
     bn, bk = block_size
     N, K = weight.shape
     if x.shape[-1] != K or tuple(weight_scale_inv.shape) != (triton.cdiv(N, bn), triton.cdiv(K, bk)):
@@ -253,10 +305,15 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.view(*lead, N)
-    cfg = FP8_LINEAR_CONFIG
+    cfg = FP8_LINEAR_W8A8_CONFIG if act_quant is not None else FP8_LINEAR_CONFIG
     block_k = next((b for b in (cfg.block_k, 128, 64, 32, 16) if bk % b == 0 and b <= cfg.block_k), 16)
     if bk % block_k:
         raise ValueError(f"fp8 linear: block size {bk} along K must be a multiple of 16")
+    act_fp8, round_scale = act_quant_flags(act_quant, bk, block_k)
+    # W8A8 always computes the transposed tile: with the 64-row weight tile as the dot's first operand Triton
+    # emits Hopper's e4m3 wgmma (m64n16k32); the 16-row activation tile first would take the MMAv2 path,
+    # which widens both operands to f16 (sm90 SASS: HMMA + F2FP per element, 2.3x slower at batch 1)
+    swap_ab = cfg.swap_ab or act_fp8
     has_bias = bias is not None
     bias_arg = bias if has_bias else s
     # One tile shape and one K split for every M (decode and prefill alike): 16-row tiles (the smallest
@@ -265,7 +322,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     # nor M: strictly batch-invariant, at some cost to large-M (prefill) efficiency. A GEMV is bound by
     # streaming the weight, so the split gives decode the programs in flight it needs.
     block_m, block_n = 16, cfg.block_n
-    n_splits, k_chunk = split_k_plan(N, K, block_n, block_k)
+    n_splits, k_chunk = split_k_plan(N, K, block_n, block_k, cfg.split_target)
     dot = dot_dtype(x.dtype)
     pdl = launch_pdl_args(x.device)
     tma = _tma_ok(cfg, a, w)
@@ -282,24 +339,37 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         fused = counters is not None
         kernel_bias = has_bias and (n_splits == 1 or fused)
         opts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages, **pdl)
+                    num_stages=cfg.num_stages, ACT_FP8=act_fp8, ROUND_SCALE=round_scale, **pdl)
         if tma:
             _fp8_block_gemm_tma_kernel[grid](_descriptor(a_r, block_m, block_k), w_desc, s, bias_arg, c, rows, N, K,
-                                             bn, bk, k_chunk, s.stride(0), s_cm, s_cs, HAS_BIAS=kernel_bias, **opts)
+                                             bn, bk, k_chunk, s.stride(0), s_cm, s_cs, HAS_BIAS=kernel_bias,
+                                             SWAP_AB=swap_ab, **opts)
         else:
             _fp8_block_gemm_kernel[grid](a_r, w, s, bias_arg, c, out_r, counters if fused else s, rows, N, K, bn, bk,
                                          k_chunk, n_splits, a_r.stride(0), w.stride(0), s.stride(0), s_cm, s_cs,
-                                         out_r.stride(0), HAS_BIAS=kernel_bias, SWAP_AB=cfg.swap_ab,
+                                         out_r.stride(0), HAS_BIAS=kernel_bias, SWAP_AB=swap_ab,
                                          FUSED_SUM=fused, **opts)
         if n_splits > 1 and not fused:
             sum_planes(c, out_r, bias)
     return out.view(*lead, N)
 
 
+def act_quant_flags(act_quant: str | None, bk: int, block_k: int) -> tuple[bool, bool]:
+    """(ACT_FP8, ROUND_SCALE) kernel flags of ``act_quant`` for a weight with K-block ``bk`` run in K steps
+    of ``block_k``. Raises ValueError for an unknown mode or a block W8A8 cannot serve."""
+    if act_quant is None:
+        return False, False
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"fp8 act_quant {act_quant!r}: expected None or one of {', '.join(ACT_QUANT_MODES)}")
+    if not act_quant_fp8_supported(bk) or block_k != bk:
+        raise ValueError(f"fp8 act_quant: K block {bk} is not served by W8A8 (needs 32, 64 or 128)")
+    return True, act_quant == "dynamic_ue8m0"
+
+
 def _tma_ok(cfg: Fp8LinearConfig, a: torch.Tensor, w: torch.Tensor) -> bool:
-    """The TMA kernel serves this call: configured, a Hopper-or-newer CUDA device (not the interpreter), the
-    plain tile (no swap, no fused sum), and 16-byte aligned bases and row strides (TMA's requirement)."""
-    if not cfg.tma or cfg.swap_ab or cfg.fused_sum or a.device.type != "cuda" or interpreting():
+    """The TMA kernel serves this call: configured, a Hopper-or-newer CUDA device (not the interpreter), no fused
+    split-K sum, and 16-byte aligned bases and row strides (TMA's requirement)."""
+    if not cfg.tma or cfg.fused_sum or a.device.type != "cuda" or interpreting():
         return False
     if torch.cuda.get_device_capability(a.device)[0] < 9 or torch.version.hip is not None:
         return False
@@ -330,8 +400,10 @@ def sum_planes(planes: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """``y = x @ W^T + b``; same contract as ``torch_ref.linear`` (FP8 block weights with ``weight_scale_inv``)."""
+           weight_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
+           act_quant: str | None = None) -> torch.Tensor:
+    """``y = x @ W^T + b``; same contract as ``torch_ref.linear`` (FP8 block weights with ``weight_scale_inv``,
+    W8A8 under ``act_quant``)."""
     if weight_scale_inv is None:
         return F.linear(x, weight, bias)
-    return fp8_block_linear(x, weight, weight_scale_inv, bias, tuple(block_size))
+    return fp8_block_linear(x, weight, weight_scale_inv, bias, tuple(block_size), act_quant)

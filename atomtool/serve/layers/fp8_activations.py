@@ -1,0 +1,61 @@
+"""How FP8 block-quantized layers treat their activations: W8A8 (dynamic per-token scales) or weight-only.
+
+An FP8 block checkpoint (DeepSeek-V3 / V3.2, GLM-5, Qwen3-FP8: ``quant_method: fp8``,
+``activation_scheme: dynamic``, ``weight_block_size: [128, 128]``) declares that its activations are quantized
+at run time: DeepSeek's reference inference runs every FP8 linear as ``act_quant`` (per token, 1 x 128 groups,
+scale amax / 448, a power of two under ``scale_fmt: ue8m0``) followed by an e4m3 x e4m3 GEMM, and transformers'
+own GPU kernels for these checkpoints do the same. ``weight-only`` widens the e4m3 weights instead and keeps
+the activations: the dequantize-then-matmul numerics of transformers' ``dequantize=True`` path (our test
+oracle), at the cost of two conversion instructions per weight element (docs/PERFORMANCE.md).
+
+``auto`` (the default) follows the checkpoint: W8A8 when it declares dynamic activation quantization and the
+model runs in bf16 / fp16; weight-only in float32, the dtype one picks for reference numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from atomtool.errors import EngineError
+from atomtool.serve.ops.torch_ref import act_quant_fp8_supported
+
+#: values of ``--fp8-activations``
+FP8_ACTIVATION_CHOICES = ("auto", "dynamic", "weight-only")
+
+
+def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: torch.dtype) -> str | None:
+    """The ``act_quant`` mode of the FP8 block ops for this model: None (weight-only), ``"dynamic"`` or
+    ``"dynamic_ue8m0"`` (``quantization_config.scale_fmt == "ue8m0"``).
+
+    requested: one of :data:`FP8_ACTIVATION_CHOICES`; ``auto`` is W8A8 iff ``quantization_config``'s
+    ``activation_scheme`` is ``dynamic`` (DeepSeek's default when absent) and ``dtype`` is not float32.
+
+    Raises:
+        EngineError: ``requested`` is not a choice.
+    """
+    if requested not in FP8_ACTIVATION_CHOICES:
+        raise EngineError(f"fp8 activations {requested!r}: expected one of {', '.join(FP8_ACTIVATION_CHOICES)}")
+    qc = config_flat.get("quantization_config")
+    qc = qc if isinstance(qc, dict) else {}
+    if requested == "weight-only":
+        return None
+    if requested == "auto" and (dtype == torch.float32 or qc.get("activation_scheme", "dynamic") != "dynamic"):
+        return None
+    return "dynamic_ue8m0" if qc.get("scale_fmt") == "ue8m0" else "dynamic"
+
+
+def apply_fp8_activations(model: nn.Module, act_quant: str | None) -> int:
+    """Set ``act_quant`` on every FP8 block layer of ``model`` (:class:`Linear` and :class:`StackedExperts`
+    with a ``block_size``) whose K block W8A8 serves (32, 64 or 128); the others stay weight-only. Returns
+    how many layers run W8A8."""
+    n = 0
+    for mod in model.modules():
+        block = getattr(mod, "block_size", None)
+        if block is None or not hasattr(mod, "act_quant"):
+            continue
+        mod.act_quant = act_quant if act_quant is not None and act_quant_fp8_supported(block[1]) else None
+        n += mod.act_quant is not None
+    return n
