@@ -68,8 +68,9 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
         contexts = [128, 256]
     if name == "dsv32":
         raw = C.dsv32_config(3 + args.moe_layers, 3, smoke=smoke)
-        model, cfg = C.build_random_model(raw, device, fp8=True)
-        label = f"DeepSeek-V3.2-shaped FP8, 3 dense + {args.moe_layers} MoE layers"
+        model, cfg = C.build_random_model(raw, device, fp8=True, fp8_activations=args.fp8_activations)
+        act = f"W8A8 {model.act_quant}" if model.act_quant else "weight-only"
+        label = f"DeepSeek-V3.2-shaped FP8 ({act}), 3 dense + {args.moe_layers} MoE layers"
     else:
         model, cfg = C.build_random_model(C.qwen3_config(smoke=smoke), device)
         label = "Qwen3-0.6B-shaped bf16"
@@ -89,7 +90,8 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
             torch.cuda.empty_cache()
             continue
         flops = prefill_flops(model, cfg, T)
-        rows.append(C.record("prefill", model=name, label=label, tokens=T, time_s=t, tok_s=T / t,
+        rows.append(C.record("prefill", model=name, label=label, act_quant=getattr(model, "act_quant", None),
+                             tokens=T, time_s=t, tok_s=T / t,
                              TFLOPs=flops / t / 1e12, flops_T=flops / 1e12,
                              matmul_frac=flops / t / ceil["matmul_flops"]))
     return rows
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--moe-layers", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--fp8-activations", default="auto", choices=["auto", "dynamic", "weight-only"],
+                    help="FP8 linears and experts of the dsv32 model: W8A8 or weight-only")
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
     print("env", C.env_info(device), flush=True)

@@ -1,13 +1,16 @@
 """Linear layer with DeepSeek-V3 FP8 block-quantized weights, in Triton.
 
 ``y = x @ (W_fp8 * scale_inv[n // bn, k // bk])^T + b``: weights stay FP8 in memory (half the bytes of
-BF16) and are widened exactly to the activation dtype inside the kernel; each K step of the GEMM stays
-inside one 128-wide scale block, so the block scale multiplies the partial product once. Activations are
-not quantized, so the result matches the dequantize-then-matmul reference up to float rounding.
+BF16); each K step of the GEMM stays inside one scale block, so the block scale multiplies the partial
+product once. Weight-only (``act_quant`` None): the weights are widened exactly to the activation dtype
+inside the kernel, so the result matches the dequantize-then-matmul reference up to float rounding. W8A8
+(``act_quant``, what the checkpoints' ``activation_scheme: dynamic`` and DeepSeek's reference inference do):
+each K step's activation tile is quantized per row in registers (``_act_quant``) and the dot runs e4m3 x
+e4m3 on the FP8 tensor cores; the result matches ``torch_ref.linear_w8a8``.
 
-Why not ``torch._scaled_mm``: its block-scaled form quantizes activations per 1x128 group, which changes
-the numerics against the reference; the GPU tests probe whether the installed torch offers it (see
-tests/gpu/test_kernels_gpu.py) so a later performance change can adopt it with a measured error.
+Why not ``torch._scaled_mm`` for W8A8: it needs a separate activation-quantization launch per linear (a
+latency cost at decode) and its own tile choice per M (no batch invariance); the GPU tests probe whether
+the installed torch offers the block-scaled form (see tests/gpu/test_kernels_gpu.py).
 Unquantized weights go to ``torch.nn.functional.linear`` (cuBLAS).
 
 One launch shape for every M: at M = 1 a 64x128-tile layout would give N / 128 programs (56 for o_proj)
