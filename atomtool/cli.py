@@ -60,8 +60,8 @@ _FP8_ACT_HELP = ("FP8 block checkpoints: 'dynamic' quantizes each linear's input
                  "group of weight_block_size[1] (32, 64 or 128; other blocks stay weight-only) columns (W8A8, "
                  "as DeepSeek's reference and transformers' FP8 kernels do; faster on GPU), "
                  "'weight-only' widens the FP8 weights and keeps the activations (the dequantized "
-                 "reference's numerics). auto: dynamic when the checkpoint declares activation_scheme "
-                 "dynamic and the dtype is not float32.")
+                 "reference's numerics). auto: dynamic when the checkpoint's activation_scheme is dynamic "
+                 "or absent, the dtype is not float32 and the GPU has FP8 tensor cores (sm89+).")
 
 
 class Device(str, Enum):

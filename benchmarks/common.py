@@ -392,7 +392,7 @@ def build_random_model(raw_config: dict[str, Any], device: torch.device, *, dtyp
     model.post_load()
     from atomtool.serve.layers.fp8_activations import apply_fp8_activations, resolve_fp8_activations
 
-    act = resolve_fp8_activations(fp8_activations, cfg, dtype)
+    act = resolve_fp8_activations(fp8_activations, cfg, dtype, device)
     model.act_quant = act if apply_fp8_activations(model, act) else None
     model.eval()
     return model, cfg

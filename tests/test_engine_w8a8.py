@@ -247,3 +247,24 @@ def test_cli_rejects_unknown_fp8_activations(command):
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", res.output).split())
     assert "--fp8-activations" in text
     assert "'bogus' is not one of 'auto', 'dynamic', 'weight-only'" in text
+
+
+# ---------------------------------------------------------------- devices the W8A8 kernels run on
+
+@pytest.mark.parametrize("cap,hip,auto,dynamic_ok", [((9, 0), None, "dynamic", True), ((8, 9), None, "dynamic", True),
+                                                      ((8, 0), None, None, False), ((9, 4), "6.2", None, False)])
+def test_w8a8_follows_the_device(monkeypatch, cap, hip, auto, dynamic_ok):
+    """auto turns W8A8 on only where its kernels run (CPU; NVIDIA sm89+, which have e4m3 tensor cores): an
+    A100 (sm80) or a ROCm GPU stays weight-only, and an explicit dynamic there is refused with the reason."""
+    from atomtool.serve.layers import fp8_activations as fa
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    qc = _qc()
+    assert fa.resolve_fp8_activations("auto", qc, torch.bfloat16, "cuda") == auto
+    assert fa.resolve_fp8_activations("auto", qc, torch.bfloat16, "cpu") == "dynamic"
+    if dynamic_ok:
+        assert fa.resolve_fp8_activations("dynamic", qc, torch.bfloat16, "cuda") == "dynamic"
+    else:
+        with pytest.raises(EngineError, match=r"compute capability 8\.9\+.*--fp8-activations weight-only"):
+            fa.resolve_fp8_activations("dynamic", qc, torch.bfloat16, "cuda")

@@ -181,7 +181,9 @@ def unsupported_features(family: Family | None, config_flat: dict) -> list[str]:
     - MLA (``family.attention == "mla"``) without ``q_lora_rank`` (null: a plain ``q_proj``; DeepSeek-V2-Lite
       style) -- ``atomtool.serve.layers.mla`` builds only the q LoRA path;
     - MLA with ``attention_bias: true`` (biases on the MLA projections);
-    - a sequence-length-dependent rope type (:data:`SEQUENCE_DEPENDENT_ROPE_TYPES`).
+    - a sequence-length-dependent rope type (:data:`SEQUENCE_DEPENDENT_ROPE_TYPES`);
+    - ``quantization_config.activation_scheme: static`` (calibrated per-tensor ``input_scale`` tensors): the FP8
+      layers quantize activations per token at run time or not at all (``--fp8-activations``).
 
     An absent field means transformers' default for it (``DeepseekV3Config.q_lora_rank`` 1536). Returns []
     for a config the engine runs, or a family serve does not run (its own finding says so).
@@ -196,4 +198,9 @@ def unsupported_features(family: Family | None, config_flat: dict) -> list[str]:
             out.append("MLA with attention_bias=true is not supported")
     out.extend(sequence_dependent_rope_message(t) for t in rope_types(config_flat)
                if t in SEQUENCE_DEPENDENT_ROPE_TYPES)
+    qc = config_flat.get("quantization_config")
+    if isinstance(qc, dict) and str(qc.get("activation_scheme", "")).lower() == "static":
+        out.append("quantization_config activation_scheme 'static' (calibrated input_scale activation scales) is "
+                   "not supported: FP8 layers quantize activations per token at run time or not at all "
+                   "(--fp8-activations)")
     return out

@@ -74,6 +74,8 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temper
     llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, fp8_activations=fp8_activations)
     if llm.engine.max_model_len_note:  # stderr: stdout holds only the completions
         print(f"warning: {llm.engine.max_model_len_note}", file=sys.stderr)
+    if llm.engine.act_quant_note:
+        print(f"note: {llm.engine.act_quant_note}", file=sys.stderr)
     outputs = llm.generate(list(prompts), params)
     if json_out:
         print(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}

@@ -36,6 +36,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     act_quant: str | None = None    # W8A8 mode of the FP8 block layers (None: weight-only / no FP8 layers)
+    act_quant_note: str | None = None  # why an explicit --fp8-activations dynamic was not honoured
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -155,13 +156,13 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     dev = resolve_device(device)
     from atomtool.convert.layout import MANIFEST_NAME
     from atomtool.serve.layers.fp8_activations import (
-        FP8_ACTIVATION_CHOICES,
         apply_fp8_activations,
+        fp8_activations_note,
         resolve_fp8_activations,
     )
 
-    if fp8_activations not in FP8_ACTIVATION_CHOICES:  # before reading any weight
-        resolve_fp8_activations(fp8_activations, raw_config, torch.float32)
+    # the value (and, for an explicit "dynamic", the device) checked before any weight is read
+    resolve_fp8_activations(fp8_activations, raw_config, torch.float32, dev)
     from atomtool.inspect.dsa import flatten_dsa_config
 
     # a manifest makes the directory a layout: an unreadable or unsupported one is a LayoutError, never a
@@ -200,10 +201,11 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         model = _build_model(arch, config, plan.tensors, torch_dtype, dev, config_path)
         with _name_defaults(defaulted, config_path):
             model.load_weights((spec.name, t) for spec, t in iter_output_tensors(plan, model_dir, dev))
-    act_quant = resolve_fp8_activations(fp8_activations, config, torch_dtype)
-    act_quant = act_quant if apply_fp8_activations(model, act_quant) else None
+    act_quant = resolve_fp8_activations(fp8_activations, config, torch_dtype, dev)
+    n_w8a8 = apply_fp8_activations(model, act_quant)
+    note = fp8_activations_note(fp8_activations, model, n_w8a8)
     model.eval()
-    return LoadedModel(model, config, arch, model_dir, torch_dtype, dev, act_quant)
+    return LoadedModel(model, config, arch, model_dir, torch_dtype, dev, act_quant if n_w8a8 else None, note)
 
 
 def inferred_fp8_block(model_path: str | os.PathLike, report: Any) -> tuple[int, int] | None:

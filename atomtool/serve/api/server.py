@@ -184,6 +184,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     bound_host, bound_port = sock.getsockname()[:2]
     if engine.max_model_len_note:
         print(f"atomtool serve: warning: {engine.max_model_len_note}", file=sys.stderr, flush=True)
+    if engine.act_quant_note:
+        print(f"atomtool serve: note: {engine.act_quant_note}", file=sys.stderr, flush=True)
     print(f"atomtool serve: model {name!r} ({engine_summary(engine)}) on http://{bound_host}:{bound_port}",
           file=sys.stderr, flush=True)
 

@@ -76,6 +76,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(device)
         self.act_quant: str | None = None  # W8A8 mode of FP8 block layers, set by from_model
+        self.act_quant_note: str | None = None  # why an explicit --fp8-activations dynamic did not apply
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.enforce_eager = enforce_eager
         self.vocab_size = int(config.get("vocab_size", 0))
@@ -159,6 +160,7 @@ class LLMEngine:
                      gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
                      enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching)
         engine.act_quant = loaded.act_quant  # what FP8 block layers run (None: weight-only or none)
+        engine.act_quant_note = loaded.act_quant_note
         return engine
 
     # -- requests ----------------------------------------------------------------------------------

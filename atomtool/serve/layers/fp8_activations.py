@@ -26,15 +26,28 @@ from atomtool.serve.ops.torch_ref import act_quant_fp8_supported
 FP8_ACTIVATION_CHOICES = ("auto", "dynamic", "weight-only")
 
 
-def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: torch.dtype) -> str | None:
+def w8a8_device_ok(device: torch.device | str | None) -> bool:
+    """Whether the W8A8 kernels run on ``device``: the CPU (torch reference, Triton's interpreter) and NVIDIA
+    GPUs with e4m3 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell). Ampere has no FP8 type in
+    Triton and ROCm's FP8 is another format (an AITER backend would bring its own kernels)."""
+    if device is None or torch.device(device).type != "cuda":
+        return True
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(torch.device(device)) >= (8, 9)
+
+
+def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: torch.dtype,
+                            device: torch.device | str | None = None) -> str | None:
     """The ``act_quant`` mode of the FP8 block ops for this model: None (weight-only), ``"dynamic"`` or
     ``"dynamic_ue8m0"`` (``quantization_config.scale_fmt == "ue8m0"``).
 
     requested: one of :data:`FP8_ACTIVATION_CHOICES`; ``auto`` is W8A8 iff ``quantization_config``'s
-    ``activation_scheme`` is ``dynamic`` (DeepSeek's default when absent) and ``dtype`` is not float32.
+    ``activation_scheme`` is ``dynamic`` (DeepSeek's default when absent), ``dtype`` is not float32 and the
+    W8A8 kernels run on ``device`` (:func:`w8a8_device_ok`; None: not checked).
 
     Raises:
-        EngineError: ``requested`` is not a choice.
+        EngineError: ``requested`` is not a choice, or ``dynamic`` on a device the W8A8 kernels do not run on.
     """
     if requested not in FP8_ACTIVATION_CHOICES:
         raise EngineError(f"fp8 activations {requested!r}: expected one of {', '.join(FP8_ACTIVATION_CHOICES)}")
@@ -42,8 +55,13 @@ def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: 
     qc = qc if isinstance(qc, dict) else {}
     if requested == "weight-only":
         return None
-    if requested == "auto" and (dtype == torch.float32 or qc.get("activation_scheme", "dynamic") != "dynamic"):
+    if requested == "auto" and (dtype == torch.float32 or qc.get("activation_scheme", "dynamic") != "dynamic"
+                                or not w8a8_device_ok(device)):
         return None
+    if not w8a8_device_ok(device):
+        raise EngineError(f"--fp8-activations dynamic: the W8A8 kernels need an NVIDIA GPU with FP8 tensor cores "
+                          f"(compute capability 8.9+) or the CPU; {torch.device(device)} is not one. Use "
+                          "--fp8-activations weight-only (or auto)")
     return "dynamic_ue8m0" if qc.get("scale_fmt") == "ue8m0" else "dynamic"
 
 
@@ -59,3 +77,17 @@ def apply_fp8_activations(model: nn.Module, act_quant: str | None) -> int:
         mod.act_quant = act_quant if act_quant is not None and act_quant_fp8_supported(block[1]) else None
         n += mod.act_quant is not None
     return n
+
+
+def fp8_activations_note(requested: str, model: nn.Module, n_w8a8: int) -> str | None:
+    """A one-line note when an explicit ``dynamic`` request runs nowhere (``n_w8a8`` 0 layers run W8A8): the
+    model has no FP8 block layers, or their K block is one W8A8 does not serve. None otherwise."""
+    if requested != "dynamic" or n_w8a8:
+        return None
+    blocks = sorted({tuple(m.block_size) for m in model.modules()
+                     if getattr(m, "block_size", None) is not None and hasattr(m, "act_quant")})
+    if not blocks:
+        return "--fp8-activations dynamic: the model has no FP8 block layers; nothing runs W8A8"
+    ks = ", ".join(str(b[1]) for b in blocks)
+    return (f"--fp8-activations dynamic: the FP8 blocks are {ks} wide along K; W8A8 serves 32, 64 or 128, "
+            "so every FP8 layer runs weight-only")
