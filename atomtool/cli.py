@@ -61,7 +61,8 @@ _FP8_ACT_HELP = ("FP8 block checkpoints: 'dynamic' quantizes each linear's input
                  "as DeepSeek's reference and transformers' FP8 kernels do; faster on GPU), "
                  "'weight-only' widens the FP8 weights and keeps the activations (the dequantized "
                  "reference's numerics). auto: dynamic when the checkpoint's activation_scheme is dynamic "
-                 "or absent, the dtype is not float32 and the GPU has FP8 tensor cores (sm89+).")
+                 "or absent, the dtype is not float32 and the device is a GPU with FP8 tensor cores (sm89+); "
+                 "weight-only on the CPU.")
 
 
 class Device(str, Enum):

@@ -176,13 +176,14 @@ def test_weight_only_and_float32_auto_keep_dequantized_numerics(plain_ref, reque
 
 
 def test_llm_passes_fp8_activations_and_bf16_auto_is_dynamic(src, tmp_path):
-    """``LLM(path, fp8_activations=...)`` reaches the loader; a checkpoint declaring dynamic activations runs
-    W8A8 under ``auto`` in bfloat16, weight-only in float32 (``dtype auto`` on CPU)."""
+    """``LLM(path, fp8_activations=...)`` reaches the loader; on the CPU ``auto`` stays weight-only in every
+    dtype (W8A8 there is the torch reference, run on request: ``dynamic``), as in float32 anywhere."""
     from atomtool.serve import LLM
 
     ckpt = write_fp8_block_checkpoint(src, tmp_path / "bf16", block=(GROUP, GROUP))  # dtype bfloat16
     kw = dict(device="cpu", kv_cache_memory=1 << 22, backend="torch")
-    for dtype, requested, expected in [("bfloat16", "auto", "dynamic"), ("auto", "auto", None),
+    for dtype, requested, expected in [("bfloat16", "auto", None), ("auto", "auto", None),
+                                       ("bfloat16", "dynamic", "dynamic"),
                                        ("bfloat16", "weight-only", None), ("auto", "dynamic", "dynamic")]:
         llm = LLM(str(ckpt), dtype=dtype, fp8_activations=requested, **kw)
         assert llm.engine.act_quant == expected, (dtype, requested)
@@ -254,15 +255,18 @@ def test_cli_rejects_unknown_fp8_activations(command):
 @pytest.mark.parametrize("cap,hip,auto,dynamic_ok", [((9, 0), None, "dynamic", True), ((8, 9), None, "dynamic", True),
                                                       ((8, 0), None, None, False), ((9, 4), "6.2", None, False)])
 def test_w8a8_follows_the_device(monkeypatch, cap, hip, auto, dynamic_ok):
-    """auto turns W8A8 on only where its kernels run (CPU; NVIDIA sm89+, which have e4m3 tensor cores): an
-    A100 (sm80) or a ROCm GPU stays weight-only, and an explicit dynamic there is refused with the reason."""
+    """auto turns W8A8 on only on GPUs with e4m3 tensor cores (NVIDIA sm89+): an A100 (sm80) or a ROCm GPU
+    stays weight-only, and an explicit dynamic there is refused with the reason (for an FP8 config)."""
     from atomtool.serve.layers import fp8_activations as fa
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     monkeypatch.setattr(torch.version, "hip", hip)
     qc = _qc()
     assert fa.resolve_fp8_activations("auto", qc, torch.bfloat16, "cuda") == auto
-    assert fa.resolve_fp8_activations("auto", qc, torch.bfloat16, "cpu") == "dynamic"
+    assert fa.resolve_fp8_activations("auto", qc, torch.bfloat16, "cpu") is None  # CPU: the reference, on request
+    assert fa.resolve_fp8_activations("dynamic", qc, torch.bfloat16, "cpu") == "dynamic"
+    # a model without FP8 quantization: nothing to refuse (the loader's note says nothing runs W8A8)
+    assert fa.resolve_fp8_activations("dynamic", {}, torch.bfloat16, "cuda") == "dynamic"
     if dynamic_ok:
         assert fa.resolve_fp8_activations("dynamic", qc, torch.bfloat16, "cuda") == "dynamic"
     else:

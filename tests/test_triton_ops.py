@@ -404,11 +404,16 @@ def test_act_quant_fp8_reference_follows_deepseek_act_quant():
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "dynamic_ue8m0"])
-@pytest.mark.parametrize("M,N,K,block", [(5, 70, 96, (32, 32)), (3, 130, 200, (128, 128)), (17, 1100, 256, (64, 64))])
+@pytest.mark.parametrize("M,N,K,block", [(5, 70, 96, (32, 32)), (3, 130, 200, (128, 128)), (17, 1100, 256, (64, 64)),
+                                         (4, 200, 128, (128, 128)), (5, 70, 32, (32, 32))])  # last two: no split
 def test_fp8_block_linear_w8a8(mode, M, N, K, block):
     """W8A8 (activations quantized per token and K block inside the kernel, e4m3 x e4m3 dots) equals the
     W8A8 reference (same quantized activations, float32 sums) with and without split-K and bias, and every
     row is the same bits alone as in the batch."""
+    from atomtool.serve.ops.triton.linear import FP8_LINEAR_W8A8_CONFIG, split_k_plan
+
+    cfg = FP8_LINEAR_W8A8_CONFIG
+    assert (split_k_plan(N, K, cfg.block_n, block[1], cfg.split_target)[0] == 1) == (K == block[1])
     g = torch.Generator().manual_seed(41)
     x = torch.randn(M, K, generator=g) * 3
     w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)

@@ -89,3 +89,17 @@ def test_inspect_names_static_activation_scales(fp8_static):
     findings = json.loads(res.stdout)["findings"]
     hit = [f for f in findings if f["code"] == "feature-not-servable"]
     assert hit and "activation_scheme 'static'" in hit[0]["message"], findings
+
+
+def test_mla_kv_b_proj_is_not_counted_as_w8a8(tmp_path):
+    """MLA's kv_b_proj is consumed dequantized in the absorbed form (W_UK / W_UV), never as a Linear: under
+    dynamic it is left weight-only and not counted, while the MLA projections that run as Linears (fused q_a /
+    kv_a, q_b, o_proj) and the FP8 experts run W8A8."""
+    src = write_hf_checkpoint(tmp_path / "src", "deepseek_v3", seed=2)
+    fp8 = write_fp8_block_checkpoint(src, tmp_path / "fp8", block=(32, 32), float_dtype=None)
+    llm = LLM(str(fp8), device="cpu", dtype="float32", fp8_activations="dynamic", kv_cache_memory=1 << 22)
+    mods = dict(llm.engine.model.named_modules())
+    kv_b = [m for n, m in mods.items() if n.endswith("self_attn.kv_b_proj")]
+    assert kv_b and all(m.block_size is not None and m.act_quant is None for m in kv_b)
+    on = {n.rsplit(".", 1)[-1] for n, m in mods.items() if getattr(m, "act_quant", None)}
+    assert {"o_proj", "q_b_proj"} <= on and "kv_b_proj" not in on, on

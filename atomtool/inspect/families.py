@@ -201,6 +201,6 @@ def unsupported_features(family: Family | None, config_flat: dict) -> list[str]:
     qc = config_flat.get("quantization_config")
     if isinstance(qc, dict) and str(qc.get("activation_scheme", "")).lower() == "static":
         out.append("quantization_config activation_scheme 'static' (calibrated input_scale activation scales) is "
-                   "not supported: FP8 layers quantize activations per token at run time or not at all "
-                   "(--fp8-activations)")
+                   "not supported, whatever --fp8-activations says: the engine's FP8 layers quantize activations "
+                   "per token at run time or not at all")
     return out

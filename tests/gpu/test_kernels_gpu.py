@@ -324,7 +324,8 @@ def test_fp8_block_linear_w8a8(tri, mode, N, K, monkeypatch, gpu_report):
     for m in (1, 7, 16):
         assert torch.equal(tri.linear(x[:m], w, b, s, (128, 128), mode), full[:m])
         assert torch.equal(tri.linear(x[m - 1:m], w, b, s, (128, 128), mode)[0], full[m - 1])
-    monkeypatch.setattr(L, "FP8_LINEAR_CONFIG", dataclasses.replace(L.FP8_LINEAR_CONFIG, tma=False))
+    monkeypatch.setattr(L, "FP8_LINEAR_W8A8_CONFIG", dataclasses.replace(L.FP8_LINEAR_W8A8_CONFIG, tma=False))
+    assert not L._tma_ok(L.FP8_LINEAR_W8A8_CONFIG, x, w)  # the pointer kernel now
     assert torch.equal(tri.linear(x[:17], w, b, s, (128, 128), mode), full[:17])
 
 

@@ -9,7 +9,8 @@ the activations: the dequantize-then-matmul numerics of transformers' ``dequanti
 oracle), at the cost of two conversion instructions per weight element (docs/PERFORMANCE.md).
 
 ``auto`` (the default) follows the checkpoint: W8A8 when it declares dynamic activation quantization and the
-model runs in bf16 / fp16; weight-only in float32, the dtype one picks for reference numerics.
+model runs in bf16 / fp16 on a GPU with FP8 tensor cores; weight-only in float32, the dtype one picks for
+reference numerics, and on the CPU (where W8A8 is the torch reference: ``dynamic`` asks for it).
 """
 
 from __future__ import annotations
@@ -37,17 +38,24 @@ def w8a8_device_ok(device: torch.device | str | None) -> bool:
     return torch.cuda.get_device_capability(torch.device(device)) >= (8, 9)
 
 
+def _w8a8_fast(device: torch.device | str | None) -> bool:
+    """Where ``auto`` turns W8A8 on: a GPU with FP8 tensor cores (None: not checked). On the CPU W8A8 is the
+    torch reference (a loop over K blocks), a numerics check rather than a speed-up, so only on request."""
+    return device is None or (torch.device(device).type == "cuda" and w8a8_device_ok(device))
+
+
 def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: torch.dtype,
                             device: torch.device | str | None = None) -> str | None:
     """The ``act_quant`` mode of the FP8 block ops for this model: None (weight-only), ``"dynamic"`` or
     ``"dynamic_ue8m0"`` (``quantization_config.scale_fmt == "ue8m0"``).
 
     requested: one of :data:`FP8_ACTIVATION_CHOICES`; ``auto`` is W8A8 iff ``quantization_config``'s
-    ``activation_scheme`` is ``dynamic`` (DeepSeek's default when absent), ``dtype`` is not float32 and the
-    W8A8 kernels run on ``device`` (:func:`w8a8_device_ok`; None: not checked).
+    ``activation_scheme`` is ``dynamic`` (DeepSeek's default when absent), ``dtype`` is not float32 and
+    ``device`` is a GPU with FP8 tensor cores (None: not checked); ``dynamic`` also on the CPU.
 
     Raises:
-        EngineError: ``requested`` is not a choice, or ``dynamic`` on a device the W8A8 kernels do not run on.
+        EngineError: ``requested`` is not a choice, or ``dynamic`` for an FP8-quantized config (one with a
+            ``quantization_config``) on a GPU the W8A8 kernels do not run on.
     """
     if requested not in FP8_ACTIVATION_CHOICES:
         raise EngineError(f"fp8 activations {requested!r}: expected one of {', '.join(FP8_ACTIVATION_CHOICES)}")
@@ -56,9 +64,9 @@ def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: 
     if requested == "weight-only":
         return None
     if requested == "auto" and (dtype == torch.float32 or qc.get("activation_scheme", "dynamic") != "dynamic"
-                                or not w8a8_device_ok(device)):
+                                or not _w8a8_fast(device)):
         return None
-    if not w8a8_device_ok(device):
+    if qc and not w8a8_device_ok(device):
         raise EngineError(f"--fp8-activations dynamic: the W8A8 kernels need an NVIDIA GPU with FP8 tensor cores "
                           f"(compute capability 8.9+) or the CPU; {torch.device(device)} is not one. Use "
                           "--fp8-activations weight-only (or auto)")
@@ -67,12 +75,13 @@ def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: 
 
 def apply_fp8_activations(model: nn.Module, act_quant: str | None) -> int:
     """Set ``act_quant`` on every FP8 block layer of ``model`` (:class:`Linear` and :class:`StackedExperts`
-    with a ``block_size``) whose K block W8A8 serves (32, 64 or 128); the others stay weight-only. Returns
-    how many layers run W8A8."""
+    with a ``block_size``) whose K block W8A8 serves (32, 64 or 128); the others stay weight-only, and layers
+    marked ``w8a8_eligible = False`` (MLA's ``kv_b_proj``, consumed dequantized in the absorbed form) are left
+    alone. Returns how many layers run W8A8."""
     n = 0
     for mod in model.modules():
         block = getattr(mod, "block_size", None)
-        if block is None or not hasattr(mod, "act_quant"):
+        if block is None or not hasattr(mod, "act_quant") or not getattr(mod, "w8a8_eligible", True):
             continue
         mod.act_quant = act_quant if act_quant is not None and act_quant_fp8_supported(block[1]) else None
         n += mod.act_quant is not None
@@ -84,8 +93,8 @@ def fp8_activations_note(requested: str, model: nn.Module, n_w8a8: int) -> str |
     model has no FP8 block layers, or their K block is one W8A8 does not serve. None otherwise."""
     if requested != "dynamic" or n_w8a8:
         return None
-    blocks = sorted({tuple(m.block_size) for m in model.modules()
-                     if getattr(m, "block_size", None) is not None and hasattr(m, "act_quant")})
+    blocks = sorted({tuple(m.block_size) for m in model.modules() if getattr(m, "block_size", None) is not None
+                     and hasattr(m, "act_quant") and getattr(m, "w8a8_eligible", True)})
     if not blocks:
         return "--fp8-activations dynamic: the model has no FP8 block layers; nothing runs W8A8"
     ks = ", ".join(str(b[1]) for b in blocks)

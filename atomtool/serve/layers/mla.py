@@ -125,6 +125,7 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6, dtype, device)
         self.q_b_proj = lin("q_b_proj", self.q_lora_rank, H * (self.nope + self.rope))
         self.kv_b_proj = lin("kv_b_proj", self.kv_lora_rank, H * (self.nope + self.v_head_dim))
+        self.kv_b_proj.w8a8_eligible = False  # used only dequantized, in the absorbed form (post_load)
         self.o_proj = lin("o_proj", H * self.v_head_dim, hidden)
         self.indexer = None
         if role == "full":

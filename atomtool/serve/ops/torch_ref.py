@@ -131,14 +131,17 @@ def act_quant_fp8_supported(bk: int) -> bool:
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-               block_size: tuple[int, int], act_quant: str | None) -> torch.Tensor:
-    """``x @ W^T`` for an FP8 block weight, in x's dtype: dequantized weight (``act_quant`` None) or W8A8
-    (:func:`linear_w8a8`). Raises ValueError for an unknown ``act_quant``."""
+               block_size: tuple[int, int], act_quant: str | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + b`` for an FP8 block weight, rounded once to x's dtype: dequantized weight (``act_quant``
+    None; ``F.linear`` with the bias, as transformers' dequantized model) or W8A8 (:func:`linear_w8a8`, the
+    bias added in float32 before the rounding, as the kernels do). Raises ValueError for an unknown
+    ``act_quant``."""
     if act_quant is None:
-        return F.linear(x, dequant_fp8_block(weight, weight_scale_inv, block_size, x.dtype))
+        return F.linear(x, dequant_fp8_block(weight, weight_scale_inv, block_size, x.dtype), bias)
     if act_quant not in ACT_QUANT_MODES:
         raise ValueError(f"fp8 act_quant {act_quant!r}: expected None or one of {', '.join(ACT_QUANT_MODES)}")
-    return linear_w8a8(x, weight, weight_scale_inv, block_size, act_quant == "dynamic_ue8m0").to(x.dtype)
+    y = linear_w8a8(x, weight, weight_scale_inv, block_size, act_quant == "dynamic_ue8m0")
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -149,8 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     W8A8 under ``act_quant``, :func:`fp8_matmul`); bias: [N] or None. Returns [T, N] in x's dtype."""
     if weight_scale_inv is None:
         return F.linear(x, weight, bias)
-    y = fp8_matmul(x, weight, weight_scale_inv, block_size, act_quant)
-    return y if bias is None else y + bias
+    return fp8_matmul(x, weight, weight_scale_inv, block_size, act_quant, bias)
 
 
 def store_cache(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

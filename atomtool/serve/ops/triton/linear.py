@@ -79,7 +79,9 @@ def _fp8_step(acc, a, w, sc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_D
     linear 19.6 -> 25.7 us per call at M = 1), and so did widening by integer ops (1.35 -> 1.52 ms per step).
     ACT_FP8 (W8A8): the activation tile is quantized per row (``_act_quant``; the K step is the whole scale
     block, so one group) and the dot runs e4m3 x e4m3 on the FP8 tensor cores with no weight widened:
-    acc + (q @ w^T) * (s_a * sc)."""
+    acc + (q @ w^T) * (s_a * sc). Within one K step Hopper's e4m3 wgmma accumulates with reduced precision;
+    each step's partial is promoted to the float32 accumulator (DeepSeek-V3 report, section 3.3.2: promotion
+    every 128 elements), so the reference (float32 throughout) agrees up to that."""
     if ACT_FP8:
         q, sa = _act_quant(a, ROUND_SCALE)
         if SWAP_AB:
