@@ -217,7 +217,9 @@ def serve_cmd(
         help="Fraction of the GPU's memory (0-1] atomtool may use; the KV cache gets what is left after "
              "weights and activations. Ignored on CPU and with --kv-cache-memory.")] = 0.9,
     kv_cache_memory: Annotated[int | None, typer.Option(
-        help="KV cache size in bytes; overrides the GPU budget. Default on CPU: 1073741824 (1 GiB).")] = None,
+        help="KV cache size in bytes; overrides the GPU budget. Default on CPU: 1073741824 (1 GiB). Either way "
+             "no more is allocated than --max-num-seqs sequences of the full context need (the startup line "
+             "shows the size).")] = None,
     dtype: Annotated[DType, typer.Option(help=_DTYPE_HELP)] = DType.auto,
     device: Annotated[Device, typer.Option(help=_DEVICE_HELP)] = Device.auto,
     fp8_activations: Annotated[Fp8Activations, typer.Option(help=_FP8_ACT_HELP)] = Fp8Activations.auto,

@@ -131,9 +131,15 @@ def test_dsa_cross_check_findings(ckpts):
 
 
 def test_kv_cache_bytes_mla_and_gqa(ckpts):
+    from atomtool.serve.engine.kv_cache import bytes_per_block
+    from atomtool.serve.loader import load_model
+
     glm = inspect_checkpoint(str(ckpts["glm_moe_dsa"]))
-    # 4 layers x (kv_lora_rank 32 + qk_rope 8) x 4 B (F32 model) + 3 full layers x (16 fp8 + 4 B scale)
-    assert glm.memory["kv_bytes_per_token"] == 4 * 40 * 4 + 3 * 20
+    # 4 layers x (kv_lora_rank 32 + qk_rope 8) x 4 B (F32 model) + 3 full layers x index_head_dim 16 x 4 B
+    assert glm.memory["kv_bytes_per_token"] == 4 * 40 * 4 + 3 * 16 * 4
+    # ... which is what the engine allocates per token (so inspect --gpu-memory predicts serve's context)
+    engine = load_model(ckpts["glm_moe_dsa"], device="cpu", dtype="float32").model
+    assert bytes_per_block(engine.kv_plane_specs(), 16) == 16 * glm.memory["kv_bytes_per_token"]
     llama = inspect_checkpoint(str(ckpts["llama"]))
     # 2 layers x K and V x 2 kv heads x head_dim 16 x 4 B
     assert llama.memory["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4

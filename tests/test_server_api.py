@@ -406,12 +406,12 @@ def test_prompt_longer_than_context_is_400(server, client, offline):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=NAME, prompt=long_prompt, max_tokens=4)
     assert (f"This model's maximum context length is 128 tokens. However, your request has {n} input tokens. "
-            "Please reduce the length of the input messages.") in str(exc.value)
+            "Please reduce the length of the input prompt.") in str(exc.value)
     mid = "y" * 100
     m = len(offline.tokenizer.encode(mid))
     err = assert_openai_error(httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": mid,
                                                                         "max_tokens": 50}),
-                              400, f"However, you requested {m + 50} tokens ({m} in the messages, 50 in the "
+                              400, f"However, you requested {m + 50} tokens ({m} in the prompt, 50 in the "
                                    "completion)")
     assert err["code"] == "context_length_exceeded"
     err = assert_openai_error(httpx.post(url + "/v1/chat/completions", json={

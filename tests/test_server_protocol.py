@@ -212,7 +212,7 @@ def test_completion_default_max_tokens_is_clamped_to_the_context(url, tok, body)
 def test_completion_explicit_max_tokens_over_the_context_is_still_a_400(url, tok):
     prompt = prompt_of_length(tok, MAX_LEN - 3)
     err = error_of(httpx.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 16}))
-    assert (f"However, you requested {MAX_LEN + 13} tokens ({MAX_LEN - 3} in the messages, 16 in the "
+    assert (f"However, you requested {MAX_LEN + 13} tokens ({MAX_LEN - 3} in the prompt, 16 in the "
             "completion)") in err["message"]
     assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
 

@@ -15,7 +15,6 @@ config class reads it (:func:`layer_attention_kinds`: Mistral every layer, Qwen 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from atomtool.inspect.dsa import FULL, MAX_LAYERS
@@ -264,9 +263,12 @@ def head_dim(flat: dict[str, Any]) -> int:
     return _int(flat, "hidden_size") // heads
 
 
-def index_plane_bytes(index_head_dim: int) -> int:
-    """Bytes per token of one DSA indexer key plane: FP8 values + one FP32 scale per 128 dims (132 for 128)."""
-    return index_head_dim + 4 * math.ceil(index_head_dim / 128)
+def index_plane_bytes(index_head_dim: int, kv_dtype_bytes: int = 2) -> int:
+    """Bytes per token of one DSA indexer key plane as atomtool's engine stores it: ``index_head_dim``
+    elements in the KV dtype (``atomtool.serve.models.deepseek``'s ``index_k`` plane; 256 B for 128 in BF16).
+    DeepSeek's reference inference keeps FP8 keys + an FP32 scale per 128 dims (132 B); the estimate is what
+    ``serve`` will allocate."""
+    return index_head_dim * kv_dtype_bytes
 
 
 def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes: int = 2) -> dict[str, Any]:
@@ -299,7 +301,7 @@ def kv_cache_bytes(flat: dict[str, Any], roles: list[str] | None, kv_dtype_bytes
     if is_mla(flat):
         per_layer = (_int(flat, "kv_lora_rank") + _int(flat, "qk_rope_head_dim")) * kv_dtype_bytes
         full = sum(1 for r in roles or [] if r == FULL)
-        idx = index_plane_bytes(_int(flat, "index_head_dim", 128)) if full else 0
+        idx = index_plane_bytes(_int(flat, "index_head_dim", 128), kv_dtype_bytes) if full else 0
         return {"kv_bytes_per_token": per_layer * layers + idx * full, "kv_layout": "mla",
                 "kv_layers": layers, "kv_bytes_per_token_per_layer": per_layer,
                 "index_layers": full, "index_bytes_per_token_per_layer": idx,

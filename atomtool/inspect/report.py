@@ -229,14 +229,13 @@ def _print_indented(console: Console, msg: str, style: str = "") -> None:
 
 def kv_detail(m: dict[str, Any]) -> str:
     """The breakdown of ``memory.kv_bytes_per_token``: full-attention layers x bytes per layer, plus index
-    planes (DSA indexer keys, FP8 + scale; MiniMax-M3 sparse index keys, model dtype)."""
+    planes (DSA indexer keys and MiniMax-M3 sparse index keys, both in the KV dtype as the engine stores them)."""
     if not m["kv_layers"] and not m.get("index_layers"):  # Mistral-7B-v0.1: every layer sliding-window
         return "no full-attention layer"
     detail = f"{m['kv_layers']} layers x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
     if m.get("index_layers"):
         what = "indexer planes" if m["kv_layout"] == "mla" else "sparse index keys"
-        how = "fp8" if m["kv_layout"] == "mla" else m["kv_dtype"]
-        detail += f" + {m['index_layers']} {what} x {m['index_bytes_per_token_per_layer']} B ({how})"
+        detail += f" + {m['index_layers']} {what} x {m['index_bytes_per_token_per_layer']} B ({m['kv_dtype']})"
     return detail
 
 

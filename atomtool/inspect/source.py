@@ -473,7 +473,10 @@ def hub_download_error(repo: str, e: Exception, revision: str | None = None) -> 
 def _not_cached(repo: str, reason: str) -> str:
     from huggingface_hub import constants
 
-    return f"{repo}: {reason}, and the repo is not in the local HF cache ({constants.HF_HUB_CACHE})"
+    # a bare name (no "/") is read as a Hub repo id only because no such local directory exists: say both
+    # readings, so a mistyped local path is recognisable (`./name` asks for the directory alone)
+    local = "" if "/" in repo else "no local directory by that name; as a Hub repo id: "
+    return f"{repo}: {local}{reason}, and the repo is not in the local HF cache ({constants.HF_HUB_CACHE})"
 
 
 def _hub_download_json(repo: str, name: str, revision: str | None) -> Path | None:

@@ -80,7 +80,9 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 def read_config(model_dir: Path) -> dict[str, Any]:
     """config.json as a dict. Raises SourceError / ConfigError."""
     if not model_dir.is_dir():
-        raise SourceError(f"model directory {str(model_dir)!r} does not exist")
+        raise SourceError(f"model directory {str(model_dir)!r} does not exist (as given: a path relative to the "
+                          f"current directory {os.getcwd()!r})" if not model_dir.is_absolute() else
+                          f"model directory {str(model_dir)!r} does not exist")
     path = model_dir / "config.json"
     if not path.is_file():
         raise SourceError(f"{path}: no config.json (not a checkpoint or atomtool layout)")

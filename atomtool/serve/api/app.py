@@ -568,25 +568,27 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     def check_length(prompt_len: int, max_tokens: int | None, prompt_param: str, *,
                      clamp: bool = False) -> int:
-        """Validate the context budget (vLLM's messages); return max_tokens (None: the room left).
+        """Validate the context budget (vLLM's messages, naming the prompt for completions and the messages for
+        chat); return max_tokens (None: the room left).
 
         ``clamp``: ``max_tokens`` is a server default the client did not send (completions' 16), so it is
         cut to the room left instead of failing the request over a parameter the client never set.
         """
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
+        what = "messages" if prompt_param == "messages" else "prompt"
         if prompt_len >= max_model_len:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                            f"your request has {prompt_len} input tokens. Please reduce the length of the "
-                           "input messages.", param=prompt_param, code="context_length_exceeded")
+                           f"input {what}.", param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return max_model_len - prompt_len
         if clamp:
             return min(max_tokens, max_model_len - prompt_len)
         if prompt_len + max_tokens > max_model_len:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
-                           f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-                           f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                           f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                           f"{max_tokens} in the completion). Please reduce the length of the {what} or "
                            "completion.", param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
