@@ -13,7 +13,12 @@ from atomtool.serve.sampling_params import SamplingParams
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
-    ``LLM(model_path, **engine_kwargs)`` accepts :meth:`LLMEngine.from_model`'s keyword arguments.
+    ``LLM(model_path, **engine_kwargs)`` accepts :meth:`LLMEngine.from_model`'s keyword arguments: ``dtype``
+    (``auto`` | ``bfloat16`` | ``float16`` | ``float32``), ``device`` (``auto`` | ``cpu`` | ``cuda``),
+    ``fp8_activations`` (``auto`` | ``dynamic`` | ``weight-only``: W8A8 or weight-only for FP8 block
+    checkpoints), ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory``,
+    ``gpu_memory_utilization``, ``block_size``, ``enforce_eager``, ``enable_prefix_caching``, ``backend``
+    (``auto`` | ``torch`` | ``triton``). ``llm.engine.act_quant`` says whether W8A8 runs.
     """
 
     def __init__(self, model: str, **engine_kwargs) -> None:
