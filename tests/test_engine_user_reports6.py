@@ -95,3 +95,22 @@ def test_stop_token_text_is_not_in_the_output_text(llm):
     assert out.token_ids == base[:i + 1]  # the id is recorded (this part holds today)
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.text == tok.decode(base[:i], skip_special_tokens=True)
+
+
+@pytest.mark.xfail(strict=True, reason="min_tokens is off by one for stop strings: one completed by the "
+                                       "min_tokens-th token still stops (min_tokens=1 allows an empty text), while "
+                                       "EOS/stop_token_ids are masked through that token; vLLM checks stop strings "
+                                       "only in text after the first min_tokens tokens (llm_engine.py _check_stop "
+                                       "may_stop uses >=)")
+def test_min_tokens_holds_stop_strings_like_stop_tokens(llm):
+    tok = llm.tokenizer
+    base = llm.generate("Hello", _greedy(8))[0].token_ids
+    first = tok.decode([base[0]])
+    assert first  # a visible first character, so it can be a stop string
+    # stop_token_ids: min_tokens=1 keeps the first token from stopping (it is masked; this part holds today)
+    by_id = llm.generate("Hello", _greedy(8, stop_token_ids=[base[0]], min_tokens=1))[0]
+    assert by_id.token_ids[0] != base[0] and len(by_id.token_ids) > 1
+    # stop string: the same min_tokens=1 must not let the first token's text end the request with nothing
+    by_str = llm.generate("Hello", _greedy(8, stop=[first], min_tokens=1))[0]
+    assert len(by_str.token_ids) > 1
+    assert by_str.text != ""
