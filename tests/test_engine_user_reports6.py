@@ -1,7 +1,8 @@
 """Reproducers from a new user's probe of the offline engine (``LLM.generate`` / ``SamplingParams``), CPU float32.
 
-Each test is a defect found by hand and is marked ``xfail(strict=True)``: when the defect is fixed the test
-passes, pytest reports XPASS as a failure, and the marker must come off. The checkpoint is the shared tiny
+Each test is a defect found by hand, fixed since (strict type checks in ``SamplingParams.validate``, a failed
+``generate`` aborts its requests, stop tokens' text left out, ``min_tokens`` holds stop strings, temperatures
+below 1e-5 are greedy). The checkpoint is the shared tiny
 random Llama (tests/checkpoints.py, written by transformers' ``save_pretrained``).
 """
 
@@ -33,9 +34,6 @@ def _greedy(n: int, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
-@pytest.mark.xfail(strict=True, reason="SamplingParams.validate accepts a non-integer logprobs (2.5); the "
-                                       "sampler's torch.topk then raises TypeError mid-step, not "
-                                       "InvalidRequestError (sampling_params.py validate)")
 def test_non_integer_logprobs_is_an_invalid_request(llm):
     from atomtool.serve import SamplingParams
 
@@ -44,9 +42,6 @@ def test_non_integer_logprobs_is_an_invalid_request(llm):
     assert_no_leaks(llm.engine)
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.generate aborts its requests only when add_request fails; an "
-                                       "exception from engine.step() (or Ctrl-C) leaves them queued, so a bad "
-                                       "request re-raises on every later generate call (llm.py generate loop)")
 def test_failed_generate_leaves_no_request_behind(llm, monkeypatch):
     sampler = llm.engine.sampler
     calls = {"n": 0}
@@ -66,9 +61,6 @@ def test_failed_generate_leaves_no_request_behind(llm, monkeypatch):
     assert_no_leaks(llm.engine)
 
 
-@pytest.mark.xfail(strict=True, reason="validate() does no type checks on temperature/top_p/stop/"
-                                       "stop_token_ids: wrongly typed values raise a bare TypeError (or crash "
-                                       "later) instead of the documented InvalidRequestError")
 @pytest.mark.parametrize("bad", [
     {"temperature": "1"}, {"top_p": "0.5"}, {"stop": [1]}, {"stop_token_ids": 5},
 ], ids=["temperature-str", "top_p-str", "stop-int", "stop_token_ids-int"])
@@ -80,9 +72,6 @@ def test_wrongly_typed_sampling_params_are_invalid_requests(llm, bad):
     assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.xfail(strict=True, reason="a stop_token_ids hit keeps the stop token's text in .text (vLLM, whose "
-                                       "stop_token_ids the README/docstring follow, records the id in token_ids "
-                                       "but leaves its text out, as for stop strings) (llm_engine.py _check_stop)")
 def test_stop_token_text_is_not_in_the_output_text(llm):
     tok = llm.tokenizer
     base = llm.generate("Hello", _greedy(12))[0].token_ids
@@ -97,11 +86,6 @@ def test_stop_token_text_is_not_in_the_output_text(llm):
     assert out.text == tok.decode(base[:i], skip_special_tokens=True)
 
 
-@pytest.mark.xfail(strict=True, reason="min_tokens is off by one for stop strings: one completed by the "
-                                       "min_tokens-th token still stops (min_tokens=1 allows an empty text), while "
-                                       "EOS/stop_token_ids are masked through that token; vLLM checks stop strings "
-                                       "only in text after the first min_tokens tokens (llm_engine.py _check_stop "
-                                       "may_stop uses >=)")
 def test_min_tokens_holds_stop_strings_like_stop_tokens(llm):
     tok = llm.tokenizer
     base = llm.generate("Hello", _greedy(8))[0].token_ids
@@ -116,10 +100,6 @@ def test_min_tokens_holds_stop_strings_like_stop_tokens(llm):
     assert by_str.text != ""
 
 
-@pytest.mark.xfail(strict=True, reason="a tiny positive temperature (1e-45, a float32 denormal; 5e-324 rounds to "
-                                       "0) passes validate, logits / temperature overflow to inf, softmax is NaN "
-                                       "and the sampler returns token 0/1 (<pad>/<s>) instead of the greedy limit; "
-                                       "vLLM treats temperature below 1e-5 as greedy (sampler.py sample_rows)")
 @pytest.mark.parametrize("temperature", [1e-45, 5e-324])
 def test_tiny_temperature_is_the_greedy_limit(llm, temperature):
     from atomtool.serve import SamplingParams

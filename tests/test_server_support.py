@@ -92,7 +92,7 @@ class ScriptedEngine:
             lp = [{"token_id": tok, "logprob": -0.5, "top": {tok: -0.5}}] if r.params.logprobs is not None else None
             outs.append(RequestOutput(rid, r.prompt_ids, list(r.out_ids), [tok], r.detok.text(final=done),
                                       finish_reason=("stop" if hit else "length") if done else None,
-                                      logprobs=lp, finished=done))
+                                      stop_reason=hit, logprobs=lp, finished=done))
             if done:
                 del self._reqs[rid]
         return outs

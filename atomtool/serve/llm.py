@@ -62,8 +62,14 @@ class LLM:
                 self.engine.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:  # an error in a step or Ctrl-C: this call's requests leave the engine with it
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort(rid)
+            raise
         return [final[rid] for rid in ids]

@@ -12,14 +12,16 @@ from atomtool.errors import InvalidRequestError
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables nucleus sampling.
+    temperature 0 means greedy (so does a temperature below 1e-5, vLLM's rule: dividing the logits by it would
+    overflow). top_k 0 or -1 disables top-k; top_p 1.0 disables nucleus sampling.
     seed: per-request generator seed (reproducible sampling). logprobs: number of top log-probs
     to return per generated token (None: none). stop: strings that end generation (not included in the
     text); stop_token_ids: extra token ids that end generation. min_tokens: EOS/stop are ignored before
-    this many tokens.
+    this many tokens: EOS and stop_token_ids are masked for the first min_tokens tokens, and stop strings are
+    looked for only in the text after them.
 
     Raises:
-        InvalidRequestError: from :meth:`validate` for out-of-range values.
+        InvalidRequestError: from :meth:`validate` for out-of-range or wrongly typed values.
     """
 
     max_tokens: int = 16
@@ -34,22 +36,43 @@ class SamplingParams:
     min_tokens: int = 0
 
     def validate(self) -> SamplingParams:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Check every field's type and range (bools are not integers here); normalises ``stop`` given as one
+        string to a list and a temperature below 1e-5 to 0 (greedy). Returns self."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+        if not _is_number(self.temperature) or not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise InvalidRequestError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in the int64 range, got {self.seed!r}")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         return self
+
+
+#: temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow float32 to inf
+SAMPLING_EPS = 1e-5
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

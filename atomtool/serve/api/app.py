@@ -404,12 +404,28 @@ def _delta_logprobs(out: Any) -> list[dict]:
     return list(lps[-new:]) if new else []
 
 
+#: most stop strings per request (OpenAI allows 4; vLLM sets no limit): each is searched for after every
+#: generated token inside the engine step every request shares, so an unbounded list slows everyone
+MAX_STOP_SEQUENCES = 64
+
+
 class _TokenText:
-    """Token id -> display string for log-probs (cached ``tokenizer.decode([id])``)."""
+    """Token id -> display string for log-probs (cached ``tokenizer.decode([id])``), and -> the token's raw
+    UTF-8 bytes (OpenAI's chat ``bytes``: joining a text's token bytes gives its UTF-8 even where a character
+    is split over byte tokens, whose display string is U+FFFD)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
+        self.bytes_cache: dict[int, bytes] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.byte_decoder: dict[str, int] = {}
+        if self.byte_level:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self.byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def __call__(self, token_id: int) -> str:
         s = self.cache.get(token_id)
@@ -418,6 +434,45 @@ class _TokenText:
             if len(self.cache) < 200_000:
                 self.cache[token_id] = s
         return s
+
+    def raw_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: a byte-level BPE piece mapped back through GPT-2's byte alphabet, a
+        SentencePiece byte-fallback piece (``<0xC3>``) as its byte, else the UTF-8 of its display string
+        (special tokens, whole characters)."""
+        b = self.bytes_cache.get(token_id)
+        if b is not None:
+            return b
+        b = self(token_id).encode("utf-8")
+        if int(token_id) not in self.special:
+            piece = self.tokenizer.convert_ids_to_tokens(int(token_id)) or ""
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with contextlib.suppress(ValueError):
+                    b = bytes([int(piece[3:5], 16)])
+            elif self.byte_level and piece and all(c in self.byte_decoder for c in piece):
+                b = bytes(self.byte_decoder[c] for c in piece)
+        if len(self.bytes_cache) < 200_000:
+            self.bytes_cache[token_id] = b
+        return b
+
+
+class _TextOffsets:
+    """OpenAI's completions ``text_offset``: where in the request's text each generated token starts, i.e.
+    the length of the text decoded before it, by the engine's own incremental detokenizer over the same
+    prompt (a token inside a multi-byte character starts at that character; special tokens, skipped in the
+    text, take no room)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
+
+    def next(self, token_ids: list[int]) -> list[int]:
+        """Offsets of ``token_ids`` (the request's next generated tokens, in order)."""
+        offsets = []
+        for t in token_ids:
+            offsets.append(len(self.detok.text(final=True)))
+            self.detok.add([int(t)], check_stop=False)
+        return offsets
 
 
 class _EngineStream(StreamingResponse):
@@ -565,6 +620,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             raise APIError(400, bad[1], param=bad[0])
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+        n_stop = len(req.stop_list())
+        if n_stop > MAX_STOP_SEQUENCES:  # each is looked for after every token, inside the shared engine step
+            raise APIError(400, f"stop has {n_stop} sequences; at most {MAX_STOP_SEQUENCES} are accepted",
+                           param="stop")
 
     def check_length(prompt_len: int, max_tokens: int | None, prompt_param: str, *,
                      clamp: bool = False) -> int:
@@ -593,7 +652,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return max_tokens
 
     def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        seed = req.seed + choice if req.seed is not None else None
+        # choice i samples with seed + i (README), wrapped into the int64 range the client's seed came from
+        seed = ((req.seed + choice + 2**63) % 2**64) - 2**63 if req.seed is not None else None
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -636,9 +696,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             metrics.ended_early(rid, reason)
         group.abort()
 
-    def completion_logprobs(entries: list[dict], offset: int) -> CompletionLogProbs:
+    def completion_logprobs(entries: list[dict], offsets: list[int]) -> CompletionLogProbs:
         lp = CompletionLogProbs()
-        for e in entries:
+        for e, offset in zip(entries, offsets, strict=True):
             tok = token_text(e["token_id"])
             lp.tokens.append(tok)
             lp.token_logprobs.append(float(e["logprob"]))
@@ -646,7 +706,6 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             top.setdefault(tok, float(e["logprob"]))
             lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
-            offset += len(tok)
         return lp
 
     def chat_logprobs(entries: list[dict], top_n: int) -> ChatChoiceLogProbs:
@@ -655,9 +714,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             tok = token_text(e["token_id"])
             tops = sorted((e.get("top") or {}).items(), key=lambda kv: -kv[1])[:top_n]
             content.append(ChatTokenLogProb(
-                token=tok, logprob=float(e["logprob"]), bytes=list(tok.encode("utf-8")),
+                token=tok, logprob=float(e["logprob"]), bytes=list(token_text.raw_bytes(e["token_id"])),
                 top_logprobs=[ChatLogProbEntry(token=token_text(t), logprob=float(v),
-                                               bytes=list(token_text(t).encode("utf-8"))) for t, v in tops]))
+                                               bytes=list(token_text.raw_bytes(t))) for t, v in tops]))
         return ChatChoiceLogProbs(content=content)
 
     async def collect(group: RequestGroup) -> tuple[dict[str, Any], dict[str, list[dict]]]:
@@ -770,14 +829,16 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         want_lp = req.logprobs is not None
 
         if req.stream:
-            offsets: dict[str, int] = {}
+            trackers: dict[str, _TextOffsets] = {}
 
             def make_chunks(out: Any, delta: str) -> list[CompletionResponse]:
                 lp = None
                 if want_lp:
-                    start = offsets.get(out.request_id, 0)
-                    lp = completion_logprobs(_delta_logprobs(out), start)
-                    offsets[out.request_id] = start + sum(len(t) for t in lp.tokens)
+                    tracker = trackers.get(out.request_id)
+                    if tracker is None:
+                        tracker = trackers[out.request_id] = _TextOffsets(tokenizer, out.prompt_token_ids)
+                    entries = _delta_logprobs(out)
+                    lp = completion_logprobs(entries, tracker.next([e["token_id"] for e in entries]))
                 if not delta and not (lp and lp.tokens) and not out.finished:
                     return []
                 choice = CompletionChoice(index=choice_index(out.request_id), text=delta, logprobs=lp,
@@ -789,8 +850,14 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
         def make_choice(index: int, out: Any, entries: list[dict]) -> CompletionChoice:
-            return CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason,
-                                    logprobs=completion_logprobs(entries, 0) if want_lp else None)
+            lp = None
+            if want_lp:
+                offsets = _TextOffsets(tokenizer, out.prompt_token_ids).next([e["token_id"] for e in entries])
+                if isinstance(out.stop_reason, str):  # a stop string cut the text: tokens starting past it go
+                    keep = max(1, sum(o < len(out.text) for o in offsets))
+                    entries, offsets = entries[:keep], offsets[:keep]
+                lp = completion_logprobs(entries, offsets)
+            return CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason, logprobs=lp)
 
         return await final_response(raw, group, CompletionResponse, response_id, created, req.n, make_choice)
 

@@ -238,12 +238,18 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        may_stop = seq.num_output_tokens >= p.min_tokens
-        hit = seq.detok.add([token], check_stop=may_stop) if seq.detok is not None else None
+        # the sampler masks EOS / stop_token_ids for the first min_tokens tokens; stop strings are looked for
+        # only in the text after them (vLLM's rule)
+        may_stop = seq.num_output_tokens > p.min_tokens
+        eos = may_stop and not p.ignore_eos and token in seq.eos_token_ids
+        stop_id = may_stop and token in p.stop_token_ids
+        # a stop token's id is kept in token_ids but its text is not (vLLM; stop strings are cut the same way)
+        hit = (seq.detok.add([token], check_stop=may_stop) if seq.detok is not None and not (eos or stop_id)
+               else None)
         reason = stop_reason = None
-        if may_stop and not p.ignore_eos and token in seq.eos_token_ids:
+        if eos:
             reason = "stop"
-        elif may_stop and token in p.stop_token_ids:
+        elif stop_id:
             reason, stop_reason = "stop", token
         elif hit is not None:
             reason, stop_reason = "stop", hit
