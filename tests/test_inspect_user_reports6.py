@@ -99,3 +99,18 @@ def test_fp8_lm_head_warning_but_generate_refuses(tmp_path):
     refusal = _generate_refusal(ckpt)
     obj, code = inspect_json(ckpt)
     assert refusal == "" or not _warning_only(obj, "excluded-but-stored-quantized"), (refusal, code, obj["findings"])
+
+
+@pytest.mark.xfail(strict=True, reason="tensors no module of the config uses (an unknown top-level tensor, a q_proj "
+                   "bias on a Llama config with attention_bias false) get no finding (servable yes, exit 0) but the "
+                   "engine's loader refuses the checkpoint ('unexpected tensors'; for the bias also a misleading "
+                   "'missing tensors (1): ...qkv_proj.weight')")
+@pytest.mark.parametrize("name,shape", [("model.foo.weight", (4,)), ("model.layers.0.self_attn.q_proj.bias", (64,))])
+def test_unexpected_tensor_generate_refuses_is_an_inspect_error(tmp_path, name, shape):
+    src = ck.write_hf_checkpoint(tmp_path / "hf", "llama", dtype=torch.bfloat16)
+    ckpt = _rewrite(src, lambda t: t.__setitem__(name, torch.zeros(shape, dtype=torch.bfloat16)))
+    refusal = _generate_refusal(ckpt)
+    assert "unexpected tensors" in refusal and name in refusal, refusal
+    obj, code = inspect_json(ckpt)
+    errors = [f for f in obj["findings"] if f["severity"] == "error" and name in f["message"]]
+    assert code == 1 and obj["servable"] is False and errors, (code, obj["findings"])
