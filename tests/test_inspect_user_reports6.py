@@ -134,3 +134,18 @@ def test_float32_checkpoint_kv_bytes_match_what_serve_allocates_on_gpu(tmp_path)
     assert served == 3 * (32 + 8) * 2 + 3 * 16 * 2
     obj, _ = inspect_json(ckpt, "--gpu-memory", "0.01")
     assert obj["memory"]["kv_bytes_per_token"] == served, obj["memory"]
+
+
+#: the storage schemes docs/INSPECT_SCHEMA.md ("## Schemes") documents as totals.by_scheme / modules[].scheme values
+DOCUMENTED_SCHEMES = {"bf16", "fp16", "fp32", "fp64", "fp8_block", "fp8_tensor", "fp8_channel", "mxfp8", "mxfp4",
+                      "nvfp4", "int4_pack", "int8", "awq", "gptq", "bnb4", "unknown"}
+
+
+@pytest.mark.xfail(strict=True, reason="an embedding stored F8_E4M3 without a scale (generate loads it) is totalled "
+                   "under an undocumented scheme name 'f8_e4m3' in totals.by_scheme (docs/INSPECT_SCHEMA.md lists "
+                   "no such scheme; tensors outside linear modules count under their float dtype's scheme name)")
+def test_by_scheme_keys_are_documented_schemes(tmp_path):
+    ckpt = _rewrite(_fp8_glm(tmp_path), lambda t: t.__setitem__(
+        "model.embed_tokens.weight", t["model.embed_tokens.weight"].to(torch.float8_e4m3fn)))
+    obj, _ = inspect_json(ckpt)
+    assert set(obj["totals"]["by_scheme"]) <= DOCUMENTED_SCHEMES, obj["totals"]["by_scheme"]
