@@ -316,6 +316,69 @@ def unread_qk_norm_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any]
                     f"Qwen3 checkpoint needs model_type \"qwen3\" in config.json")]
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.[a-z_]+$")
+
+
+def _bias_allowed(rel: str, flat: dict[str, Any]) -> bool:
+    """Whether transformers' model (and the engine's) has a bias on linear module ``rel`` (``self_attn.q_proj``,
+    ``mlp.down_proj``, ...) under this config: Llama-style ``attention_bias`` on q/k/v/o (and on MLA's
+    projections), Qwen2's q/k/v bias (no o bias), ``mlp_bias`` on a dense MLP; nothing else (experts,
+    routers)."""
+    mt = str(flat.get("model_type", ""))
+    att = bool(flat.get("attention_bias", False))
+    if rel in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        return att or mt == "qwen2"
+    if rel == "self_attn.o_proj":
+        return att and mt != "qwen2"
+    if rel in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        return bool(flat.get("mlp_bias", False))
+    return att and rel.startswith("self_attn.")  # MLA projections (their own finding refuses the feature)
+
+
+def unused_tensor_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any], fam: Family | None,
+                           roles: list[str] | None) -> list[Finding]:
+    """``unexpected-tensors`` (error) for tensors the model transformers builds from config.json has no place
+    for: names outside the family's layout (:func:`atomtool.inspect.required.layout_entries`), and biases on
+    linears the config builds without one (``attention_bias`` / ``mlp_bias`` false). transformers leaves them
+    unused with a warning; the engine's loader refuses them with this message (it would otherwise have to
+    guess). Not here: layers past num_hidden_layers (``extra-layers``), a tied lm_head
+    (``tied-head-stored``), rotary ``inv_freq`` buffers, empty tensors (transformers' 0-row shared experts for
+    ``n_shared_experts: 0``), quantization companions of known modules (classified with their module). [] for a family whose layout is not known here."""
+    from atomtool.inspect.required import layout_entries
+
+    if fam is None or not fam.servable:
+        return []
+    entries = layout_entries(flat, fam, roles)
+    if entries is None:
+        return []
+    n = int(flat.get("num_hidden_layers") or 0)
+    plain = {name for name, kind, _ in entries if kind != "module"}
+    modules = {name: rel for name, kind, rel in entries if kind == "module"}
+    tied = bool(flat.get("tie_word_embeddings", False))
+    bad = []
+    for t in tensors:
+        m = _LAYER.match(t)
+        if (t in plain or t.endswith("rotary_emb.inv_freq") or (m and int(m.group(1)) >= n)
+                or (tied and t.startswith("lm_head.")) or 0 in tuple(tensors[t].shape)):  # empty: nothing to load
+            continue
+        module, _, suffix = t.rpartition(".")
+        if _STACKED_EXPERTS.search(t):  # stacked expert tensors (gpt-oss style): classified as experts
+            continue
+        rel = modules.get(module)
+        if rel is not None and (suffix != "bias" or _bias_allowed(rel, flat)):
+            continue
+        bad.append(t)
+    if not bad:
+        return []
+    bad.sort(key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)])
+    more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+    return [Finding("unexpected-tensors", "error", None,
+                    f"{len(bad)} tensor(s) the {flat.get('model_type')!r} model built from config.json has no "
+                    f"place for: {', '.join(bad[:3])}{more}; transformers leaves them unused, the engine refuses "
+                    "them (a bias needs attention_bias / mlp_bias in config.json)")]
+
+
 #: size fields the DSA schedule (:func:`atomtool.inspect.dsa.flatten_dsa_config`) is read from: the layer
 #: count, and ``qk_rope_head_dim`` (the indexer's rope dim defaults to it)
 DSA_SCHEDULE_SIZE_FIELDS = ("num_hidden_layers", "qk_rope_head_dim")
@@ -448,9 +511,15 @@ def build_report(
     if config is not None and not_hf is None and not config_bad:
         findings.extend(attention_notes(flat, fam, filled, engine_missing))
     if config is not None and not config_bad:
-        findings.extend(_name_schedule_defaults(missing_tensor_findings(tensors, flat, fam, roles), flat))
+        missing = _name_schedule_defaults(missing_tensor_findings(tensors, flat, fam, roles), flat)
+        findings.extend(missing)
         findings.extend(extra_layer_findings(tensors, flat, fam))
-        findings.extend(unread_qk_norm_findings(tensors, flat, fam))
+        qk = unread_qk_norm_findings(tensors, flat, fam)
+        # a layer kind the config gets wrong shows as missing and unused tensors at once: the missing ones
+        # (with the defaulted field named) are the message, as the loader's
+        # (an atomtool layout holds fused / stacked names: the loader checks its manifest against the model)
+        unused = [] if missing or layout_sources is not None else unused_tensor_findings(tensors, flat, fam, roles)
+        findings.extend(qk or unused)
         findings.extend(tied_head_findings(tensors, flat))
 
     qcfg = raw.get("quantization_config") or tc.get("quantization_config")
@@ -500,12 +569,17 @@ def build_report(
         totals = {"parameters": est, "bytes": nbytes, "by_dtype": {}, "by_scheme": {}, "estimated": True}
         weights_bytes = nbytes
         if config is not None:
+            towers = [k for k in ("vision_config", "audio_config") if isinstance(raw.get(k), dict)]
             findings.append(Finding("config-only", "info", None,
                                     f"{source}: no safetensors weights; schedule and sizes come from config.json"
-                                    + ("" if spec is None else " (quantized: weight bytes unknown)")))
+                                    + ("" if spec is None else " (quantized: weight bytes unknown)")
+                                    + (f"; the estimate counts the language model only ({' and '.join(towers)}"
+                                       " present: that tower is not counted)" if towers else "")))
     memory: dict[str, Any] = {"weights_bytes": weights_bytes, "kv_bytes_per_token": None}
     if config is not None and not config_bad and isinstance(flat.get("num_hidden_layers"), int):
         kv_tag = model_dtype if model_dtype in mem.TAG_BYTES else "BF16"
+        if gpu_memory_gb is not None:  # a GPU question: serve's --dtype auto there is FP16 or else BF16
+            kv_tag = "F16" if model_dtype == "F16" else "BF16"
         memory.update(mem.kv_cache_bytes(flat, roles, mem.TAG_BYTES[kv_tag]))
         memory["kv_dtype"] = kv_tag
         if gpu_memory_gb is not None:
@@ -513,9 +587,13 @@ def build_report(
             memory["max_context_tokens"] = None
             memory["weights_exceed_gpu_memory"] = None
             if weights_bytes is not None:
-                memory["weights_exceed_gpu_memory"] = weights_bytes >= int(gpu_memory_gb * 1e9)
+                # serve loads no layer past num_hidden_layers (MTP): their bytes stay on disk
+                n_layers = flat["num_hidden_layers"]
+                loaded = weights_bytes - sum(t.nbytes for name, t in tensors.items()
+                                             if (m := _LAYER.match(name)) and int(m.group(1)) >= n_layers)
+                memory["weights_exceed_gpu_memory"] = loaded >= int(gpu_memory_gb * 1e9)
                 memory["max_context_tokens"] = mem.max_context_tokens(
-                    gpu_memory_gb, weights_bytes, memory["kv_bytes_per_token"],
+                    gpu_memory_gb, loaded, memory["kv_bytes_per_token"],
                     memory["swa_layers"] * memory["swa_bytes_per_token_per_layer"], memory["sliding_window"])
                 cap = serving_window_cap(flat, fam)
                 if cap is not None and not memory["weights_exceed_gpu_memory"]:

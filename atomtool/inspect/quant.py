@@ -569,9 +569,14 @@ def classify_module(name: str, roles: dict[str, TensorInfo], spec: QuantSpec | N
             f"stored {dtype} {list(shape)}, no scale; quantization_config ({what}) would quantize it -> treated "
             f"as unquantized ({dtype})", "info" if commonly else "warning")
     if spec is not None and not declared and not is_float and scheme != "unknown":
-        err("excluded-but-stored-quantized",
-            f"quantization_config ({_claim(spec)}) leaves it unquantized but it is stored {scheme}; "
-            "loaded as stored (its scales exist)", "warning")
+        if name in FLOAT_ONLY_MODULES:  # the engine's lm_head / embedding are float tensors only
+            err("excluded-but-stored-quantized",
+                f"quantization_config ({_claim(spec)}) leaves it unquantized but it is stored {scheme}; the "
+                "engine's lm_head and embeddings are float only, so generate/serve refuse it")
+        else:
+            err("excluded-but-stored-quantized",
+                f"quantization_config ({_claim(spec)}) leaves it unquantized but it is stored {scheme}; "
+                "loaded as stored (its scales exist)", "warning")
     expected = spec.per_module.get(name) if spec is not None and spec.per_module else None
     allowed = {expected} if expected else (spec.schemes if spec is not None else frozenset())
     if spec is not None and declared and not is_float and allowed and scheme != "unknown" and scheme not in allowed:
@@ -777,10 +782,15 @@ def dtype_findings(tensors: dict[str, TensorInfo], model_dtype: str | None, fp32
     return out
 
 
+#: modules the engine builds as float tensors only (an FP8 lm_head's scale has nowhere to go)
+FLOAT_ONLY_MODULES = ("lm_head", "model.embed_tokens")
+
+
 def orphan_findings(orphans: dict[str, dict[str, TensorInfo]]) -> list[Finding]:
     """Q7: companions (scale/zero/input_scale) whose layer has no weight."""
-    return [Finding("orphan-companion", "warning", m,
-                    f"{m}: {sorted(roles)} without a weight in the same module; ignored")
+    return [Finding("orphan-companion", "error", m,
+                    f"{m}: {sorted(roles)} without a weight in the same module; the engine loads no tensor it "
+                    "has no place for, so generate/serve refuse it (remove the tensors)")
             for m, roles in sorted(orphans.items(), key=lambda kv: _natural_key(kv[0]))]
 
 

@@ -232,7 +232,8 @@ def kv_detail(m: dict[str, Any]) -> str:
     planes (DSA indexer keys and MiniMax-M3 sparse index keys, both in the KV dtype as the engine stores them)."""
     if not m["kv_layers"] and not m.get("index_layers"):  # Mistral-7B-v0.1: every layer sliding-window
         return "no full-attention layer"
-    detail = f"{m['kv_layers']} layers x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
+    layers = "layer" if m["kv_layers"] == 1 else "layers"
+    detail = f"{m['kv_layers']} {layers} x {m['kv_bytes_per_token_per_layer']} B ({m['kv_layout']}, {m['kv_dtype']})"
     if m.get("index_layers"):
         what = "indexer planes" if m["kv_layout"] == "mla" else "sparse index keys"
         detail += f" + {m['index_layers']} {what} x {m['index_bytes_per_token_per_layer']} B ({m['kv_dtype']})"
@@ -333,7 +334,8 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         t.add_row("KV cache / token", f"{human_bytes(m['kv_bytes_per_token'])} = {kv_detail(m)}")
         if m.get("swa_layers"):
             t.add_row("sliding-window KV",
-                      f"{m['swa_layers']} layers x {m['swa_bytes_per_token_per_layer']} B/token, at most "
+                      f"{m['swa_layers']} {'layer' if m['swa_layers'] == 1 else 'layers'} x "
+                      f"{m['swa_bytes_per_token_per_layer']} B/token, at most "
                       f"{m['sliding_window']:,} tokens each = "
                       f"{human_bytes(m['swa_layers'] * m['swa_bytes_per_token_per_layer'] * m['sliding_window'])}"
                       " (not per token)" + _window_cap_note(m, cfg))

@@ -64,7 +64,8 @@ def layout_entries(flat: dict[str, Any], family: Family, roles: list[str] | None
             modules += [*q, "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj"]
             if roles is not None and i < len(roles) and roles[i] == "full":
                 modules += ["self_attn.indexer.wq_b", "self_attn.indexer.wk", "self_attn.indexer.weights_proj"]
-                optional += ["self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias"]
+                # the engine's indexer LayerNorm (and transformers') needs both: missing ones are refused
+                plain += ["self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias"]
         else:
             modules += [f"self_attn.{x}_proj" for x in "qkvo"]
             if mt.startswith("qwen3"):
@@ -73,7 +74,10 @@ def layout_entries(flat: dict[str, Any], family: Family, roles: list[str] | None
         expert_entries: list[tuple[str, str, str]] = []
         if experts and i < len(kinds) and kinds[i] == "sparse":
             plain.append("mlp.gate.weight")
-            optional.append("mlp.gate.e_score_correction_bias")
+            if family.attention == "mla":  # DeepSeek-V3 / GLM routers: the engine refuses the bias absent
+                plain.append("mlp.gate.e_score_correction_bias")
+            else:
+                optional.append("mlp.gate.e_score_correction_bias")
             expert_entries = [(f"{p}mlp.experts.{e}.{x}_proj", "module", f"mlp.experts.*.{x}_proj")
                               for e in range(experts) for x in ("gate", "up", "down")]
             if family.attention == "mla" and _int(flat, "n_shared_experts"):
