@@ -1,4 +1,4 @@
-"""User reports 6 (convert/verify break-it pass): reproducers for defects, xfail until fixed.
+"""User reports 6 (convert/verify break-it pass): reproducers for defects, fixed since.
 
 - ``convert SRC OUT --overwrite`` where a SRC shard is a symlink into the old layout at OUT: the atomic
   swap deletes the old OUT, and with it the source's only weights (SRC is left with a dangling
@@ -33,7 +33,6 @@ def cli(*args: object):
     return result.exit_code, result.output
 
 
-@pytest.mark.xfail(strict=True, reason="convert --overwrite deletes source weights that symlink into OUT")
 def test_overwrite_never_deletes_a_source_shard_that_lives_in_out(llama, tmp_path):
     old = tmp_path / "layout"
     code, out = cli("convert", llama, old)
@@ -82,7 +81,6 @@ def _insert_hole(shard):
     shard.write_bytes(struct.pack("<Q", len(text)) + text + data[:start] + bytes(8) + data[start:])
 
 
-@pytest.mark.xfail(strict=True, reason="verify says OK for a shard layout the loader refuses (trailing/hole)")
 @pytest.mark.parametrize("tamper, word", [(_append_junk, "trailing"), (_insert_hole, "hole")])
 def test_verify_reports_bytes_that_belong_to_no_tensor(layout, tmp_path, tamper, word):
     tampered = tmp_path / "tampered"

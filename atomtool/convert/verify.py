@@ -40,7 +40,7 @@ from atomtool.convert.layout import (
     tensor_files,
 )
 from atomtool.convert.plan_types import OutputTensor
-from atomtool.errors import AtomtoolError, LayoutError, SourceError
+from atomtool.errors import AtomtoolError, HeaderError, LayoutError, SourceError
 
 _CHUNK = 64 << 20
 
@@ -213,6 +213,14 @@ def _check_layout_files(root: Path, manifest: dict[str, Any], report: VerifyRepo
         if truncated:
             report.problems.append(truncated)
             bad_files.add(file)
+        else:  # the loader's own header checks: tensors tile the data section (no hole, no trailing bytes)
+            from atomtool.inspect.safetensors_header import read_header_file
+
+            try:
+                read_header_file(path)
+            except HeaderError as exc:
+                report.problems.append(str(exc))
+                bad_files.add(file)
         for name, h in header.items():
             entry = specs.get(name)
             if entry is None:

@@ -99,6 +99,18 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+def _source_files_inside(src: Path, out: Path) -> str | None:
+    """The first file of SRC (symlinks followed) that lives inside OUT, or None."""
+    if not src.is_dir():
+        return None
+    for f in sorted(src.iterdir()):
+        with contextlib.suppress(OSError):
+            r = f.resolve()
+            if r == out or out in r.parents:
+                return f.name
+    return None
+
+
 def check_destination(src: str | Path | None, out: str | Path, *, overwrite: bool) -> None:
     """Refuse destinations that would touch SRC or lose data (``src`` None: a Hub repo id not downloaded
     yet, only OUT itself is checked).
@@ -119,6 +131,10 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
             raise ConversionError(f"OUT {out} is not empty; pass --overwrite to replace it")
         if src_r is not None and out_r in src_r.parents:
             raise ConversionError(f"refusing to --overwrite {out}: it contains the source checkpoint {src}")
+        inside = _source_files_inside(src_r, out_r) if src_r is not None else None
+        if inside is not None:  # a SRC file symlinked into OUT would vanish with the old OUT
+            raise ConversionError(f"refusing to --overwrite {out}: the source file {inside} resolves into it "
+                                  "(the source is never modified)")
         if not is_layout(out_r):
             raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
                                   f"(no {MANIFEST_NAME}); remove it yourself if it should go")
