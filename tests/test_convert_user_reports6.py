@@ -90,3 +90,25 @@ def test_verify_reports_bytes_that_belong_to_no_tensor(layout, tmp_path, tamper,
     code, out = cli("verify", tampered)
     assert code == 1, out
     assert word in out and shard.name in out
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_a_source_that_shrinks_mid_copy_is_named(tmp_path, kernel_copy):
+    """A source shard truncated while convert copies from it: the error names the file (was: 'copy_file_range
+    copied nothing at source offset N'), for the in-kernel copy and the read/write fallback alike."""
+    import os
+
+    from atomtool.convert.writer import _AsyncWriter
+
+    src = tmp_path / "model-00001.safetensors"
+    src.write_bytes(b"x" * 10)
+    w = _AsyncWriter()
+    w._kernel_copy = kernel_copy and hasattr(os, "copy_file_range")
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with open(tmp_path / "out.bin", "wb") as f, pytest.raises(OSError) as exc:
+            w._copy(f, fd, 4, 100)
+    finally:
+        os.close(fd)
+        w.close()
+    assert str(src) in str(exc.value) and "ends before offset 104" in str(exc.value)

@@ -99,6 +99,14 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+def _fd_name(fd: int) -> str:
+    """The path behind an open file descriptor (Linux /proc), for messages; ``fd N`` elsewhere."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+
+
 def _source_files_inside(src: Path, out: Path) -> str | None:
     """The first file of SRC (symlinks followed) that lives inside OUT, or None."""
     if not src.is_dir():
@@ -426,7 +434,8 @@ class _AsyncWriter:
                     break
                 raise
             if k <= 0:
-                raise OSError(errno.EIO, f"copy_file_range copied nothing at source offset {offset}")
+                raise OSError(errno.EIO, f"source {_fd_name(src_fd)} ends before offset {offset + n} (changed or "
+                                         "truncated while convert read it?)")
             offset += k
             n -= k
         while n > 0:  # fallback: through a scratch buffer
@@ -435,7 +444,8 @@ class _AsyncWriter:
             view = self._scratch[:min(n, len(self._scratch))]
             k = os.preadv(src_fd, [view], offset)
             if k <= 0:
-                raise OSError(errno.EIO, f"source truncated at offset {offset}")
+                raise OSError(errno.EIO, f"source {_fd_name(src_fd)} ends before offset {offset + n} (changed or "
+                                         "truncated while convert read it?)")
             _write_all(f, view[:k])
             offset += k
             n -= k
