@@ -99,7 +99,7 @@ def _user_errors(fn):
 @app.command("inspect", short_help="Classify a checkpoint from config.json and safetensors headers.")
 @_user_errors
 def inspect_cmd(
-    source: Annotated[str, typer.Argument(help="Local checkpoint directory or Hugging Face Hub repo id.")],
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="Local checkpoint directory or Hugging Face Hub repo id.")],
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor.")] = False,
@@ -115,8 +115,8 @@ def inspect_cmd(
 @app.command("convert", short_help="Stream a checkpoint into the atomtool layout.")
 @_user_errors
 def convert_cmd(
-    src: Annotated[str, typer.Argument(help="Source checkpoint directory (or Hub repo id, downloaded first).")],
-    out: Annotated[str, typer.Argument(help="Output layout directory (must not exist or be empty).")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint directory (or Hub repo id, downloaded first).")],
+    out: Annotated[str, typer.Argument(metavar="OUT", help="Output layout directory (must not exist or be empty).")],
     dtype: Annotated[DType, typer.Option(help="Target dtype for plain-float tensors.")] = DType.auto,
     shard_size: Annotated[str, typer.Option(help="Maximum shard size, e.g. 5GB, 500MB.")] = "5GB",
     overwrite: Annotated[bool, typer.Option(
@@ -147,7 +147,7 @@ def convert_cmd(
 @app.command("verify", short_help="Check a layout against its manifest (and its source).")
 @_user_errors
 def verify_cmd(
-    layout: Annotated[str, typer.Argument(help="An atomtool layout directory.")],
+    layout: Annotated[str, typer.Argument(metavar="LAYOUT", help="An atomtool layout directory.")],
     source: Annotated[str | None, typer.Option("--source", help="Check every part reproduces this source.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object (every "
                                                             "problem listed) instead of text.")] = False,
@@ -161,7 +161,7 @@ def verify_cmd(
 @app.command("generate", short_help="Generate completions offline with the engine.")
 @_user_errors
 def generate_cmd(
-    model: Annotated[str, typer.Argument(help="atomtool layout, raw HF checkpoint directory, or Hub repo id.")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="atomtool layout, raw HF checkpoint directory, or Hub repo id.")],
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch.")],
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt (fewer at EOS or at the "
                                                  "context limit).")] = 32,
@@ -192,7 +192,7 @@ def generate_cmd(
 @app.command("serve", short_help="Serve a model over an OpenAI-compatible HTTP API.")
 @_user_errors
 def serve_cmd(
-    model: Annotated[str | None, typer.Argument(
+    model: Annotated[str | None, typer.Argument(metavar="MODEL",
         help="atomtool layout, raw HF checkpoint directory, or Hub repo id; default: the built-in demo "
              "model.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",

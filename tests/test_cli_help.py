@@ -55,7 +55,7 @@ def test_version():
 def test_missing_argument_exit_2_names_the_problem():
     res = _invoke("inspect")
     assert res.exit_code == 2
-    assert "Missing argument 'source'" in res.output and "atomtool inspect --help" in res.output
+    assert "Missing argument 'SOURCE'" in res.output and "atomtool inspect --help" in res.output
 
 
 def test_bad_choice_exit_2_names_the_problem():
