@@ -199,7 +199,7 @@ def _print_plan(plan: ConversionPlan, report: InspectReport) -> None:
                       _fmt_parts(spec))
     console.print(table)
     for note in plan.notes:
-        console.print(f"note: {note}", highlight=False, markup=False)
+        console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)  # one line per note
     console.print("dry run: nothing written", highlight=False)
 
 
