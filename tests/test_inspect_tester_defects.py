@@ -54,7 +54,7 @@ def test_deepseek_v32_nvfp4_config_with_hf_quant_config_is_not_servable(tmp_path
     assert obj["servable"] is False
     (f,) = _not_servable(obj)
     assert f["severity"] == "warning"
-    assert "nvfp4" in f["message"] and "declared by quantization_config; no weights to check" in f["message"]
+    assert "nvfp4" in f["message"] and "declared by hf_quant_config.json; no weights to check" in f["message"]
     table = _run(str(tmp_path))
     assert re.search(r"\bservable\W+no\b", table.stdout), table.stdout
 

@@ -552,7 +552,7 @@ def build_report(
         findings.append(Finding(
             "scheme-not-servable", "warning", None,
             f"quant_method {spec.method!r} stores quantized weights as {', '.join(declared_bad)}, declared by "
-            f"quantization_config; no weights to check. serve runs {', '.join(sorted(SERVABLE_SCHEMES))} "
+            f"{'quantization_config' if isinstance(qcfg, dict) else 'hf_quant_config.json'}; no weights to check. serve runs {', '.join(sorted(SERVABLE_SCHEMES))} "
             f"weights only (convert cannot change that)"))
 
     if tensors:
