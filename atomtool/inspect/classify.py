@@ -342,7 +342,9 @@ def unused_tensor_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any],
     for: names outside the family's layout (:func:`atomtool.inspect.required.layout_entries`), and biases on
     linears the config builds without one (``attention_bias`` / ``mlp_bias`` false). transformers leaves them
     unused with a warning; the engine's loader refuses them with this message (it would otherwise have to
-    guess). Not here: layers past num_hidden_layers (``extra-layers``), a tied lm_head
+    guess). Not here: indexer tensors of layers the DSA schedule makes ``shared`` / ``dense`` (the DSA
+    findings report them; they are dropped, e.g. under an IndexCache override), layers past num_hidden_layers
+    (``extra-layers``), a tied lm_head
     (``tied-head-stored``), rotary ``inv_freq`` buffers, empty tensors (transformers' 0-row shared experts for
     ``n_shared_experts: 0``), quantization companions of known modules (classified with their module). [] for a family whose layout is not known here."""
     from atomtool.inspect.required import layout_entries
@@ -365,6 +367,8 @@ def unused_tensor_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any],
         module, _, suffix = t.rpartition(".")
         if _STACKED_EXPERTS.search(t):  # stacked expert tensors (gpt-oss style): classified as experts
             continue
+        if m and ".self_attn.indexer." in t and roles is not None:  # an indexer the schedule shares or drops:
+            continue  # dsa_findings reports it, convert and the loader drop it (IndexCache overrides)
         rel = modules.get(module)
         if rel is not None and (suffix != "bias" or _bias_allowed(rel, flat)):
             continue
