@@ -342,10 +342,10 @@ def unused_tensor_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any],
     for: names outside the family's layout (:func:`atomtool.inspect.required.layout_entries`), and biases on
     linears the config builds without one (``attention_bias`` / ``mlp_bias`` false). transformers leaves them
     unused with a warning; the engine's loader refuses them with this message (it would otherwise have to
-    guess). Not here: indexer tensors of layers the DSA schedule makes ``shared`` / ``dense`` (the DSA
-    findings report them; they are dropped, e.g. under an IndexCache override), layers past num_hidden_layers
-    (``extra-layers``), a tied lm_head
-    (``tied-head-stored``), rotary ``inv_freq`` buffers, empty tensors (transformers' 0-row shared experts for
+    guess). Not here: indexer tensors of layers the DSA schedule makes ``shared``
+    (``dsa-shared-layer-with-indexer`` reports them; they are dropped, e.g. under an IndexCache override),
+    layers past num_hidden_layers (``extra-layers``), a tied lm_head
+    (``lm-head-with-tied-embeddings``), rotary ``inv_freq`` buffers, empty tensors (transformers' 0-row shared experts for
     ``n_shared_experts: 0``), quantization companions of known modules (classified with their module). [] for a family whose layout is not known here."""
     from atomtool.inspect.required import layout_entries
 
