@@ -165,7 +165,7 @@ def generate_cmd(
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch.")],
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt (fewer at EOS or at the "
                                                  "context limit).")] = 32,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy (argmax).")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy (argmax), as is any value below 1e-5.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens whose "
                                               "probability sums to at least this; 1 = off.")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample among the K most likely tokens; 0 or -1 = off (all "
