@@ -42,9 +42,15 @@ from atomtool.inspect.quant import (
     dtype_findings,
     fusion_findings,
     logical_numel,
+    natural_key,
     parse_quant_config,
 )
-from atomtool.inspect.required import extra_layer_findings, missing_tensor_findings, tied_head_findings
+from atomtool.inspect.required import (
+    DECODER_LAYER,
+    extra_layer_findings,
+    missing_tensor_findings,
+    tied_head_findings,
+)
 from atomtool.inspect.shapes import config_shape_findings, layout_source_tensors
 from atomtool.inspect.types import DsaInfo, Finding, InspectReport, ModuleInfo, TensorInfo
 
@@ -316,7 +322,6 @@ def unread_qk_norm_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any]
                     f"Qwen3 checkpoint needs model_type \"qwen3\" in config.json")]
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.[a-z_]+$")
 
 
@@ -360,7 +365,7 @@ def unused_tensor_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any],
     tied = bool(flat.get("tie_word_embeddings", False))
     bad = []
     for t in tensors:
-        m = _LAYER.match(t)
+        m = DECODER_LAYER.match(t)
         if (t in plain or t.endswith("rotary_emb.inv_freq") or (m and int(m.group(1)) >= n)
                 or (tied and t.startswith("lm_head.")) or 0 in tuple(tensors[t].shape)):  # empty: nothing to load
             continue
@@ -375,7 +380,7 @@ def unused_tensor_findings(tensors: dict[str, TensorInfo], flat: dict[str, Any],
         bad.append(t)
     if not bad:
         return []
-    bad.sort(key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)])
+    bad.sort(key=natural_key)
     more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
     return [Finding("unexpected-tensors", "error", None,
                     f"{len(bad)} tensor(s) the {flat.get('model_type')!r} model built from config.json has no "
@@ -594,7 +599,7 @@ def build_report(
                 # serve loads no layer past num_hidden_layers (MTP): their bytes stay on disk
                 n_layers = flat["num_hidden_layers"]
                 loaded = weights_bytes - sum(t.nbytes for name, t in tensors.items()
-                                             if (m := _LAYER.match(name)) and int(m.group(1)) >= n_layers)
+                                             if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= n_layers)
                 memory["weights_exceed_gpu_memory"] = loaded >= int(gpu_memory_gb * 1e9)
                 memory["max_context_tokens"] = mem.max_context_tokens(
                     gpu_memory_gb, loaded, memory["kv_bytes_per_token"],

@@ -646,7 +646,7 @@ def fusion_findings(modules: dict[str, ModuleInfo], family: Family | None) -> li
         if mt:
             layers[mt.group(1)][mt.group(3)] = m
     out: list[Finding] = []
-    for prefix, mods in sorted(layers.items(), key=lambda kv: _natural_key(kv[0])):
+    for prefix, mods in sorted(layers.items(), key=lambda kv: natural_key(kv[0])):
         for rule in family.fusions:
             parts = [mods[p] for p in rule.parts if p in mods]
             if len(parts) >= 2 and len({(m.scheme, m.dtype) for m in parts}) > 1:
@@ -696,7 +696,7 @@ def expert_scheme_findings(modules: dict[str, ModuleInfo], family: Family | None
         if mt:
             layers[mt.group(1)][m.scheme].add(int(mt.group(2)))
     out = []
-    for prefix, by_scheme in sorted(layers.items(), key=lambda kv: _natural_key(kv[0])):
+    for prefix, by_scheme in sorted(layers.items(), key=lambda kv: natural_key(kv[0])):
         if len(by_scheme) < 2 or set(by_scheme) <= _PLAIN_FLOAT_SCHEMES:
             continue
         ranked = sorted(by_scheme.items(), key=lambda kv: (-len(kv[1]), kv[0]))
@@ -728,7 +728,7 @@ def _experts_desc(idx: list[int], total: int) -> str:
 _DIGITS = re.compile(r"(\d+)")
 
 
-def _natural_key(s: str) -> list[Any]:
+def natural_key(s: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in _DIGITS.split(s)]
 
 
@@ -764,13 +764,13 @@ def dtype_findings(tensors: dict[str, TensorInfo], model_dtype: str | None, fp32
             groups[t.dtype].append(name)
     out = []
     if norms:  # DeepSeek-V3.2 stores every RMSNorm/LayerNorm weight F32 on purpose (its reference code does)
-        norms.sort(key=_natural_key)
+        norms.sort(key=natural_key)
         ex = ", ".join(norms[:3]) + (f", ... (+{len(norms) - 3} more)" if len(norms) > 3 else "")
         out.append(Finding("float-dtype-differs", "info", norms[0],
                            f"{len(norms)} norm weight(s) stored F32 while the model dtype is {model_dtype}: kept "
                            f"as stored by convert (--dtype auto), as the release intends, e.g. {ex}"))
     for dt, names in sorted(groups.items()):
-        names.sort(key=_natural_key)
+        names.sort(key=natural_key)
         lossy = (dt, model_dtype) not in _LOSSLESS
         ex = ", ".join(names[:3]) + (f", ... (+{len(names) - 3} more)" if len(names) > 3 else "")
         how = "lossy cast" if lossy else "lossless upcast"
@@ -791,7 +791,7 @@ def orphan_findings(orphans: dict[str, dict[str, TensorInfo]]) -> list[Finding]:
     return [Finding("orphan-companion", "error", m,
                     f"{m}: {sorted(roles)} without a weight in the same module; the engine loads no tensor it "
                     "has no place for, so generate/serve refuse it (remove the tensors)")
-            for m, roles in sorted(orphans.items(), key=lambda kv: _natural_key(kv[0]))]
+            for m, roles in sorted(orphans.items(), key=lambda kv: natural_key(kv[0]))]
 
 
 def classify_modules(tensors: dict[str, TensorInfo], spec: QuantSpec | None
@@ -801,7 +801,7 @@ def classify_modules(tensors: dict[str, TensorInfo], spec: QuantSpec | None
     grouping = group_modules(tensors)
     modules: list[ModuleInfo] = []
     findings: list[Finding] = []
-    for name in sorted(grouping.modules, key=_natural_key):
+    for name in sorted(grouping.modules, key=natural_key):
         info, f = classify_module(name, grouping.modules[name], spec)
         modules.append(info)
         findings.extend(f)

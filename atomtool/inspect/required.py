@@ -103,7 +103,7 @@ def required_modules(flat: dict[str, Any], family: Family, roles: list[str] | No
             [name for name, kind, _ in entries if kind == "module"])
 
 
-_DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def first_extra_layer(flat: dict[str, Any], family: Family | None) -> int | None:
@@ -131,7 +131,7 @@ def extra_layer_tensors(tensors: dict[str, Any], flat: dict[str, Any], family: F
     first = first_extra_layer(flat, family)
     if first is None:
         return []
-    return [name for name in tensors if (m := _DECODER_LAYER.match(name)) and int(m.group(1)) >= first]
+    return [name for name in tensors if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= first]
 
 
 def extra_layer_findings(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> list[Finding]:
@@ -141,7 +141,7 @@ def extra_layer_findings(tensors: dict[str, Any], flat: dict[str, Any], family: 
     extra = extra_layer_tensors(tensors, flat, family)
     if not extra:
         return []
-    layers = sorted({int(_DECODER_LAYER.match(name).group(1)) for name in extra})  # type: ignore[union-attr]
+    layers = sorted({int(DECODER_LAYER.match(name).group(1)) for name in extra})  # type: ignore[union-attr]
     first = first_extra_layer(flat, family)
     mtp = "" if first == _int(flat, "num_hidden_layers") else f" + {flat.get('num_nextn_predict_layers')} MTP"
     shown = ", ".join(extra[:3]) + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")

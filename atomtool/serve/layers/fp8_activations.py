@@ -73,17 +73,21 @@ def resolve_fp8_activations(requested: str, config_flat: dict[str, Any], dtype: 
     return "dynamic_ue8m0" if qc.get("scale_fmt") == "ue8m0" else "dynamic"
 
 
+def _fp8_block_layers(model: nn.Module):
+    """The FP8 block layers of ``model`` that may run W8A8: modules with a ``block_size`` and an ``act_quant``
+    attribute (:class:`Linear`, :class:`StackedExperts`), except those marked ``w8a8_eligible = False``."""
+    return (m for m in model.modules() if getattr(m, "block_size", None) is not None and hasattr(m, "act_quant")
+            and getattr(m, "w8a8_eligible", True))
+
+
 def apply_fp8_activations(model: nn.Module, act_quant: str | None) -> int:
     """Set ``act_quant`` on every FP8 block layer of ``model`` (:class:`Linear` and :class:`StackedExperts`
     with a ``block_size``) whose K block W8A8 serves (32, 64 or 128); the others stay weight-only, and layers
     marked ``w8a8_eligible = False`` (MLA's ``kv_b_proj``, consumed dequantized in the absorbed form) are left
     alone. Returns how many layers run W8A8."""
     n = 0
-    for mod in model.modules():
-        block = getattr(mod, "block_size", None)
-        if block is None or not hasattr(mod, "act_quant") or not getattr(mod, "w8a8_eligible", True):
-            continue
-        mod.act_quant = act_quant if act_quant is not None and act_quant_fp8_supported(block[1]) else None
+    for mod in _fp8_block_layers(model):
+        mod.act_quant = act_quant if act_quant is not None and act_quant_fp8_supported(mod.block_size[1]) else None
         n += mod.act_quant is not None
     return n
 
@@ -93,8 +97,7 @@ def fp8_activations_note(requested: str, model: nn.Module, n_w8a8: int) -> str |
     model has no FP8 block layers, or their K block is one W8A8 does not serve. None otherwise."""
     if requested != "dynamic" or n_w8a8:
         return None
-    blocks = sorted({tuple(m.block_size) for m in model.modules() if getattr(m, "block_size", None) is not None
-                     and hasattr(m, "act_quant") and getattr(m, "w8a8_eligible", True)})
+    blocks = sorted({tuple(m.block_size) for m in _fp8_block_layers(model)})
     if not blocks:
         return "--fp8-activations dynamic: the model has no FP8 block layers; nothing runs W8A8"
     ks = ", ".join(str(b[1]) for b in blocks)

@@ -124,6 +124,17 @@ def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
 ACT_QUANT_MODES = ("dynamic", "dynamic_ue8m0")
 
 
+def act_quant_round_scale(act_quant: str) -> bool:
+    """Whether W8A8 mode ``act_quant`` rounds activation scales to powers of two (``dynamic_ue8m0``).
+
+    Raises:
+        ValueError: ``act_quant`` is not one of :data:`ACT_QUANT_MODES`.
+    """
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"fp8 act_quant {act_quant!r}: expected None or one of {', '.join(ACT_QUANT_MODES)}")
+    return act_quant == "dynamic_ue8m0"
+
+
 def act_quant_fp8_supported(bk: int) -> bool:
     """Whether the W8A8 kernels serve a weight with K block ``bk``: one kernel K step must be exactly one
     activation group (K steps are at most 128 wide) and e4m3 tensor-core dots need K steps of >= 32."""
@@ -138,9 +149,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     ``act_quant``."""
     if act_quant is None:
         return F.linear(x, dequant_fp8_block(weight, weight_scale_inv, block_size, x.dtype), bias)
-    if act_quant not in ACT_QUANT_MODES:
-        raise ValueError(f"fp8 act_quant {act_quant!r}: expected None or one of {', '.join(ACT_QUANT_MODES)}")
-    y = linear_w8a8(x, weight, weight_scale_inv, block_size, act_quant == "dynamic_ue8m0")
+    y = linear_w8a8(x, weight, weight_scale_inv, block_size, act_quant_round_scale(act_quant))
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 

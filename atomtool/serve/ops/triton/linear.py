@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.torch_ref import ACT_QUANT_MODES, act_quant_fp8_supported
+from atomtool.serve.ops.torch_ref import act_quant_fp8_supported, act_quant_round_scale
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
@@ -292,7 +292,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                      act_quant: str | None = None) -> torch.Tensor:
     """x: [..., K] (bf16/fp16/fp32); weight: [N, K] float8_e4m3fn; weight_scale_inv: [ceil(N/bn), ceil(K/bk)]
     float32; bias: [N] or None; act_quant: None (weights widened, activations kept) or an
-    ``ACT_QUANT_MODES`` mode (W8A8: activations quantized per token and 1 x bk group inside the kernel, see
+    ``torch_ref.ACT_QUANT_MODES`` mode (W8A8: activations quantized per token and 1 x bk group inside the kernel, see
     ``_act_quant``; needs bk in 32 / 64 / 128). Returns [..., N] in x's dtype. Raises ValueError on
     mismatched shapes or an unusable act_quant."""
     bn, bk = block_size
@@ -364,11 +364,10 @@ def act_quant_flags(act_quant: str | None, bk: int, block_k: int) -> tuple[bool,
     of ``block_k``. Raises ValueError for an unknown mode or a block W8A8 cannot serve."""
     if act_quant is None:
         return False, False
-    if act_quant not in ACT_QUANT_MODES:
-        raise ValueError(f"fp8 act_quant {act_quant!r}: expected None or one of {', '.join(ACT_QUANT_MODES)}")
+    round_scale = act_quant_round_scale(act_quant)
     if not act_quant_fp8_supported(bk) or block_k != bk:
         raise ValueError(f"fp8 act_quant: K block {bk} is not served by W8A8 (needs 32, 64 or 128)")
-    return True, act_quant == "dynamic_ue8m0"
+    return True, round_scale
 
 
 def _tma_ok(cfg: Fp8LinearConfig, a: torch.Tensor, w: torch.Tensor) -> bool:
