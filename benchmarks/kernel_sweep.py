@@ -11,7 +11,8 @@ one's achieved bandwidth against the device copy bandwidth measured in the same 
   are rotated so no call is served from L2. Metric: step-weighted time, bytes / time.
 - Fused MoE at T = 1 and 8 (routing random, distinct experts per call), the routed experts of one layer
   (E = 256, hidden 7168, intermediate 2048, FP8 128x128 blocks).
-- Sparse MLA decode (split-KV kernel + merge) at batch 1 and 8: 128 heads, kv_lora_rank 512, top-k 2048.
+- Sparse MLA decode (split-KV kernel + merge fused with the W_UV product) at batch 1, 8 and 64: 128 heads,
+  kv_lora_rank 512, v_head_dim 128, top-k 2048; first the unfused default (merge kernel + cuBLAS batched GEMM).
 
     python -m benchmarks.kernel_sweep [--quick] [--smoke] [--only linear|moe|mla]
 
@@ -132,14 +133,19 @@ def sweep_moe(device, configs, T_list, copy_bw: float, smoke: bool, act_quant: s
 
 
 def sweep_mla(device, candidates, copy_bw: float, smoke: bool) -> list[dict]:
-    """Sparse MLA decode (split-KV + merge) at batch 1 and 8: 128 heads, kv_lora_rank 512, rope 64, top-k 2048
-    of a 4096-token context (smoke: toy sizes). ``candidates``: (MlaDecodeConfig, SPLIT_CHUNK_SPARSE)."""
+    """Sparse MLA decode (split-KV + merge with W_UV) at batch 1, 8 and 64: 128 heads, kv_lora_rank 512, rope
+    64, v_head_dim 128, top-k 2048 of a 4096-token context (smoke: toy sizes). ``candidates``:
+    (MlaDecodeConfig, SPLIT_CHUNK_SPARSE). The first row of each batch is the unfused default (split-KV,
+    merge kernel, then the W_UV product as cuBLAS's batched GEMM), the engine's path before the fusion."""
     mla = importlib.import_module("atomtool.serve.ops.triton.mla")
-    H, R, P, K, ctx, bs = (128, 512, 64, 2048, 4096, 64) if not smoke else (16, 256, 32, 64, 200, 16)
+    from atomtool.serve.ops.torch_ref_mla import mla_output_uv
+
+    H, R, P, K, ctx, bs, dv = (128, 512, 64, 2048, 4096, 64, 128) if not smoke else (16, 256, 32, 64, 200, 16, 32)
     gen = torch.Generator(device=device).manual_seed(2)
     rows = []
     default = (mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE)
-    for B in (1, 8):
+    w_uv = torch.randn(H, dv, R, device=device, dtype=torch.bfloat16, generator=gen) / R ** 0.5
+    for B in (1, 8) if smoke else (1, 8, 64):
         blocks = B * (ctx // bs + 1)
         latent = torch.randn(blocks, bs, R + P, device=device, dtype=torch.bfloat16, generator=gen)
         bt = torch.randperm(blocks, device=device, generator=gen).to(torch.int32).view(B, -1)
@@ -151,16 +157,20 @@ def sweep_mla(device, candidates, copy_bw: float, smoke: bool) -> list[dict]:
         qp = torch.randn(B, H, P, device=device, dtype=torch.bfloat16, generator=gen)
         nbytes = B * K * (R + P) * 2
         args = (qn, qp, latent, cu, seq_lens, bt, 0.1, topk)
+        t = C.seconds_per_call(lambda a=args: mla_output_uv(mla.mla_attention(*a), w_uv), device)
+        rows.append(C.record("kernel_sweep", kernel="mla_decode", B=B, chunk=default[1], **vars(default[0]),
+                             fused_uv=False, us=t * 1e6, GBps=nbytes / t / 1e9))
+        print(f"  B={B} unfused default (merge + cuBLAS W_UV): {t * 1e6:.1f} us", flush=True)
         try:
             for cfg, chunk in candidates:
                 mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE = cfg, chunk
                 try:
-                    t = C.seconds_per_call(lambda a=args: mla.mla_attention(*a), device)
+                    t = C.seconds_per_call(lambda a=args: mla.mla_attention(*a, w_uv=w_uv), device)
                 except Exception as e:  # a tile that does not fit shared memory / registers
                     print(f"  B={B} {cfg} chunk={chunk}: failed ({type(e).__name__})", flush=True)
                     continue
-                rows.append(C.record("kernel_sweep", kernel="mla_decode", B=B, chunk=chunk, **vars(cfg), us=t * 1e6,
-                                     GBps=nbytes / t / 1e9))
+                rows.append(C.record("kernel_sweep", kernel="mla_decode", B=B, chunk=chunk, **vars(cfg), fused_uv=True,
+                                     us=t * 1e6, GBps=nbytes / t / 1e9))
                 print(f"  B={B} {cfg} chunk={chunk}: {t * 1e6:.1f} us", flush=True)
         finally:
             mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE = default
@@ -239,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "mla"):
         print(f"\n== sparse MLA decode, {len(mla_c)} configs")
         ml = sweep_mla(device, mla_c, copy_bw, args.smoke)
-        for B in (1, 8):
+        for B in (1, 8, 64):
             if any(r["B"] == B for r in ml):
                 print(f"best mla B={B}: {min((r for r in ml if r['B'] == B), key=lambda r: r['us'])}")
         results += ml

@@ -272,6 +272,44 @@ def test_mla_attention_bf16_and_shape_error():
         tri.mla_attention(args[0], args[1][..., :3], *args[2:], 0.2)
 
 
+def test_mla_attention_with_w_uv_fuses_the_merge_and_keeps_batch_invariance():
+    """With ``w_uv`` the op returns W_UV o_lat: decode rows from the fused merge + W_UV kernel (more rows than
+    one 16-row program, several dense and sparse chunks, odd head / latent / value sizes), multi-token rows
+    through the reference GEMM; equal to the reference and to the unfused op + GEMM in float32, and a decode
+    row's bits equal alone, in a decode batch and beside a prefill chunk."""
+    from atomtool.serve.ops.triton.mla import MERGE_UV_BLOCK_M, SPLIT_CHUNK_SPARSE, SPLIT_SPAN_DENSE
+
+    H, R, P, dv, nope, bs = 5, 24, 8, 20, 12, 16
+    seq_lens = [1, 7, SPLIT_SPAN_DENSE + 3, 2 * SPLIT_SPAN_DENSE + 1] + [3 + 5 * i for i in range(MERGE_UV_BLOCK_M)]
+    q_lens = [1] * len(seq_lens)
+    args = _mla_inputs(q_lens, seq_lens, H, R, P, bs, seed=21)
+    qn, qp, lat, cu, sl, bt = args
+    g = torch.Generator().manual_seed(22)
+    w_kvb = torch.randn(H, nope + dv, R, generator=g) / R ** 0.5
+    w_uv = w_kvb[:, nope:]  # the layer's strided view
+    topk = _random_topk(q_lens, seq_lens, K=SPLIT_CHUNK_SPARSE + 9, n_sel=SPLIT_CHUNK_SPARSE + 2, seed=23)
+    outs = {}
+    for name, tk in (("dense", None), ("sparse", topk)):
+        fused = tri.mla_attention(*args, 0.3, tk, w_uv=w_uv)
+        assert fused.shape == (len(seq_lens), H, dv)
+        _close(fused, torch_ref_mla.mla_attention(*args, 0.3, tk, w_uv=w_uv), 2e-5, 1e-5)
+        _close(fused, torch_ref_mla.mla_output_uv(tri.mla_attention(*args, 0.3, tk), w_uv), 2e-5, 1e-5)
+        outs[name] = fused
+    b = 3
+    alone = (qn[b:b + 1], qp[b:b + 1], lat, _cu([1]), sl[b:b + 1], bt[b:b + 1])
+    assert torch.equal(tri.mla_attention(*alone, 0.3, w_uv=w_uv), outs["dense"][b:b + 1])
+    assert torch.equal(tri.mla_attention(*alone, 0.3, topk[b:b + 1], w_uv=w_uv), outs["sparse"][b:b + 1])
+    pre_q = 4
+    mix_args = (torch.cat([torch.randn(pre_q, H, R, generator=g), qn[b:b + 1]]),
+                torch.cat([torch.randn(pre_q, H, P, generator=g), qp[b:b + 1]]), lat, _cu([pre_q, 1]),
+                torch.tensor([seq_lens[2], seq_lens[b]], dtype=torch.int32), torch.stack([bt[2], bt[b]]))
+    mixed = tri.mla_attention(*mix_args, 0.3, w_uv=w_uv)
+    _close(mixed, torch_ref_mla.mla_attention(*mix_args, 0.3, w_uv=w_uv), 2e-5, 1e-5)
+    assert torch.equal(mixed[pre_q:], outs["dense"][b:b + 1])
+    with pytest.raises(ValueError, match=r"w_uv \(5, 20, 23\) must be \[H=5, dv, R=24\]"):
+        tri.mla_attention(*args, 0.3, w_uv=w_kvb[:, nope:, :23])
+
+
 # ---------------------------------------------------------------- DSA indexer top-k
 
 def _indexer_inputs(q_lens, seq_lens, Hi, Di, bs, seed=4, mb_extra=0):

@@ -196,12 +196,9 @@ class MLAAttention(nn.Module):
         w_kvb = self._w_kvb
         q_abs = torch.einsum("thd,hdr->thr", q_nope, w_kvb[:, : self.nope])
         topk = selection.join() if selection is not None else prev_topk if self.role == "shared" else None
-        o_lat = get_op("mla_attention", dev)(q_abs, q_pe, latent, batch.cu_seqlens_q, batch.seq_lens,
-                                             batch.block_tables, self.scale, topk)
-        # o[t, h] = W_UV[h] o_lat[t, h]: the einsum's own batched GEMM (batch h), written straight into a
-        # [T, H, dv] buffer (one kernel; the einsum's [H, T, dv] result needs a copy to flatten when T > 1)
-        o = torch.empty((T, H, self.v_head_dim), dtype=o_lat.dtype, device=dev)
-        torch.bmm(o_lat.transpose(0, 1), w_kvb[:, self.nope:].transpose(1, 2), out=o.transpose(0, 1))
+        # o[t, h] = W_UV[h] o_lat[t, h] inside the op (the Triton backend folds it into the split-KV merge)
+        o = get_op("mla_attention", dev)(q_abs, q_pe, latent, batch.cu_seqlens_q, batch.seq_lens,
+                                         batch.block_tables, self.scale, topk, w_uv=w_kvb[:, self.nope:])
         return self.o_proj(o.view(T, H * self.v_head_dim)), topk
 
 

@@ -30,12 +30,15 @@ from atomtool.serve.ops.torch_ref import (
 
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, topk_indices: torch.Tensor | None = None,
+                  w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-head Latent Attention over a paged latent cache, absorbed form (DeepSeek-V2 §2.1; dsa.md §5.1/5.4).
 
     Every query head attends to one shared latent key/value per token (MQA over the latent):
     ``logit[t,h,s] = scale * (q_nope_absorbed[t,h] · c_kv[s] + q_pe[t,h] · k_pe[s])``,
-    ``out[t,h] = Σ_s softmax_s(logit) c_kv[s]``. The caller un-absorbs the output with W_UV.
+    ``o_lat[t,h] = Σ_s softmax_s(logit) c_kv[s]`` (rounded to the input dtype). With ``w_uv`` the op also
+    un-absorbs: ``out[t,h] = W_UV[h] o_lat[t,h]`` (:func:`mla_output_uv`), which lets a backend fuse that
+    product into its final pass; without it the caller does.
 
     Args:
         q_nope_absorbed: [T, H, R] (R = kv_lora_rank), ``q_nope @ W_UK`` per head.
@@ -47,8 +50,9 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         scale: softmax scale, ``qk_head_dim**-0.5 * mscale**2`` (not (R+P)**-0.5).
         topk_indices: optional [T, K] int32 request-local positions selected by the DSA indexer, -1 padded;
             query t then attends only to those positions (and still only causally). None: dense causal.
+        w_uv: optional [H, dv, R] W_UV (kv_b_proj's value rows per head, the model dtype; last dim contiguous).
     Returns:
-        [T, H, R] in q_nope_absorbed's dtype (logits and softmax in float32).
+        [T, H, R] in q_nope_absorbed's dtype (logits and softmax in float32), or [T, H, dv] with ``w_uv``.
     """
     T, H, R = q_nope_absorbed.shape
     out = q_nope_absorbed.new_empty(T, H, R)
@@ -70,7 +74,20 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         scores.masked_fill_(invalid[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[s:e] = torch.einsum("qhk,kr->qhr", probs, ckv).to(out.dtype)
-    return out
+    return out if w_uv is None else mla_output_uv(out, w_uv)
+
+
+def mla_output_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Un-absorb MLA's latent output per head: ``o[t, h] = W_UV[h] @ o_lat[t, h]`` (DeepSeek-V2 §2.1).
+
+    o_lat: [T, H, R]; w_uv: [H, dv, R] (any strides). Returns [T, H, dv] in o_lat's dtype: one batched GEMM
+    (batch = heads) written straight into the [T, H, dv] buffer (the einsum's [H, T, dv] result would need a
+    copy to flatten when T > 1).
+    """
+    T, H, _ = o_lat.shape
+    o = torch.empty((T, H, w_uv.shape[1]), dtype=o_lat.dtype, device=o_lat.device)
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+    return o
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,

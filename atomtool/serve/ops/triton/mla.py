@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atomtool.serve.ops.torch_ref_mla import mla_output_uv
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
@@ -203,15 +204,81 @@ def _mla_split_kernel(
     tl.store(ws_ml_ptr + base * 2 + 1, l_i, mask=h_ok)
 
 
+#: rows per program of the fused merge + W_UV kernel (the dot's tile height: one value for every batch, so a
+#: row's bits never depend on its batch) and latent features per step of its W_UV product
+MERGE_UV_BLOCK_M = 16
+MERGE_UV_BLOCK_R = 128
+
+
+@triton.jit
+def _mla_merge_uv_kernel(
+    ws_acc_ptr, ws_ml_ptr, w_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, B, H, R, DV, K, n_chunks,
+    s_wh, s_wv, s_ot, s_oh,
+    SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    # program (block of BLOCK_M sequences, head h): the split-KV merge of split_kv_merge_kernel for each decode
+    # row (same per-element formula and chunk order, so o_lat has the same bits), rounded to the output dtype
+    # as the unfused path stores it, then o[row, h] = W_UV[h] @ o_lat[row, h] accumulated over BLOCK_R steps.
+    grid_dependency_wait(USE_PDL)
+    h = tl.program_id(1)
+    b = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b_ok = b < B
+    q_start = tl.load(cu_q_ptr + b, mask=b_ok, other=0)
+    dec = b_ok & (tl.load(cu_q_ptr + b + 1, mask=b_ok, other=0) - q_start == 1)
+    if SPARSE:
+        n_keys = tl.zeros([BLOCK_M], tl.int32) + K
+    else:
+        n_keys = tl.load(seq_lens_ptr + b, mask=dec, other=0)
+    span = chunk_span(n_keys, n_chunks, SPAN_MIN)
+    n_row = tl.where(dec, (n_keys + span - 1) // span, 0)
+    rows_max = tl.max(n_row, axis=0)
+    row0 = b.to(tl.int64) * n_chunks * H + h
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for c in range(0, rows_max):
+        m_all = tl.maximum(m_all, tl.load(ws_ml_ptr + (row0 + c * H) * 2, mask=c < n_row, other=float("-inf")))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros([BLOCK_M], tl.float32)
+    for c in range(0, rows_max):
+        rc = row0 + c * H
+        wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=c < n_row, other=float("-inf")) - m_safe)
+        l_all += wgt * tl.load(ws_ml_ptr + rc * 2 + 1, mask=c < n_row, other=0.0)
+    v = tl.arange(0, DV_PAD)
+    v_ok = v < DV
+    out = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < R
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for c in range(0, rows_max):
+            rc = row0 + c * H
+            ok = c < n_row
+            wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=ok, other=float("-inf")) - m_safe)
+            acc += wgt[:, None] * tl.load(ws_acc_ptr + rc[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :],
+                                          other=0.0)
+        o_lat = tl.where(dec[:, None], acc / tl.where(dec, l_all, 1.0)[:, None], 0.0).to(o_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + h.to(tl.int64) * s_wh + v[:, None] * s_wv + r[None, :], mask=v_ok[:, None] & r_ok[None, :],
+                    other=0.0)
+        out = dot_acc(o_lat, tl.trans(w), out, DOT_DTYPE)
+    tl.store(o_ptr + q_start[:, None].to(tl.int64) * s_ot + h * s_oh + v[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=dec[:, None] & v_ok[None, :])
+
+
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, topk_indices: torch.Tensor | None = None,
+                  w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-form MLA attention; same contract as ``torch_ref_mla.mla_attention``.
 
     q_nope_absorbed: [T, H, R]; q_pe: [T, H, P]; latent_cache: [N, bs, R + P] (row = c_kv ‖ k_pe, stored
     before the call); cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; scale:
-    softmax scale; topk_indices: optional [T, K] int32 request-local positions, -1 padded (DSA sparse).
-    Returns [T, H, R] in q_nope_absorbed's dtype.
+    softmax scale; topk_indices: optional [T, K] int32 request-local positions, -1 padded (DSA sparse);
+    w_uv: optional [H, dv, R] W_UV, last dim contiguous. Returns [T, H, R] in q_nope_absorbed's dtype, or
+    [T, H, dv] with ``w_uv``: decode rows then get the W_UV product inside the split-KV merge (one kernel,
+    :func:`_mla_merge_uv_kernel`: at batch 1 the merge and cuBLAS's batched GEMV were ~15 us of latency per
+    layer); rows of a multi-token query go through ``torch_ref_mla.mla_output_uv``. A decode row takes the
+    fused path in every batch, so its bits do not depend on what else the batch holds.
+    Raises ValueError for inputs whose shapes do not fit.
     """
     T, H, R = q_nope_absorbed.shape
     P = q_pe.shape[-1]
@@ -219,9 +286,12 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         raise ValueError(f"mla_attention: q {tuple(q_nope_absorbed.shape)} / q_pe {tuple(q_pe.shape)} do not fit "
                          f"latent cache {tuple(latent_cache.shape)}")
     B = seq_lens.shape[0]
-    out = torch.empty_like(q_nope_absorbed)
+    if w_uv is not None and (w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R or w_uv.stride(-1) != 1):
+        raise ValueError(f"mla_attention: w_uv {tuple(w_uv.shape)} must be [H={H}, dv, R={R}] with a contiguous "
+                         "last dim")
+    lat_out = torch.empty_like(q_nope_absorbed)
     if T == 0 or B == 0:
-        return out
+        return lat_out if w_uv is None else q_nope_absorbed.new_empty(T, H, w_uv.shape[1])
     for name, ten in (("q_nope_absorbed", q_nope_absorbed), ("q_pe", q_pe), ("latent_cache", latent_cache)):
         if ten.stride(-1) != 1:
             raise ValueError(f"mla_attention: {name} must have a contiguous last dim")
@@ -238,10 +308,10 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         block_n = 32 if r_pad >= 256 else 64
         grid = (T, triton.cdiv(H, block_h))
         _mla_kernel[grid](
-            q_nope_absorbed, q_pe, latent_cache, out, cu_seqlens_q, seq_lens, block_tables, tk,
+            q_nope_absorbed, q_pe, latent_cache, lat_out, cu_seqlens_q, seq_lens, block_tables, tk,
             B, H, R, P, K, latent_cache.shape[1], float(scale),
             q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
-            latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            latent_cache.stride(0), latent_cache.stride(1), lat_out.stride(0), lat_out.stride(1), block_tables.stride(0),
             tk.stride(0),
             SPARSE=sparse, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=r_pad, P_PAD=p_pad, BLOCK_B=pow2(B),
             DOT_DTYPE=dot, num_warps=8 if r_pad >= 256 else 4, num_stages=2,
@@ -251,8 +321,8 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     # ordered merge. Chunk count: from the top-k width (sparse) or a constant (dense), never from the batch.
     span_min = SPLIT_CHUNK_SPARSE if sparse else SPLIT_SPAN_DENSE
     n_chunks = max(1, triton.cdiv(K, SPLIT_CHUNK_SPARSE)) if sparse else SPLIT_CHUNKS_DENSE
-    ws_acc = torch.empty((B, n_chunks, H, R), dtype=torch.float32, device=out.device)
-    ws_ml = torch.empty((B, n_chunks, H, 2), dtype=torch.float32, device=out.device)
+    ws_acc = torch.empty((B, n_chunks, H, R), dtype=torch.float32, device=lat_out.device)
+    ws_ml = torch.empty((B, n_chunks, H, 2), dtype=torch.float32, device=lat_out.device)
     if r_pad < 256:
         cfg = MlaDecodeConfig(block_h=32, block_n=64, num_warps=4)
     elif q_nope_absorbed.element_size() > 2:  # float32: the bf16-tuned 64 x 64 tiles need 311 KB of shared memory
@@ -269,10 +339,22 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         P_PAD=p_pad, DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_pdl_args(q_nope_absorbed.device),
     )
-    grid, merge_h, merge_d = merge_grid(B, H, R)
-    split_kv_merge_kernel[grid](
-        ws_acc, ws_ml, out, cu_seqlens_q, seq_lens, H, R, K, n_chunks, out.stride(0), out.stride(1),
-        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=merge_h, BLOCK_D=merge_d, EMPTY_IS_ZERO=False, num_warps=4,
-        **launch_pdl_args(ws_acc.device),
+    if w_uv is None:
+        grid, merge_h, merge_d = merge_grid(B, H, R)
+        split_kv_merge_kernel[grid](
+            ws_acc, ws_ml, lat_out, cu_seqlens_q, seq_lens, H, R, K, n_chunks, lat_out.stride(0), lat_out.stride(1),
+            SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=merge_h, BLOCK_D=merge_d, EMPTY_IS_ZERO=False, num_warps=4,
+            **launch_pdl_args(ws_acc.device),
+        )
+        return lat_out
+    DV = w_uv.shape[1]
+    # multi-token rows (prefill) were written to lat_out above: un-absorb them by the reference's GEMM (its
+    # decode rows are garbage there and overwritten below); a decode-only step skips it
+    out = mla_output_uv(lat_out, w_uv) if T > B else q_nope_absorbed.new_empty(T, H, DV)
+    _mla_merge_uv_kernel[(triton.cdiv(B, MERGE_UV_BLOCK_M), H)](
+        ws_acc, ws_ml, w_uv, out, cu_seqlens_q, seq_lens, B, H, R, DV, K, n_chunks,
+        w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
+        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_M=MERGE_UV_BLOCK_M, BLOCK_R=min(MERGE_UV_BLOCK_R, r_pad),
+        DV_PAD=pow2(DV, 16), DOT_DTYPE=dot, num_warps=4, **launch_pdl_args(ws_acc.device),
     )
     return out
