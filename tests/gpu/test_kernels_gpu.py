@@ -165,20 +165,24 @@ def test_mla_attention_dense_and_sparse(tri, dtype, atol, rtol, H, q_lens, seq_l
 
 
 def test_mla_split_kv_decode_batch_invariant(tri):
-    """Decode rows (split-KV + ordered merge) give the same bits alone, in a decode batch, and beside a
-    prefill chunk (which takes the one-program path); contexts around the 256-key dense chunk boundary."""
+    """Decode rows (split-KV + ordered merge, also fused with W_UV) give the same bits alone, in a decode batch,
+    and beside a prefill chunk (which takes the one-program path); contexts around the 256-key dense chunk
+    boundary."""
     H, scale = 128, 192 ** -0.5
     q_lens, seq_lens = [1, 1, 1, 1, 1], [255, 256, 257, 2049, 5000]
     qn, qp, lat, cu, sl, bt = _mla_inputs(torch.bfloat16, H, q_lens, seq_lens)
     topk = _topk_like(q_lens, seq_lens, 2048)
     topk[4, 1000:1300] = -1  # padding inside the list: whole chunks empty, one partly
-    for tk in (None, topk):
-        full = tri.mla_attention(qn, qp, lat, cu, sl, bt, scale, tk)
-        _close(full, torch_ref_mla.mla_attention(qn, qp, lat, cu, sl, bt, scale, tk), 1e-2, 1e-2)
+    # with w_uv (the engine's call): the merge fused with W_UV [128, 128 (dv), 512], a strided view as the layer's
+    w_uv = (torch.randn(H, 256, 512, generator=torch.Generator().manual_seed(12)) / 512 ** 0.5).to(
+        DEV, torch.bfloat16)[:, 128:]
+    for tk, wv in [(tk, wv) for tk in (None, topk) for wv in (None, w_uv)]:
+        full = tri.mla_attention(qn, qp, lat, cu, sl, bt, scale, tk, w_uv=wv)
+        _close(full, torch_ref_mla.mla_attention(qn, qp, lat, cu, sl, bt, scale, tk, w_uv=wv), 1e-2, 1e-2)
         for b in (0, 3, 4):
             sub_tk = None if tk is None else tk[b:b + 1]
             alone = tri.mla_attention(qn[b:b + 1], qp[b:b + 1], lat, _cu([1]), sl[b:b + 1], bt[b:b + 1], scale,
-                                      sub_tk)
+                                      sub_tk, w_uv=wv)
             assert torch.equal(alone, full[b:b + 1])
         # decode row 4 beside a 300-token prefill chunk of sequence 3
         g = torch.Generator().manual_seed(11)
@@ -186,8 +190,8 @@ def test_mla_split_kv_decode_batch_invariant(tri):
         mp = torch.cat([torch.randn(300, H, 64, generator=g).to(DEV, torch.bfloat16), qp[4:5]])
         margs = (mq, mp, lat, _cu([300, 1]), sl[3:5], bt[3:5])
         mtk = None if tk is None else torch.cat([_topk_like([300], [2049], 2048), tk[4:5]])
-        mixed = tri.mla_attention(*margs, scale, mtk)
-        _close(mixed, torch_ref_mla.mla_attention(*margs, scale, mtk), 1e-2, 1e-2)
+        mixed = tri.mla_attention(*margs, scale, mtk, w_uv=wv)
+        _close(mixed, torch_ref_mla.mla_attention(*margs, scale, mtk, w_uv=wv), 1e-2, 1e-2)
         assert torch.equal(mixed[300:], full[4:5])
 
 
