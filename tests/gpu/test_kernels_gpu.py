@@ -506,3 +506,48 @@ def test_fused_moe_direct_and_fused_silu_bitwise(tri, gpu_report, monkeypatch):
             torch.cuda.synchronize()
             key = ("direct" if direct_ else "aligned") + ("_fused_silu" if fuse else "_two_launch")
             gpu_report[f"fused_moe_dsv32_T1_{name}_{key}_us"] = round(start.elapsed_time(end) / 20 * 1000, 1)
+
+
+# ------------------------------------------------------------------------------ MoE router logits
+
+def _graph_us(fn, reps=50):
+    """Mean device time of ``fn()`` in microseconds, replayed from a CUDA graph (no launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_router_logits_bf16(tri, T, gpu_report):
+    """The MoE gate's logits at DeepSeek-V3 shapes (E 256, H 7168, bf16 x and weight): within
+    1e-5 * (|x| @ |w|^T) of the float64 product and 2e-5 of the float32 reference (exact bf16 products, float32
+    sums in another order), every row bitwise the same alone, in prefixes of the batch and in the batch; the
+    kernel's and the torch path's (cast + float32 GEMV over a float32 weight copy) times go to the report."""
+    g = torch.Generator().manual_seed(29)
+    x = torch.randn(T, 7168, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(256, 7168, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    out = tri.router_logits(x, w)
+    mag = (x.double().abs() @ w.double().abs().T)
+    err = (out.double() - x.double() @ w.double().T).abs()
+    gpu_report[f"router_logits_err_over_mag_T{T}"] = float((err / mag).max())
+    assert bool((err <= 1e-5 * mag).all())
+    assert bool(((out - torch_ref.router_logits(x, w)).abs().double() <= 2e-5 * mag).all())
+    for t in sorted({0, T // 2, T - 1}):
+        assert torch.equal(tri.router_logits(x[t:t + 1], w), out[t:t + 1])
+    for m in (2, 16, 17):
+        if m < T:
+            assert torch.equal(tri.router_logits(x[:m], w), out[:m])
+    assert torch.equal(tri.router_logits(x, w), out)  # deterministic
+    w32 = w.float()
+    gpu_report[f"router_logits_us_T{T}"] = _graph_us(lambda: tri.router_logits(x, w))
+    gpu_report[f"router_logits_torch_path_us_T{T}"] = _graph_us(lambda: torch.nn.functional.linear(x.float(), w32))

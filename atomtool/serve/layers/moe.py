@@ -8,6 +8,8 @@ technical report §2.1.2): ``y = Σ_routed w_e · Expert_e(x) + SharedExperts(x)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,8 +19,12 @@ from atomtool.serve.layers.linear import fp8_block_size, fused_row_ranges, make_
 from atomtool.serve.layers.overlap import fork
 from atomtool.serve.ops import (
     get_op,
+    torch_ref,
     torch_ref_mla,  # noqa: F401  (registers the MLA/MoE reference ops)
 )
+
+#: activation/weight dtypes whose router logits a backend kernel may compute (exact products in float32)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class SwiGLUMLP(nn.Module):
@@ -49,9 +55,13 @@ class TopkRouter(nn.Module):
     """The MoE gate: ``weight`` [E, H] (kept in the model dtype, computed in float32 as HF does) and the
     float32 ``e_score_correction_bias`` [E] (aux-loss-free balancing bias; only affects the choice).
 
-    :meth:`post_load` keeps a float32 copy of a bf16/fp16 weight, so a step does not re-cast the [E, H]
-    matrix (issue 7: a copy kernel writing twice the weight's bytes, per MoE layer and step); without it
-    (weights changed and ``post_load`` not called yet) the weight is cast per call, as HF does.
+    Logits ``x @ weight^T`` [T, E] float32. With bf16/fp16 x and weight and a backend that implements the
+    ``router_logits`` op (Triton on CUDA), one kernel reads both in their own dtype and sums the exact
+    products in float32 (issue 7: replaces a cast of x and a float32 GEMV over a float32 weight copy). Else
+    (float32 models, the CPU, the torch backend) ``F.linear`` in float32 as HF, over a float32 copy of the
+    weight that :meth:`post_load` keeps for that path only (so a step does not re-cast the [E, H] matrix);
+    without it (weights changed and ``post_load`` not called yet, or the backend switched to torch after it)
+    the weight is cast per call, as HF does.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype, device):
@@ -62,12 +72,26 @@ class TopkRouter(nn.Module):
             torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
         self._w32: torch.Tensor | None = None
 
+    def _kernel(self, device) -> Callable | None:
+        """The backend's ``router_logits`` for this bf16/fp16 weight on ``device``; None where only the torch
+        reference would run (float weights of other dtypes, CPU, torch backend)."""
+        if self.weight.dtype not in _KERNEL_DTYPES:
+            return None
+        op = get_op("router_logits", device)
+        return None if op is torch_ref.router_logits else op
+
     def post_load(self) -> None:
-        """Cache ``weight.float()`` (after every weight load; the model's ``post_load`` calls it)."""
-        self._w32 = self.weight.detach().float() if self.weight.dtype != torch.float32 else None
+        """Cache ``weight.float()`` where the float32 path will use it (after every weight load; the model's
+        ``post_load`` calls it); drop it where a backend kernel reads the weight as it is."""
+        keep = self.weight.dtype != torch.float32 and self._kernel(self.weight.device) is None
+        self._w32 = self.weight.detach().float() if keep else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, E] float32."""
+        """Router logits [T, E] float32 of x [T, H]."""
+        if x.dtype in _KERNEL_DTYPES:
+            op = self._kernel(x.device)
+            if op is not None:
+                return op(x, self.weight)
         return F.linear(x.float(), self._w32 if self._w32 is not None else self.weight.float())
 
 

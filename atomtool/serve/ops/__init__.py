@@ -31,7 +31,7 @@ BACKENDS = ("torch", "triton", "aiter")
 #: ops every backend may implement (the reference implements all of them)
 OP_NAMES = (
     "rms_norm", "rotary_embedding", "silu_and_mul", "linear", "store_kv", "store_cache",
-    "paged_attention", "gather_cache", "qk_rope_store_kv",
+    "paged_attention", "gather_cache", "qk_rope_store_kv", "router_logits",
 )
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}

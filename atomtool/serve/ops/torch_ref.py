@@ -164,6 +164,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return fp8_matmul(x, weight, weight_scale_inv, block_size, act_quant, bias)
 
 
+def check_router_logits(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Validate :func:`router_logits`' operands (every backend calls this, so the errors are the same).
+
+    Raises:
+        ValueError: x or weight not 2-d, or their hidden sizes differ (the message names both shapes).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not form "
+                         f"[T, H] @ [E, H]^T")
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MoE gate's logits ``x @ weight^T`` in float32, as HF ``DeepseekV3TopkRouter`` computes them
+    (``F.linear(x.float(), weight.float())``; DeepSeek-V3 report §2.1.2).
+
+    x: [T, H] any float dtype; weight: [E, H] any float dtype. Returns [T, E] float32. For bf16/fp16
+    operands every product is exact in float32, so a backend can differ from this only in the float32
+    summation order.
+
+    Raises:
+        ValueError: shapes that do not form [T, H] @ [E, H]^T (:func:`check_router_logits`).
+    """
+    check_router_logits(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
 def store_cache(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write per-token entries into one paged cache plane, in place.
 

@@ -8,7 +8,8 @@ back to the torch reference. Each kernel is tested against the reference on CPU 
 Modules, one kernel family each: norm (RMSNorm + residual), rotary, activation (SiLU-and-mul),
 attention (paged GQA attention, KV store), mla (absorbed MLA, dense and DSA-sparse), indexer (DSA scores
 + deterministic top-k), linear (FP8 block GEMM), moe (fused MoE grouped GEMM, BF16 and FP8 block),
-moe_align (its expert-sorted row layout), router (DeepSeek-V3 ``noaux_tc`` grouped top-k routing).
+moe_align (its expert-sorted row layout), router (DeepSeek-V3 ``noaux_tc`` grouped top-k routing),
+router_gemv (the MoE gate's float32 logits from bf16/fp16 x and weight).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from atomtool.serve.ops.triton.moe import fused_moe
 from atomtool.serve.ops.triton.norm import rms_norm
 from atomtool.serve.ops.triton.rotary import rotary_embedding
 from atomtool.serve.ops.triton.router import grouped_topk
+from atomtool.serve.ops.triton.router_gemv import router_logits
 
 #: op name -> Triton implementation (signatures identical to the torch reference)
 OPS = {
@@ -39,6 +41,7 @@ OPS = {
     "indexer_topk": indexer_topk,
     "fused_moe": fused_moe,
     "grouped_topk": grouped_topk,
+    "router_logits": router_logits,
 }
 
 
