@@ -212,14 +212,17 @@ MERGE_UV_BLOCK_R = 128
 
 @triton.jit
 def _mla_merge_uv_kernel(
-    ws_acc_ptr, ws_ml_ptr, w_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, B, H, R, DV, K, n_chunks,
+    ws_acc_ptr, ws_ml_ptr, w_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, B, H, R, DV, K,
     s_wh, s_wv, s_ot, s_oh,
-    SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # program (block of BLOCK_M sequences, head h): the split-KV merge of split_kv_merge_kernel for each decode
     # row (same per-element formula and chunk order, so o_lat has the same bits), rounded to the output dtype
     # as the unfused path stores it, then o[row, h] = W_UV[h] @ o_lat[row, h] accumulated over BLOCK_R steps.
+    # The chunk loops are unrolled (N_CHUNKS is a compile-time constant), so a step's chunk loads are all in
+    # flight at once: a rolled loop waits one memory round trip per chunk, which made this kernel slower than
+    # the two it replaces at batch 1.
     grid_dependency_wait(USE_PDL)
     h = tl.program_id(1)
     b = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -230,39 +233,38 @@ def _mla_merge_uv_kernel(
         n_keys = tl.zeros([BLOCK_M], tl.int32) + K
     else:
         n_keys = tl.load(seq_lens_ptr + b, mask=dec, other=0)
-    span = chunk_span(n_keys, n_chunks, SPAN_MIN)
+    span = chunk_span(n_keys, N_CHUNKS, SPAN_MIN)
     n_row = tl.where(dec, (n_keys + span - 1) // span, 0)
-    rows_max = tl.max(n_row, axis=0)
-    row0 = b.to(tl.int64) * n_chunks * H + h
+    row0 = b.to(tl.int64) * N_CHUNKS * H + h
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for c in range(0, rows_max):
+    for c in tl.static_range(N_CHUNKS):
         m_all = tl.maximum(m_all, tl.load(ws_ml_ptr + (row0 + c * H) * 2, mask=c < n_row, other=float("-inf")))
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.zeros([BLOCK_M], tl.float32)
-    for c in range(0, rows_max):
+    for c in tl.static_range(N_CHUNKS):
         rc = row0 + c * H
         wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=c < n_row, other=float("-inf")) - m_safe)
         l_all += wgt * tl.load(ws_ml_ptr + rc * 2 + 1, mask=c < n_row, other=0.0)
+    l_all = tl.where(dec, l_all, 1.0)
     v = tl.arange(0, DV_PAD)
     v_ok = v < DV
     out = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < R
+        w = tl.load(w_ptr + h.to(tl.int64) * s_wh + v[:, None] * s_wv + r[None, :], mask=v_ok[:, None] & r_ok[None, :],
+                    other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for c in range(0, rows_max):
+        for c in tl.static_range(N_CHUNKS):
             rc = row0 + c * H
             ok = c < n_row
             wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=ok, other=float("-inf")) - m_safe)
             acc += wgt[:, None] * tl.load(ws_acc_ptr + rc[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :],
                                           other=0.0)
-        o_lat = tl.where(dec[:, None], acc / tl.where(dec, l_all, 1.0)[:, None], 0.0).to(o_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + h.to(tl.int64) * s_wh + v[:, None] * s_wv + r[None, :], mask=v_ok[:, None] & r_ok[None, :],
-                    other=0.0)
+        o_lat = tl.where(dec[:, None], acc / l_all[:, None], 0.0).to(o_ptr.dtype.element_ty)
         out = dot_acc(o_lat, tl.trans(w), out, DOT_DTYPE)
     tl.store(o_ptr + q_start[:, None].to(tl.int64) * s_ot + h * s_oh + v[None, :], out.to(o_ptr.dtype.element_ty),
              mask=dec[:, None] & v_ok[None, :])
-
 
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -352,9 +354,9 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     # decode rows are garbage there and overwritten below); a decode-only step skips it
     out = mla_output_uv(lat_out, w_uv) if T > B else q_nope_absorbed.new_empty(T, H, DV)
     _mla_merge_uv_kernel[(triton.cdiv(B, MERGE_UV_BLOCK_M), H)](
-        ws_acc, ws_ml, w_uv, out, cu_seqlens_q, seq_lens, B, H, R, DV, K, n_chunks,
+        ws_acc, ws_ml, w_uv, out, cu_seqlens_q, seq_lens, B, H, R, DV, K,
         w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_M=MERGE_UV_BLOCK_M, BLOCK_R=min(MERGE_UV_BLOCK_R, r_pad),
+        SPARSE=sparse, SPAN_MIN=span_min, N_CHUNKS=n_chunks, BLOCK_M=MERGE_UV_BLOCK_M, BLOCK_R=min(MERGE_UV_BLOCK_R, r_pad),
         DV_PAD=pow2(DV, 16), DOT_DTYPE=dot, num_warps=4, **launch_pdl_args(ws_acc.device),
     )
     return out
