@@ -551,3 +551,25 @@ def test_router_logits_bf16(tri, T, gpu_report):
     w32 = w.float()
     gpu_report[f"router_logits_us_T{T}"] = _graph_us(lambda: tri.router_logits(x, w))
     gpu_report[f"router_logits_torch_path_us_T{T}"] = _graph_us(lambda: torch.nn.functional.linear(x.float(), w32))
+
+
+#: router_logits tiles (BT, BE, UNROLL, warps, stages) timed by test_router_logits_configs, besides _CONFIGS
+_ROUTER_TILES = ((1, 2, 8, 2, 4), (1, 1, 8, 1, 4), (1, 4, 8, 2, 4), (1, 2, 16, 1, 3), (1, 2, 4, 1, 6),
+                 (1, 2, 8, 1, 1), (2, 4, 4, 2, 4), (4, 4, 4, 4, 3))
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_router_logits_configs(T, gpu_report):
+    """Every tile of router_logits gives bitwise the default's logits compiled too (the order is fixed by the
+    128 lanes, router_gemv's module doc); each tile's time goes to the report, for retuning _CONFIGS."""
+    import importlib
+
+    R = importlib.import_module("atomtool.serve.ops.triton.router_gemv")
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(T, 7168, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(256, 7168, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    ref = R.router_logits(x, w)
+    for cfg in {tuple(c[1:]) for c in R._CONFIGS} | set(_ROUTER_TILES):
+        assert torch.equal(R.router_logits(x, w, config=cfg), ref), cfg
+        gpu_report[f"router_logits_us_T{T}_tile{'_'.join(map(str, cfg))}"] = round(
+            _graph_us(lambda cfg=cfg: R.router_logits(x, w, config=cfg)), 2)

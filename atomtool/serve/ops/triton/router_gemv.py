@@ -7,16 +7,17 @@ is formed in float32 (exact for bf16/fp16 operands) and summed in float32 -- CUD
 dot (no TF32, and a dot needs 16 experts per program, too few programs at decode).
 
 Layout: a program owns a [BT tokens, BE experts] tile of the output. It keeps ``LANES`` = 128 float32
-partial sums per output: lane j adds the products of k = j, j + 128, j + 256, ... in increasing k (the
-``UNROLL`` chunks of an iteration are loaded first, then accumulated in order, so several loads are in
-flight), and the 128 lanes are then summed by a fixed pairwise tree (lane j + 64 onto lane j, then
-j + 32, ..., :func:`_lane_tree_sum`). That order depends on k and the lane count only, not on the tile
-(BT, BE), the unroll depth or the warps, so every config gives each token bitwise the same logits: a
-token's logits do not depend on the batch (``_config`` may pick the tile from T; tests check the bits).
-Products of bf16/fp16 operands are exact, so whether the compiler fuses multiply and add changes no bit.
+partial sums per output: lane j adds the products of k = j, j + 128, j + 256, ... in increasing k, and the
+128 lanes are then summed by a fixed pairwise tree (lane j + 64 onto lane j, then j + 32, ...,
+:func:`_lane_tree_sum`). That order depends on k and the lane count only, not on the tile (BT, BE), the
+chunks per step, the pipeline depth or the warps, so every config gives each token bitwise the same
+logits: a token's logits do not depend on the batch (``_config`` picks the tile from T; the tests check the
+bits across configs and batches). Products of bf16/fp16 operands are exact, so whether the compiler fuses
+multiply and add changes no bit.
 
-Decode (T = 1, E = 256, H = 7168): 128 programs of 2 experts, each streaming 2 weight rows of 14 KB in
-8 KB steps. With PDL (:func:`launch_pdl_args`) the launch overlaps the previous kernel's tail.
+Decode (T = 1, E = 256, H = 7168): 128 one-warp programs of 2 experts, each streaming its 2 weight rows
+(28 KB) in 4 KB steps (8 chunks of 128), software-pipelined 4 deep (Triton's asynchronous copies through
+shared memory). With PDL (:func:`launch_pdl_args`) the launch overlaps the previous kernel's tail.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _lane_tree_sum(v, BT: tl.constexpr, BE: tl.constexpr):
 @triton.jit
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, T, E, K, s_xt, s_we, s_ot,
-    BT: tl.constexpr, BE: tl.constexpr, LANES_: tl.constexpr, UNROLL: tl.constexpr,
+    BT: tl.constexpr, BE: tl.constexpr, LANES_: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
@@ -65,51 +66,56 @@ def _router_logits_kernel(
     offs_j = tl.arange(0, LANES_)
     t_ok = offs_t < T
     e_ok = offs_e < E
-    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * s_xt
-    w_rows = w_ptr + offs_e.to(tl.int64)[:, None] * s_we
+    # 3-d pointers ([BT, 1, lanes] and [1, BE, lanes]): the tiles broadcast into the [BT, BE, lanes] products
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * s_xt
+    w_rows = w_ptr + offs_e.to(tl.int64)[None, :, None] * s_we
     acc = tl.zeros([BT, BE, LANES_], dtype=tl.float32)
     grid_dependency_wait(USE_PDL)  # x comes from the previous kernel
-    for k0 in range(0, K, LANES_ * UNROLL):
+    # software-pipelined (STAGES - 1 steps of loads in flight, asynchronous copies through shared memory,
+    # which also hand the tiles over in the accumulator's layout)
+    for k0 in tl.range(0, K, LANES_ * UNROLL, num_stages=STAGES):
         for u in tl.static_range(UNROLL):
-            k = k0 + u * LANES_ + offs_j
+            k = (k0 + u * LANES_ + offs_j)[None, None, :]
             k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += x[:, None, :] * w[None, :, :]
+            w = tl.load(w_rows + k, mask=e_ok[None, :, None] & k_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + k, mask=t_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
+            acc += x * w
     out = _lane_tree_sum(acc, BT, BE)
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * s_ot + offs_e[None, :], out,
              mask=t_ok[:, None] & e_ok[None, :])
 
 
-#: (largest T, BT tokens, BE experts, UNROLL chunks of 128 per iteration, warps), the first whose T bound
-#: covers the batch; any choice gives the same bits (see the module doc), so the table is tuned for speed
-#: only: small tiles and deep unrolling (bytes in flight) at decode, larger tiles (reuse of loaded x and W)
-#: for prefill
+#: (largest T, BT tokens, BE experts, UNROLL chunks of 128 per pipelined step, warps, stages), the first
+#: whose T bound covers the batch. Every choice gives the same bits (module doc), so the table is tuned for
+#: speed only: decode spreads the weight over E / 2 programs with 3 steps (~12 KB of it) in flight each;
+#: larger batches use larger tiles (each loaded x / W row reused BE / BT times). Chosen by reading the sm_90
+#: SASS (vector asynchronous copies, no layout change in the loop), not yet by timing: tests/gpu records
+#: each config's time (test_router_logits_configs).
 _CONFIGS = (
-    (2, 1, 2, 16, 4),
-    (16, 4, 2, 8, 4),
-    (64, 8, 4, 4, 4),
-    (None, 16, 8, 2, 8),
+    (2, 1, 2, 8, 1, 4),
+    (16, 4, 2, 4, 2, 4),
+    (64, 8, 4, 2, 4, 3),
+    (None, 16, 8, 2, 8, 3),
 )
 
 
-def _config(T: int) -> tuple[int, int, int, int]:
-    """(BT, BE, UNROLL, num_warps) for a batch of T tokens (:data:`_CONFIGS`)."""
-    for t_max, bt, be, unroll, warps in _CONFIGS:
+def _config(T: int) -> tuple[int, int, int, int, int]:
+    """(BT, BE, UNROLL, num_warps, num_stages) for a batch of T tokens (:data:`_CONFIGS`)."""
+    for t_max, *cfg in _CONFIGS:
         if t_max is None or T <= t_max:
-            return bt, be, unroll, warps
+            return tuple(cfg)
     raise AssertionError("unreachable: the last config covers every T")
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, *, config: tuple[int, int, int, int] | None = None,
-                  ) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, *,
+                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Router logits ``x @ weight^T`` [T, E] float32; the contract of ``torch_ref.router_logits``.
 
     Args:
         x: [T, H] bf16/fp16 (float32 works too, with rounded products); any row stride, last dim contiguous
             or copied.
         weight: [E, H] gate weight in the model dtype (any float dtype, independent of x's).
-        config: (BT, BE, UNROLL, num_warps) to force a tile (tests: every tile gives the same bits); None:
+        config: (BT, BE, UNROLL, num_warps, num_stages) to force a tile (tests: every tile gives the same bits); None:
             chosen from T.
     Returns:
         [T, E] float32; a token's row is bitwise the same for every T and batch position (module doc); it
@@ -129,10 +135,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, *, config: tuple[int, i
         x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    bt, be, unroll, warps = config if config is not None else _config(T)
+    bt, be, unroll, warps, stages = config if config is not None else _config(T)
     grid = (triton.cdiv(T, bt), triton.cdiv(E, be))
     _router_logits_kernel[grid](
         x, weight, out, T, E, K, x.stride(0), weight.stride(0), out.stride(0),
-        BT=bt, BE=be, LANES_=LANES, UNROLL=unroll, num_warps=warps, **launch_pdl_args(x.device),
+        BT=bt, BE=be, LANES_=LANES, UNROLL=unroll, STAGES=stages, num_warps=warps, **launch_pdl_args(x.device),
     )
     return out
