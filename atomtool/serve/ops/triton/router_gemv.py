@@ -17,7 +17,9 @@ multiply and add changes no bit.
 
 Decode (T = 1, E = 256, H = 7168): 128 one-warp programs of 2 experts, each streaming its 2 weight rows
 (28 KB) in 4 KB steps (8 chunks of 128), software-pipelined 4 deep (Triton's asynchronous copies through
-shared memory). With PDL (:func:`launch_pdl_args`) the launch overlaps the previous kernel's tail.
+shared memory). With PDL (:func:`launch_pdl_args`) the launch overlaps the previous kernel's tail, and
+each program hints its weight rows into L2 (``prefetch.global.L2``) before it waits for x: the weight is
+immutable, so only x has to wait. Without PDL (and under the interpreter) there is no prefetch.
 """
 
 from __future__ import annotations
@@ -54,10 +56,18 @@ def _lane_tree_sum(v, BT: tl.constexpr, BE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Hint the memory system to bring the lines holding ``ptrs`` into L2 (PTX ``prefetch.global.L2``); no
+    value, no effect on any result. CUDA only (not the interpreter)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, T, E, K, s_xt, s_we, s_ot,
     BT: tl.constexpr, BE: tl.constexpr, LANES_: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 128, USE_PDL: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -70,6 +80,13 @@ def _router_logits_kernel(
     x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * s_xt
     w_rows = w_ptr + offs_e.to(tl.int64)[None, :, None] * s_we
     acc = tl.zeros([BT, BE, LANES_], dtype=tl.float32)
+    if USE_PDL:
+        # the weight is immutable: while the previous kernel finishes, pull this program's rows into L2 (one
+        # hint per 128 bytes of bf16; addresses clamped in bounds), so the loop below mostly hits L2
+        pe = tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * s_we
+        for p0 in range(0, K, 64 * PF_LINES):
+            pk = tl.minimum(p0 + tl.arange(0, PF_LINES) * 64, K - 1)[None, :]
+            _prefetch_l2(w_ptr + pe + pk)
     grid_dependency_wait(USE_PDL)  # x comes from the previous kernel
     # software-pipelined (STAGES - 1 steps of loads in flight, asynchronous copies through shared memory,
     # which also hand the tiles over in the accumulator's layout)
