@@ -561,7 +561,8 @@ _ROUTER_TILES = ((1, 2, 8, 2, 4), (1, 1, 8, 1, 4), (1, 4, 8, 2, 4), (1, 2, 16, 1
 @pytest.mark.parametrize("T", [1, 64])
 def test_router_logits_configs(T, gpu_report):
     """Every tile of router_logits gives bitwise the default's logits compiled too (the order is fixed by the
-    128 lanes, router_gemv's module doc); each tile's time goes to the report, for retuning _CONFIGS."""
+    128 lanes, router_gemv's module doc), and so does a launch without PDL (no L2 prefetch); each tile's time
+    goes to the report, for retuning _CONFIGS."""
     import importlib
 
     R = importlib.import_module("atomtool.serve.ops.triton.router_gemv")
@@ -569,6 +570,10 @@ def test_router_logits_configs(T, gpu_report):
     x = torch.randn(T, 7168, generator=g).to(DEV, torch.bfloat16)
     w = (torch.randn(256, 7168, generator=g) * 0.02).to(DEV, torch.bfloat16)
     ref = R.router_logits(x, w)
+    with pytest.MonkeyPatch.context() as mp:  # without PDL (and so without the L2 prefetch): same bits
+        mp.setitem(importlib.import_module("atomtool.serve.ops.triton._common")._PDL, str(x.device), False)
+        assert torch.equal(R.router_logits(x, w), ref)
+        gpu_report[f"router_logits_us_T{T}_no_pdl"] = round(_graph_us(lambda: R.router_logits(x, w)), 2)
     for cfg in {tuple(c[1:]) for c in R._CONFIGS} | set(_ROUTER_TILES):
         assert torch.equal(R.router_logits(x, w, config=cfg), ref), cfg
         gpu_report[f"router_logits_us_T{T}_tile{'_'.join(map(str, cfg))}"] = round(
