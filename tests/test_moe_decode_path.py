@@ -1,15 +1,12 @@
 """The fused MoE's batch-1 decode path (issue 7) on CPU under Triton's interpreter (TRITON_INTERPRET=1).
 
-``atomtool/serve/ops/triton/moe.py`` has two launch choices that must not change a bit of the output:
-- direct layout (T == 1): no ``moe_align`` launch, program p of each grouped GEMM serves pair p alone, the
-  tile the aligned layout gives that pair (top-k experts of one token are distinct); pairs of experts not
-  served here (-1, ids >= E) write zero rows to the slot planes, which are then allocated without a fill;
-- SiLU-and-mul fused into the down GEMM's activation load (every T), through the same ``silu_mul`` helper
-  and rounding as the ``silu_and_mul`` kernel.
-Both are compared bitwise with the aligned, two-launch path (the previous implementation, still reachable
-through ``moe._fused_moe``), and both against the torch reference, for float32 and bf16 activations, float
-and FP8-block experts, weight-only and W8A8. The same equalities are checked compiled at DeepSeek-V3.2 sizes
-in tests/gpu/test_kernels_gpu.py (test_fused_moe_direct_and_fused_silu_bitwise).
+``atomtool/serve/ops/triton/moe.py``'s direct layout (T == 1) must not change a bit of the output: no
+``moe_align`` launch, program p of each grouped GEMM serves pair p alone, the tile the aligned layout gives
+that pair (top-k experts of one token are distinct); pairs of experts not served here (-1, ids >= E) write
+zero rows to the slot planes, which are then allocated without a fill. It is compared bitwise with the
+aligned path (still reachable through ``moe._fused_moe``), and against the torch reference, for float32 and
+bf16 activations, float and FP8-block experts, weight-only and W8A8. The same equalities are checked compiled
+at DeepSeek-V3.2 sizes in tests/gpu/test_kernels_gpu.py (test_fused_moe_direct_layout_bitwise).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'atomtool[serve]')")
 
-from atomtool.serve.ops import torch_ref, torch_ref_mla  # noqa: E402
+from atomtool.serve.ops import torch_ref_mla  # noqa: E402
 from tests.kernel_inputs import assert_close_as as _close  # noqa: E402
 
 if not _TRITON_PREIMPORTED:
@@ -52,10 +49,10 @@ def _inputs(T, k, dtype, fp8, seed):
     return x, (w13 * 4).to(torch.float8_e4m3fn), (w2 * 4).to(torch.float8_e4m3fn), tw, ids, (s13, s2, BLOCK)
 
 
-def _run(args, mode, direct, fuse_silu):
+def _run(args, mode, direct):
     x, w13, w2, tw, ids, scales = args
     s13, s2, block = scales if scales else (None, None, BLOCK)
-    return moe._fused_moe(x, w13, w2, tw, ids, s13, s2, block, mode, direct=direct, fuse_silu=fuse_silu)
+    return moe._fused_moe(x, w13, w2, tw, ids, s13, s2, block, mode, direct=direct)
 
 
 def _reference(args, mode):
@@ -99,24 +96,22 @@ def nan_empty(monkeypatch):
 
 @pytest.mark.parametrize("dtype,fp8,mode", CASES)
 def test_direct_layout_equals_aligned_bitwise(dtype, fp8, mode, nan_empty):
-    """T == 1: the direct layout gives the aligned layout's bits, with and without the fused SiLU, also
-    with slots routed to experts not served here (-1, E + 3), which add exactly zero; both match the
-    reference."""
+    """T == 1: the direct layout gives the aligned layout's bits, also with slots routed to experts not served
+    here (-1, E + 3), which add exactly zero; both match the reference."""
     for seed, foreign in ((1, {}), (2, {1: -1, 3: E + 3})):
         x, w13, w2, tw, ids, scales = _inputs(1, 4, dtype, fp8, seed)
         for j, e in foreign.items():
             ids[0, j] = e
         args = (x, w13, w2, tw, ids, scales)
         ref = _reference(args, mode)
-        for fuse in (True, False):
-            aligned = _run(args, mode, direct=False, fuse_silu=fuse)
-            direct = _run(args, mode, direct=True, fuse_silu=fuse)
-            assert not direct.isnan().any()
-            assert torch.equal(direct, aligned), (seed, fuse)
-            _check_reference(direct, ref, dtype, fp8, mode)
+        aligned = _run(args, mode, direct=False)
+        direct = _run(args, mode, direct=True)
+        assert not direct.isnan().any()
+        assert torch.equal(direct, aligned), seed
+        _check_reference(direct, ref, dtype, fp8, mode)
         if foreign:  # the foreign slots add exactly zero: the bits of the served slots alone
             kept = [0, 2]
-            assert torch.equal(direct, _run((x, w13, w2, tw[:, kept], ids[:, kept], scales), mode, True, True))
+            assert torch.equal(direct, _run((x, w13, w2, tw[:, kept], ids[:, kept], scales), mode, True))
         assert torch.equal(tri.fused_moe(x, w13, w2, tw, ids, *scales, *((mode,) if mode else ())), direct)
 
 
@@ -136,22 +131,11 @@ def test_direct_layout_only_at_batch_1(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,fp8,mode", CASES)
-def test_fused_silu_equals_two_launches_bitwise(dtype, fp8, mode):
-    """The down GEMM's fused SiLU-and-mul gives the bits of silu_and_mul + the unfused GEMM, over several
-    tokens per expert block (T = 6, 3 slots, 5 experts) with a foreign expert id among them."""
+def test_direct_layout_serves_any_batch(dtype, fp8, mode):
+    """The direct layout serves any T (fused_moe uses it at T == 1 only) with the aligned layout's bits, over
+    several tokens per expert block (T = 6, 3 slots, 5 experts) with foreign expert ids among them."""
     args = _inputs(6, 3, dtype, fp8, 4)
     args[4][2, 1], args[4][5, 0] = -1, E
-    fused = _run(args, mode, direct=False, fuse_silu=True)
-    assert torch.equal(fused, _run(args, mode, direct=False, fuse_silu=False))
-    _check_reference(fused, _reference(args, mode), dtype, fp8, mode)
-    # the direct layout serves any T (fused_moe uses it at T == 1 only): still the same bits
-    assert torch.equal(_run(args, mode, direct=True, fuse_silu=True), fused)
-
-
-def test_silu_mul_helper_is_silu_and_mul():
-    """The helper both kernels share gives silu_and_mul's contract (float32 math, rounded to x's dtype)."""
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(3, 2 * 40, generator=g) * 4
-    _close(tri.silu_and_mul(x), torch_ref.silu_and_mul(x), 1e-6, 1e-5)
-    xb = x.bfloat16()
-    _close(tri.silu_and_mul(xb).float(), torch_ref.silu_and_mul(xb.float()), 0.05, 0.02)
+    aligned = _run(args, mode, direct=False)
+    _check_reference(aligned, _reference(args, mode), dtype, fp8, mode)
+    assert torch.equal(_run(args, mode, direct=True), aligned)

@@ -440,13 +440,12 @@ def test_ops_replay_in_a_cuda_graph(tri):
         assert torch.equal(a, b)
 
 
-def test_fused_moe_direct_and_fused_silu_bitwise(tri, gpu_report, monkeypatch):
+def test_fused_moe_direct_layout_bitwise(tri, gpu_report, monkeypatch):
     """DeepSeek-V3.2 MoE shapes (H 7168, I 2048, E 256, k 8, FP8 128 x 128 blocks, bf16 activations), weight-only
     and W8A8 ``dynamic_ue8m0``: at T == 1 the direct layout (no ``moe_align``, no zero-fill of the slot planes)
-    gives the aligned layout's bits, also with slots routed to experts not served here (-1, E + 3), and the
-    SiLU-and-mul fused into the down GEMM gives the bits of ``silu_and_mul`` + the unfused GEMM at T = 1 and 8
-    (tests/test_moe_decode_path.py checks the same under the interpreter). Records each T == 1 variant's time
-    per MoE layer (CUDA-graph replays)."""
+    gives the aligned layout's bits, also with slots routed to experts not served here (-1, E + 3)
+    (tests/test_moe_decode_path.py checks the same under the interpreter). Records both layouts' time per MoE
+    layer at T == 1 (CUDA-graph replays)."""
     from atomtool.serve.ops.triton import moe
 
     H, inter, E, k = 7168, 2048, 256, 8
@@ -455,10 +454,10 @@ def test_fused_moe_direct_and_fused_silu_bitwise(tri, gpu_report, monkeypatch):
     q2 = (torch.randn(E, H, inter, generator=g, device=DEV, dtype=torch.bfloat16) * 8).to(torch.float8_e4m3fn)
     s13 = torch.rand(E, 2 * inter // 128, H // 128, generator=g, device=DEV) * 0.002 + 0.002
     s2 = torch.rand(E, H // 128, inter // 128, generator=g, device=DEV) * 0.002 + 0.002
-    x = torch.randn(8, H, generator=g, device=DEV).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(8)])
-    tw = torch.rand(8, k, generator=g, device=DEV)
-    foreign = ids[:1].clone()
+    x = torch.randn(1, H, generator=g, device=DEV).bfloat16()
+    ids = torch.randperm(E, generator=g, device=DEV)[:k][None]
+    tw = torch.rand(1, k, generator=g, device=DEV)
+    foreign = ids.clone()
     foreign[0, 2], foreign[0, 5] = -1, E + 3
     real_empty = torch.empty
 
@@ -466,46 +465,26 @@ def test_fused_moe_direct_and_fused_silu_bitwise(tri, gpu_report, monkeypatch):
         t = real_empty(*shape, **kw)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    def run(T, i, mode, direct, fuse):
-        return moe._fused_moe(x[:T], q13, q2, tw[:T], i, s13, s2, (128, 128), mode, direct=direct,
-                              fuse_silu=fuse)
+    def run(i, mode, direct, w=tw):
+        return moe._fused_moe(x, q13, q2, w, i, s13, s2, (128, 128), mode, direct=direct)
 
     for mode in (None, "dynamic_ue8m0"):
         name = mode or "weight_only"
-        for i in (ids[:1], foreign):
+        for i in (ids, foreign):
             monkeypatch.setattr(torch, "empty", nan_empty)
-            direct = run(1, i, mode, True, True)
+            direct = run(i, mode, True)
             monkeypatch.setattr(torch, "empty", real_empty)
             assert not direct.isnan().any()
-            aligned = run(1, i, mode, False, True)
-            assert torch.equal(direct, aligned), name
-            assert torch.equal(run(1, i, mode, False, False), aligned), name
-            assert torch.equal(run(1, i, mode, True, False), aligned), name
-            assert torch.equal(tri.fused_moe(x[:1], q13, q2, tw[:1], i, s13, s2, (128, 128), mode), direct)
+            assert torch.equal(direct, run(i, mode, False)), name
+            assert torch.equal(tri.fused_moe(x, q13, q2, tw, i, s13, s2, (128, 128), mode), direct)
         kept = [j for j in range(k) if j not in (2, 5)]  # the foreign slots add exactly zero
-        assert torch.equal(run(1, foreign, mode, True, True)[0], moe._fused_moe(
-            x[:1], q13, q2, tw[:1, kept], foreign[:, kept], s13, s2, (128, 128), mode, direct=False,
-            fuse_silu=False)[0])
-        assert torch.equal(run(8, ids, mode, False, True), run(8, ids, mode, False, False)), name
-        ref = torch_ref_mla.fused_moe(x[:1].float(), q13, q2, tw[:1], ids[:1], s13, s2, (128, 128), mode)
-        gpu_report[f"fused_moe_dsv32_T1_{name}_rel_err"] = err = _rel(run(1, ids[:1], mode, True, True), ref)
+        assert torch.equal(run(foreign, mode, True), run(foreign[:, kept], mode, False, tw[:, kept]))
+        ref = torch_ref_mla.fused_moe(x.float(), q13, q2, tw, ids, s13, s2, (128, 128), mode)
+        gpu_report[f"fused_moe_dsv32_T1_{name}_rel_err"] = err = _rel(run(ids, mode, True), ref)
         assert err <= 5e-2, (name, err)  # sanity only (bf16 activations vs the float32 reference)
-        for direct_, fuse in ((False, False), (True, False), (False, True), (True, True)):
-            fn = lambda d=direct_, f=fuse, m=mode: run(1, ids[:1], m, d, f)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            key = ("direct" if direct_ else "aligned") + ("_fused_silu" if fuse else "_two_launch")
-            gpu_report[f"fused_moe_dsv32_T1_{name}_{key}_us"] = round(start.elapsed_time(end) / 20 * 1000, 1)
+        for direct_ in (False, True):
+            us = _graph_us(lambda d=direct_, m=mode: run(ids, m, d), reps=20)
+            gpu_report[f"fused_moe_dsv32_T1_{name}_{'direct' if direct_ else 'aligned'}_us"] = round(us, 1)
 
 
 # ------------------------------------------------------------------------------ MoE router logits

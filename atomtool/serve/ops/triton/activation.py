@@ -1,8 +1,6 @@
 """SiLU-and-mul (SwiGLU gate, Shazeer 2020) in Triton: out = silu(x[:, :I]) * x[:, I:].
 
-The gate half comes first, as in fused ``gate_up_proj`` weights (gate ‖ up). Computed in float32 by
-:func:`silu_mul`, which the fused MoE's down GEMM also calls on its activation tiles (``moe.py``), so both
-round the same float32 value to the activation dtype.
+The gate half comes first, as in fused ``gate_up_proj`` weights (gate ‖ up). Computed in float32.
 """
 
 from __future__ import annotations
@@ -15,23 +13,15 @@ from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_a
 
 
 @triton.jit
-def silu_mul(g, u):
-    """silu(g) * u = g / (1 + exp(-g)) * u in float32, elementwise (any tile shape; g, u of any float dtype).
-    The caller rounds the float32 result to its output dtype."""
-    g = g.to(tl.float32)
-    return g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr = False):
     grid_dependency_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
-    y = silu_mul(g, u)
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -8,8 +8,9 @@ program owns BLOCK_M rows of one expert (``MOE_BLOCK_M``, the same for every bat
 decision from shapes alone, so a CUDA graph captured per batch size stays valid) the layout step is skipped:
 the top-k experts of one token are distinct, so the aligned layout would put each pair alone in its expert's
 block, and the GEMMs' "direct" mode gives program p exactly that tile for pair p (same bits, one launch and
-its latency fewer). The down GEMM applies SiLU-and-mul to the gate_up output while loading it (no separate
-launch; the same float32 formula and rounding as ``silu_and_mul``). Expert ids outside ``[0, E)`` (e.g.
+its latency fewer). SiLU-and-mul stays its own launch between the GEMMs: fused into the down GEMM's activation
+load (tried, same bits) it made a batch-1 DeepSeek-V3.2 MoE layer 8-14 us slower on an H200 (the activation
+tile then goes through registers instead of the pipelined tile loads). Expert ids outside ``[0, E)`` (e.g.
 experts owned by another rank) contribute nothing. The k slot outputs of a token are summed in float32
 in slot order, so a token's result does not depend on the batch.
 """
@@ -28,26 +29,18 @@ from atomtool.serve.ops.triton._common import (
     grid_dependency_wait,
     launch_pdl_args,
 )
-from atomtool.serve.ops.triton.activation import silu_and_mul, silu_mul
+from atomtool.serve.ops.triton.activation import silu_and_mul
 from atomtool.serve.ops.triton.linear import _fp8_step, act_quant_flags, sum_planes
 from atomtool.serve.ops.triton.moe_align import moe_align
 
 
 @triton.jit
-def _moe_load_step(a_rows, b_base, s_rows, kk, k0, K, r_ok, n_ok, bk, FP8: tl.constexpr, SILU: tl.constexpr):
+def _moe_load_step(a_rows, b_base, s_rows, kk, k0, K, r_ok, n_ok, bk, FP8: tl.constexpr):
     """The activation rows [BLOCK_M, BLOCK_K], the expert weight tile [BLOCK_N, BLOCK_K] and (FP8) its block
-    scales [BLOCK_N] of the K step at k0. SILU: the rows are gate_up outputs [gate (K) ‖ up (K)] and the
-    activation is ``silu(gate) * up`` (``activation.silu_mul``) rounded to their dtype, the bits
-    ``silu_and_mul`` would store."""
+    scales [BLOCK_N] of the K step at k0."""
     k = k0 + kk
     k_ok = k < K
-    a_mask = r_ok[:, None] & k_ok[None, :]
-    if SILU:
-        g = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
-        u = tl.load(a_rows + K + k[None, :], mask=a_mask, other=0.0)
-        a = silu_mul(g, u).to(g.dtype)
-    else:
-        a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
+    a = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
     b = tl.load(b_base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     if FP8:
         sc = tl.load(s_rows + k0 // bk, mask=n_ok & (k0 < K), other=0.0)
@@ -78,14 +71,13 @@ def _moe_gemm_kernel(
     A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr = False, ACT_FP8: tl.constexpr = False,
-    ROUND_SCALE: tl.constexpr = False, DIRECT: tl.constexpr = False, SILU: tl.constexpr = False,
+    ROUND_SCALE: tl.constexpr = False, DIRECT: tl.constexpr = False,
 ):
     # SWAP_AB: compute the transposed tile B_tile @ A_tile^T ([BLOCK_N, BLOCK_M]) so the (widened) expert
     # weight tile is the dot's first operand (Hopper's wgmma reads it from registers); same tile, same K order.
     # DIRECT: row block p serves pair p alone (expert_ptr: the flat topk_ids, no sorted layout): row 0 is the
     # pair, rows 1.. padding, the tile the aligned layout gives a pair alone in its expert's block. A pair whose
     # expert is not served here writes zeros to its slot-plane row (MUL_WEIGHT) instead of nothing.
-    # SILU: a_ptr holds gate_up outputs [pairs, 2K]; the activation is silu(gate) * up (see _moe_load_step).
     grid_dependency_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -119,7 +111,7 @@ def _moe_gemm_kernel(
     a_rows = a_ptr + a_rows[:, None].to(tl.int64) * s_am
     s_rows = s_ptr + e.to(tl.int64) * s_se + (n // bn).to(tl.int64) * s_sn
     for k0 in range(0, K, BLOCK_K):
-        a, b, sc = _moe_load_step(a_rows, b_base, s_rows, kk, k0, K, r_ok, n_ok, bk, FP8, SILU)
+        a, b, sc = _moe_load_step(a_rows, b_base, s_rows, kk, k0, K, r_ok, n_ok, bk, FP8)
         acc = _moe_step(acc, a, b, sc, BLOCK_M, BLOCK_N, DOT_DTYPE, SWAP_AB, FP8, ACT_FP8, ROUND_SCALE)
     # the weighted second GEMM writes pair (token t, slot j) to row j * T + t: one [T, H] plane per slot,
     # which sum_planes adds in slot order
@@ -191,10 +183,9 @@ MOE_GEMM_W8A8_CONFIG = MoeGemmConfig(block_n=128, num_warps=8, num_stages=4)
 
 
 def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k, a_per_token, weights,
-                  block_m, block_size, act_quant=None, direct=False, silu=False):
+                  block_m, block_size, act_quant=None, direct=False):
     """One grouped expert GEMM launch over the aligned layout (``sorted_pairs`` / ``block_expert``), or under
-    ``direct`` over the pairs themselves (``block_expert``: the flat topk_ids, ``sorted_pairs`` unused).
-    ``silu``: ``a`` is the gate_up output [pairs, 2K] and the kernel applies SiLU-and-mul while loading it."""
+    ``direct`` over the pairs themselves (``block_expert``: the flat topk_ids, ``sorted_pairs`` unused)."""
     E, N, K = w.shape
     fp8 = scale is not None
     bn, bk = block_size if fp8 else (1, 1)
@@ -222,7 +213,7 @@ def _grouped_gemm(a, w, scale, out, sorted_pairs, block_expert, num_pairs, top_k
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k if fp8 else 64, DOT_DTYPE=dot_dtype(a.dtype),
         SWAP_AB=cfg.swap_ab and block_m <= 16,
         num_warps=cfg.num_warps if block_m <= 16 else 8, num_stages=cfg.num_stages,
-        ACT_FP8=act_fp8, ROUND_SCALE=round_scale, DIRECT=direct, SILU=silu, **launch_pdl_args(a.device),
+        ACT_FP8=act_fp8, ROUND_SCALE=round_scale, DIRECT=direct, **launch_pdl_args(a.device),
     )
 
 
@@ -246,19 +237,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     (bn, bk)). Returns [T, H] in x's dtype. Raises ValueError for shapes that do not fit, one scale given
     without the other, or an FP8 K block W8A8 / the kernel cannot serve.
 
-    Launches: the expert layout (``moe_align``; skipped at T == 1, see the module doc), the gate_up GEMM, the
-    down GEMM (SiLU-and-mul fused into its activation load; it writes each slot's weighted output to a float32
-    plane [k, T, H], zero-filled first unless T == 1) and ``sum_planes``.
+    Launches: the expert layout (``moe_align``; skipped at T == 1, see the module doc), the gate_up GEMM,
+    ``silu_and_mul``, the down GEMM (it writes each slot's weighted output to a float32 plane [k, T, H],
+    zero-filled first unless T == 1) and ``sum_planes``.
     """
     return _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size, act_quant,
-                      direct=x.shape[0] == 1, fuse_silu=True)
+                      direct=x.shape[0] == 1)
 
 
 def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size, act_quant, *,
-               direct: bool, fuse_silu: bool) -> torch.Tensor:
-    """``fused_moe`` with its two launch choices explicit (tests compare them bitwise): ``direct``, one row
-    block per pair instead of the aligned layout (any T; fused_moe picks it at T == 1); ``fuse_silu``, the
-    down GEMM applies SiLU-and-mul while loading the gate_up output instead of a separate launch."""
+               direct: bool) -> torch.Tensor:
+    """``fused_moe`` with its launch choice explicit (tests compare both bitwise): ``direct``, one row block
+    per pair instead of the aligned layout (any T; fused_moe picks it at T == 1)."""
     T, H = x.shape
     E, two_i, H1 = w13.shape
     if H1 != H or w2.shape[0] != E or w2.shape[1] != H or w2.shape[2] * 2 != two_i:
@@ -280,12 +270,12 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, 
     h13 = torch.empty((n_pairs, two_i), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, w13_scale_inv, h13, sorted_pairs, block_expert, n_pairs, k, True, None, block_m,
                   block_size, act_quant, direct)
-    act = h13 if fuse_silu else silu_and_mul(h13)
+    act = silu_and_mul(h13)
     # pair p = t * k + j lands in plane j, row t. Aligned: pairs of experts not served here (-1 / other
     # ranks' ids) are in no row block, never written, and must add zero. Direct: every pair has its program,
     # which writes zeros for such an expert, so the planes need no fill (one launch fewer)
     y = (torch.empty if direct else torch.zeros)((k, T, H), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(act, w2, w2_scale_inv, y.view(n_pairs, H), sorted_pairs, block_expert, n_pairs, k, False,
-                  weights, block_m, block_size, act_quant, direct, fuse_silu)
+                  weights, block_m, block_size, act_quant, direct)
     return sum_planes(y, torch.empty((T, H), dtype=x.dtype, device=x.device))
