@@ -118,6 +118,16 @@ def grid_dependency_wait(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Hint the memory system to bring the lines holding ``ptrs`` into L2 (PTX ``prefetch.global.L2``); no
+    value, no effect on any result, so it is allowed before :func:`grid_dependency_wait` on any address (a
+    kernel under PDL uses it for its immutable weights while the previous kernel runs). CUDA only: call it
+    under ``USE_PDL``, which the interpreter never sets."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 def programs_per_row(rows: int, units: int, device: torch.device, per_sm: int | None) -> int:
     """Programs per row for a launch over ``rows`` rows of ``units`` work units each (positions blocks,
     segments), each program looping over the units p, p + programs, ... of its row: about ``per_sm`` programs

@@ -35,6 +35,7 @@ from atomtool.serve.ops.triton._common import (
     online_softmax_step,
     paged_rows,
     pow2,
+    prefetch_l2,
     token_sequence,
 )
 from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_merge_kernel
@@ -215,7 +216,8 @@ def _mla_merge_uv_kernel(
     ws_acc_ptr, ws_ml_ptr, w_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, B, H, R, DV, K,
     s_wh, s_wv, s_ot, s_oh,
     SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, PF_LINES: tl.constexpr = 8,
+    USE_PDL: tl.constexpr = False,
 ):
     # program (block of BLOCK_M sequences, head h): the split-KV merge of split_kv_merge_kernel for each decode
     # row (same per-element formula and chunk order, so o_lat has the same bits), rounded to the output dtype
@@ -224,8 +226,16 @@ def _mla_merge_uv_kernel(
     # flight at once: a rolled loop waits one memory round trip per chunk, which made this kernel slower than
     # the two it replaces at batch 1. num_stages=1: pipelining the R loop would stage every unrolled chunk
     # load in shared memory (332 KB for 16 chunks, over the H200's 227 KB; sm90 SASS: no spills at 1).
-    grid_dependency_wait(USE_PDL)
     h = tl.program_id(1)
+    v = tl.arange(0, DV_PAD)
+    v_ok = v < DV
+    if USE_PDL:
+        # W_UV is immutable: while the split kernel runs (latency-bound, the memory mostly idle), pull this
+        # head's [DV, R] slice into L2, one hint per 128 bytes of bf16 (addresses clamped in bounds)
+        for p0 in range(0, R, 64 * PF_LINES):
+            pr = tl.minimum(p0 + tl.arange(0, PF_LINES) * 64, R - 1)
+            prefetch_l2(w_ptr + h.to(tl.int64) * s_wh + tl.minimum(v, DV - 1)[:, None] * s_wv + pr[None, :])
+    grid_dependency_wait(USE_PDL)
     b = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     b_ok = b < B
     q_start = tl.load(cu_q_ptr + b, mask=b_ok, other=0)
@@ -247,8 +257,6 @@ def _mla_merge_uv_kernel(
         wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=c < n_row, other=float("-inf")) - m_safe)
         l_all += wgt * tl.load(ws_ml_ptr + rc * 2 + 1, mask=c < n_row, other=0.0)
     l_all = tl.where(dec, l_all, 1.0)
-    v = tl.arange(0, DV_PAD)
-    v_ok = v < DV
     out = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)

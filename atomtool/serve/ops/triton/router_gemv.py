@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from atomtool.serve.ops.torch_ref import check_router_logits
-from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_args
+from atomtool.serve.ops.triton._common import grid_dependency_wait, launch_pdl_args, prefetch_l2
 
 #: float32 partial sums per output (fixes the summation order; every config uses it)
 LANES = 128
@@ -56,14 +56,6 @@ def _lane_tree_sum(v, BT: tl.constexpr, BE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Hint the memory system to bring the lines holding ``ptrs`` into L2 (PTX ``prefetch.global.L2``); no
-    value, no effect on any result. CUDA only (not the interpreter)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, T, E, K, s_xt, s_we, s_ot,
     BT: tl.constexpr, BE: tl.constexpr, LANES_: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
@@ -86,7 +78,7 @@ def _router_logits_kernel(
         pe = tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * s_we
         for p0 in range(0, K, 64 * PF_LINES):
             pk = tl.minimum(p0 + tl.arange(0, PF_LINES) * 64, K - 1)[None, :]
-            _prefetch_l2(w_ptr + pe + pk)
+            prefetch_l2(w_ptr + pe + pk)
     grid_dependency_wait(USE_PDL)  # x comes from the previous kernel
     # software-pipelined (STAGES - 1 steps of loads in flight, asynchronous copies through shared memory,
     # which also hand the tiles over in the accumulator's layout)
