@@ -285,7 +285,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def post_load(self) -> None:
         """Per-layer tensors derived from the weights: MLA's absorbed kv_b_proj and the indexer's float32 head
-        weights, the MoE router's float32 weight."""
+        weights, the MoE router's float32 weight copy (torch path only: :meth:`TopkRouter.post_load`)."""
         for layer in self.model.layers:
             layer.self_attn.post_load()
             if isinstance(layer.mlp, DeepseekMoE):
