@@ -1,6 +1,5 @@
-"""Review 6 of the issue-7 performance change (1df3623..8698a6d): reproducers of the defects found, each
-marked ``xfail(strict=True)`` so it documents the defect now and fails CI once the defect is fixed and the
-marker is left behind (then remove the marker and keep the test).
+"""Review 6 of the issue-7 performance change (1df3623..8698a6d): the defects found, fixed since, as tests
+(both backends of ``mla_attention`` and ``fused_moe`` reject shapes that do not fit with the same ValueError).
 
 Triton kernels run on CPU under Triton's interpreter (TRITON_INTERPRET=1), set up as in
 tests/test_triton_ops.py.
@@ -38,9 +37,6 @@ def _mla_decode_inputs(H=2, R=16, P=8, bs=16):
             torch.tensor([5], dtype=torch.int32), bt)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="review6 #2: torch_ref_mla.mla_attention does not validate w_uv; a wrong [H, dv, R]"
-                   " raises torch.bmm's RuntimeError instead of the Triton op's ValueError naming w_uv")
 @pytest.mark.parametrize("bad", ["R", "H"])
 def test_reference_mla_w_uv_shape_error_matches_the_triton_backend(bad):
     """Both backends of ``mla_attention`` (same contract) reject a w_uv that is not [H, dv, R] with the same
@@ -54,10 +50,6 @@ def test_reference_mla_w_uv_shape_error_matches_the_triton_backend(bad):
         torch_ref_mla.mla_attention(*args, 0.3, w_uv=w_uv)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="review6 #3: triton fused_moe does not check topk_weights / topk_ids "
-                   "against x: a [1, k-1] topk_weights is read past its end (the direct T == 1 path and the "
-                   "aligned one alike) and the call returns a result instead of the documented ValueError")
 def test_fused_moe_rejects_topk_shapes_that_do_not_fit():
     """fused_moe's docstring: "Raises ValueError for shapes that do not fit". topk_weights [1, 2] with
     topk_ids [1, 3] (k = 3) must raise, not read a third weight past the buffer (on a GPU: out of bounds)."""
@@ -68,5 +60,7 @@ def test_fused_moe_rejects_topk_shapes_that_do_not_fit():
     w2 = torch.randn(E, H, inter, generator=g) * 0.2
     ids = torch.tensor([[0, 1, 2]])
     tw = torch.rand(1, 8, generator=g)[:, :2]  # view of a larger buffer: the over-read stays in owned memory
-    with pytest.raises(ValueError, match="fused_moe"):
-        tri.fused_moe(x, w13, w2, tw, ids)
+    for impl in (tri.fused_moe, torch_ref_mla.fused_moe):
+        with pytest.raises(ValueError, match=r"fused_moe: topk_weights \(1, 2\) and topk_ids \(1, 3\) must both be"
+                                             r" \[T=1, k\]"):
+            impl(x, w13, w2, tw, ids)

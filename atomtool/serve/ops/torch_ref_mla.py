@@ -55,6 +55,7 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         [T, H, R] in q_nope_absorbed's dtype (logits and softmax in float32), or [T, H, dv] with ``w_uv``.
     """
     T, H, R = q_nope_absorbed.shape
+    check_mla_w_uv(w_uv, H, R)
     out = q_nope_absorbed.new_empty(T, H, R)
     for b, s, e, L in query_spans(cu_seqlens_q, seq_lens):
         ql = e - s
@@ -75,6 +76,14 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         probs = torch.softmax(scores, dim=-1)
         out[s:e] = torch.einsum("qhk,kr->qhr", probs, ckv).to(out.dtype)
     return out if w_uv is None else mla_output_uv(out, w_uv)
+
+
+def check_mla_w_uv(w_uv: torch.Tensor | None, H: int, R: int) -> None:
+    """The ``w_uv`` argument of ``mla_attention`` (every backend): None, or [H, dv, R] with a contiguous last
+    dim. Raises ValueError naming the shape otherwise."""
+    if w_uv is not None and (w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R or w_uv.stride(-1) != 1):
+        raise ValueError(f"mla_attention: w_uv {tuple(w_uv.shape)} must be [H={H}, dv, R={R}] with a contiguous "
+                         "last dim")
 
 
 def mla_output_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
@@ -165,6 +174,25 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
     return weights * routed_scaling_factor, ids
 
 
+def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None,
+                    w2_scale_inv: torch.Tensor | None) -> None:
+    """The shapes ``fused_moe`` (every backend) accepts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights
+    and topk_ids both [T, k], both scales or neither. Raises ValueError naming what does not fit."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)} must be [T, H], w13 {tuple(w13.shape)} [E, 2I, H] and "
+                         f"w2 {tuple(w2.shape)} [E, H, I]")
+    T, H = x.shape
+    E, two_i, H1 = w13.shape
+    if H1 != H or w2.shape[0] != E or w2.shape[1] != H or w2.shape[2] * 2 != two_i:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+                         f"{tuple(topk_ids.shape)} must both be [T={T}, k]")
+    if (w13_scale_inv is None) != (w2_scale_inv is None):
+        raise ValueError("fused_moe: give both w13_scale_inv and w2_scale_inv, or neither")
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
               w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
@@ -176,10 +204,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     [E, ceil(2I/bn), ceil(H/bk)] and ``w2_scale_inv`` [E, ceil(H/bn), ceil(I/bk)] float32, ``block_size``
     (bn, bk); each hit expert is dequantized (``W = fp8 * scale_inv[i // bn, j // bk]``). Experts are visited
     in ascending id and accumulated in x's dtype (HF ``DeepseekV3Experts`` order). ``act_quant``: W8A8 for
-    FP8 experts (``torch_ref.fp8_matmul``). Returns [T, H] in x's dtype.
+    FP8 experts (``torch_ref.fp8_matmul``). Returns [T, H] in x's dtype. Raises ValueError for shapes that
+    do not fit (:func:`check_fused_moe`).
     """
-    if (w13_scale_inv is None) != (w2_scale_inv is None):
-        raise ValueError("fused_moe: give both w13_scale_inv and w2_scale_inv, or neither")
+    check_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv)
     out = torch.zeros_like(x)
     E = w13.shape[0]
     ids = topk_ids.long()

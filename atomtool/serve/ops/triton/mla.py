@@ -2,8 +2,9 @@
 
 Follows DeepSeek-V2 §2.1 (absorbed MLA) and DeepSeek-V3.2's sparse attention (research/dsa.md §5.1, §5.4):
 every query head attends to the one shared latent row ``[c_kv | k_pe]`` of each token,
-``logit = scale * (q_nope_absorbed · c_kv + q_pe · k_pe)`` and ``out = Σ softmax(logit) c_kv``. With
-``topk_indices`` a query attends only to the positions its indexer selected (-1 = padding), still causally.
+``logit = scale * (q_nope_absorbed · c_kv + q_pe · k_pe)`` and ``out = Σ softmax(logit) c_kv`` (times W_UV
+per head when the caller passes ``w_uv``). With ``topk_indices`` a query attends only to the positions its
+indexer selected (-1 = padding), still causally.
 
 Work split. Query rows of a sequence with more than one new token (prefill, chunked prefill): one
 program per (query token, block of heads) walks that token's keys (all causal positions, or its top-k list)
@@ -12,7 +13,9 @@ their sequence): that layout gives a batch-1 step H / BLOCK_H programs, each wal
 so decode rows use split-KV (Flash-Decoding, Dao et al. 2023): programs (sequence, block of heads, chunk)
 each reduce a chunk of the row's key list (``SPLIT_CHUNK_SPARSE`` top-k entries; dense: at most
 ``SPLIT_CHUNKS_DENSE`` chunks of >= ``SPLIT_SPAN_DENSE`` positions) to (max, sum, unnormalized output)
-partials, and a second kernel merges the row's chunks in chunk order (split_kv.py). The chunk boundaries
+partials, and a second kernel merges the row's chunks in chunk order: ``split_kv_merge_kernel`` (split_kv.py)
+for the latent output, or with ``w_uv`` :func:`_mla_merge_uv_kernel`, which also multiplies each merged head
+row by W_UV (multi-token rows: ``torch_ref_mla.mla_output_uv``). The chunk boundaries
 depend only on the row's own key count, and which path a row takes only on its own sequence's query
 length, so a row's result is deterministic and does not depend on the rest of the batch. Grids sized from
 shapes only: CUDA-graph capturable. Workspace: B x chunks x H x (R + 2) float32 per call.
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.torch_ref_mla import mla_output_uv
+from atomtool.serve.ops.torch_ref_mla import check_mla_w_uv, mla_output_uv
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
@@ -132,8 +135,10 @@ class MlaDecodeConfig:
     block_h: query heads per program; block_n: keys per inner step; num_warps / num_stages: Triton options.
     None of them changes a row's chunking, so a row's bits do not depend on them beyond the dot's tile shape,
     which is fixed for every batch. Tuned with ``python -m benchmarks.kernel_sweep --only mla`` on an H200
-    (128 heads, top-k 2048 of 4096, split + merge): this default 28.3 us at batch 1 and 62.8 us at batch 8;
-    the former (16, 32, 4 warps) 26.4 / 108.0 us; the batch-1 best (16, 64, 8 warps) 22.2 / 125.0 us.
+    (128 heads, top-k 2048 of 4096, split + merge kernel, before the W_UV fusion): this default 28.3 us at batch
+    1 and 62.8 us at batch 8; the former (16, 32, 4 warps) 26.4 / 108.0 us; the batch-1 best (16, 64, 8 warps)
+    22.2 / 125.0 us. Session 6 (split + fused merge + W_UV): this default 30.9 / 70.4 / 467 us at batch 1 / 8 /
+    64, the batch-1 best (16, 64, 8 warps, 128-key chunks) 25.2 us but slower than 97 us at batch 8.
     """
 
     block_h: int = 64
@@ -297,9 +302,7 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         raise ValueError(f"mla_attention: q {tuple(q_nope_absorbed.shape)} / q_pe {tuple(q_pe.shape)} do not fit "
                          f"latent cache {tuple(latent_cache.shape)}")
     B = seq_lens.shape[0]
-    if w_uv is not None and (w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R or w_uv.stride(-1) != 1):
-        raise ValueError(f"mla_attention: w_uv {tuple(w_uv.shape)} must be [H={H}, dv, R={R}] with a contiguous "
-                         "last dim")
+    check_mla_w_uv(w_uv, H, R)
     lat_out = torch.empty_like(q_nope_absorbed)
     if T == 0 or B == 0:
         return lat_out if w_uv is None else q_nope_absorbed.new_empty(T, H, w_uv.shape[1])

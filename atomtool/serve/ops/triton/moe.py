@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atomtool.serve.ops.torch_ref_mla import check_fused_moe
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
@@ -249,12 +250,9 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, 
                direct: bool) -> torch.Tensor:
     """``fused_moe`` with its launch choice explicit (tests compare both bitwise): ``direct``, one row block
     per pair instead of the aligned layout (any T; fused_moe picks it at T == 1)."""
+    check_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv)
     T, H = x.shape
-    E, two_i, H1 = w13.shape
-    if H1 != H or w2.shape[0] != E or w2.shape[1] != H or w2.shape[2] * 2 != two_i:
-        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit")
-    if (w13_scale_inv is None) != (w2_scale_inv is None):
-        raise ValueError("fused_moe: give both w13_scale_inv and w2_scale_inv, or neither")
+    E, two_i, _ = w13.shape
     k = topk_ids.shape[1]
     if T == 0:
         return torch.zeros((T, H), dtype=x.dtype, device=x.device)
