@@ -32,6 +32,7 @@ import math
 import torch
 
 from benchmarks import common as C
+from benchmarks import trace_report
 
 
 def _distinct_experts(model, runner, batch) -> dict[int, int]:
@@ -213,7 +214,8 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
 
 
 def profile_step(name: str, runner, cfg: dict, bs: int) -> None:
-    """torch.profiler over 3 graph replays and one eager step at batch 1, ctx 4096: top kernels by GPU time."""
+    """torch.profiler over 3 graph replays and one eager step at batch 1, ctx 4096: top kernels by GPU time, and
+    for the graph replays the chrome trace plus :mod:`benchmarks.trace_report`'s exposed-time report."""
     from torch.profiler import ProfilerActivity, profile
 
     seqs = C.fake_sequences(1, 4096, bs, cfg["vocab_size"], seed=1)
@@ -237,7 +239,11 @@ def profile_step(name: str, runner, cfg: dict, bs: int) -> None:
         full = table.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=90)
         (C.out_dir() / f"profile_{name}_{mode}.txt").write_text(full)
         if mode == "graph":  # per-stream timeline (the side stream's overlap), for chrome://tracing / perfetto
-            prof.export_chrome_trace(str(C.out_dir() / f"trace_{name}_{mode}.json"))
+            trace = C.out_dir() / f"trace_{name}_{mode}.json"
+            prof.export_chrome_trace(str(trace))
+            text = trace_report.report(trace)  # exposed time per kernel and one layer's timeline
+            (C.out_dir() / f"trace_report_{name}.txt").write_text(text + "\n")
+            print(text)
 
 
 def main(argv: list[str] | None = None) -> int:

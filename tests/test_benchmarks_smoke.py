@@ -131,3 +131,39 @@ def test_load_bench_smoke_runs_the_fp8_moe_model(tmp_path, monkeypatch):
     (row,) = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert row["bench"] == "load" and row["model"] == "dsv32-fp8" and row["speedup_load"] > 0
     assert row["raw"]["load_s"] > 0 and row["layout"]["ready_s"] >= row["layout"]["load_s"]
+
+
+def test_trace_report_charges_each_instant_to_the_kernel_that_ends_first(tmp_path):
+    """benchmarks/trace_report on a hand-made trace: a PDL pair (B launched at 2 us, waiting until A ends at
+    10), a side-stream kernel C inside B, an idle gap, then two layers opened by the marker kernel; exposed
+    times are the hand-computed ones and sum to the busy (union) time, not to the durations."""
+    import gzip
+    import json
+
+    from benchmarks import trace_report
+
+    def ev(name, ts, dur, tid=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [ev("A", 0, 10), ev("B", 2, 13), ev("C", 12, 2, tid=8),  # B: 10..15 its own, C 12..14 in B
+              ev("mark", 20, 3), ev("D", 22, 8),                        # idle 15..20; layer 0 = 20..30
+              ev("mark", 30, 2), ev("E", 31, 4),                        # layer 1 = 30..35
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},  # not GPU work
+              ev("A", 1000, 5)]                                        # a second step, 965 us later
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    steps = trace_report.split_steps(trace_report.load_kernels(path))
+    assert [len(s) for s in steps] == [7, 1]
+    step = steps[0]
+    exposed = {k.name + str(k.start): t for k, t in trace_report.exposed_times(step)}
+    # A owns 0..10 (B only waits); B 10..12 and 14..15; C 12..14 (ends first); mark 20..23 (ends before D);
+    # D 23..30; the second mark 30..32, E 32..35
+    assert exposed == {"A0.0": 10, "B2.0": 3, "C12.0": 2, "mark20.0": 3, "D22.0": 7, "mark30.0": 2, "E31.0": 3}
+    s = trace_report.summarize(step)
+    assert (s["span_us"], s["busy_us"], s["idle_us"]) == (35, 30, 5)
+    assert s["per_name"]["mark"] == (2, 5)
+    assert trace_report.layer_spans(step, "mark") == [(20, 30), (30, 35)]
+    text = trace_report.report(path, marker="mark", layer=1)
+    assert "busy 30.0 us, idle 5.0 us" in text and "layer 1 of 2 (mark to the next): 5.0 us" in text
+    assert text.splitlines()[-1].split() == ["1.0", "5.0", "3.0", "E"]
