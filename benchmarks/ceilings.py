@@ -1,4 +1,4 @@
-"""The device's two ceilings, measured first in a run (issue 7, benchmark 1; METHOD.md "two numbers first").
+"""The device's two ceilings, measured first in a run (issue 7, benchmark 1: every later figure is a ratio against these).
 
 - copy bandwidth: a 2 GiB device-to-device copy (bytes read + bytes written), 3 random source buffers rotated;
 - matmul rate: an 8192^3 bf16 ``torch.mm`` (cuBLAS) on random data, 3 input sets rotated.

@@ -1,6 +1,6 @@
 """Shared pieces of the issue-7 benchmarks: environment record, ceilings, timing, result rows, model builders.
 
-Every benchmark prints a ratio against something measured in the same run (METHOD.md: "two numbers first"):
+Every benchmark prints a ratio against something measured in the same run (issue 7: a ratio, never a lone number):
 the device's copy bandwidth and bf16 matmul rate (:func:`measure_ceilings`), or a peer (transformers).
 Results are appended as JSON lines to ``$BENCH_OUT/results.jsonl`` (``BENCH_OUT`` defaults to ``bench_out``)
 and printed as a table.
@@ -13,6 +13,7 @@ float8_e4m3fn + float32 ``weight_scale_inv`` per 128x128 block) are declared thr
 
 from __future__ import annotations
 
+import argparse
 import copy
 import datetime
 import json
@@ -110,6 +111,18 @@ def small_dsa_config(smoke: bool = False) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- environment / output
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for sizes that must be >= 1 (batch, steps, context, block size): a clear usage error
+    instead of a traceback deep in the benchmark."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def out_dir() -> Path:
@@ -244,7 +257,7 @@ def seconds_per_call(fn: Callable[[], Any], device: torch.device, *, calls: int 
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read + bytes written (METHOD.md).
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + bytes written (the usual STREAM-copy convention).
 
     Rotates over 3 source buffers of ``nbytes`` (default 2 GiB on CUDA, 64 MiB on CPU), random data.
     """
@@ -421,7 +434,7 @@ def make_runner(model, device: torch.device, *, num_blocks: int, block_size: int
 
 
 def fill_cache_random_(pool, seed: int = 0) -> None:
-    """Fill every KV plane with N(0, 1) values (never time on zeros: METHOD.md)."""
+    """Fill every KV plane with N(0, 1) values (never time on zeros: sparse or zero data can take faster paths)."""
     g = None
     for layer in pool.caches:
         for t in layer.values():

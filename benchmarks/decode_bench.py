@@ -208,17 +208,23 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
                          achieved_GBps=nbytes / gpu / 1e9, iters=iters, distinct_experts=(
                              round(sum(distinct.values()) / len(distinct), 1) if distinct else None), **parts)
             rows.append(r)
-    if args.profile and device.type == "cuda":
-        profile_step(name, runner, cfg, bs)
+    if args.profile:
+        if device.type == "cuda":
+            profile_step(name, runner, cfg, bs)
+        else:
+            print(f"[{name}] --profile: skipped, it needs a CUDA device (torch.profiler's GPU kernels)", flush=True)
     return rows
 
 
 def profile_step(name: str, runner, cfg: dict, bs: int) -> None:
-    """torch.profiler over 3 graph replays and one eager step at batch 1, ctx 4096: top kernels by GPU time, and
-    for the graph replays the chrome trace plus :mod:`benchmarks.trace_report`'s exposed-time report."""
+    """torch.profiler over 3 graph replays and one eager step at batch 1 and context 4096 (or as long as the
+    runner's KV pool and block tables allow): top kernels by GPU time, and for the graph replays the chrome
+    trace plus :mod:`benchmarks.trace_report`'s exposed-time report."""
     from torch.profiler import ProfilerActivity, profile
 
-    seqs = C.fake_sequences(1, 4096, bs, cfg["vocab_size"], seed=1)
+    capacity = min(runner.kv_pool.num_blocks, runner.block_tables.table.shape[1]) * bs
+    ctx = min(4096, capacity)
+    seqs = C.fake_sequences(1, ctx, bs, cfg["vocab_size"], seed=1)
     sched = C.scheduler_output(seqs)
     batch = runner.prepare(sched)
     for mode in ("graph", "eager"):
@@ -233,7 +239,7 @@ def profile_step(name: str, runner, cfg: dict, bs: int) -> None:
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
-        print(f"\n== profile {name} decode batch 1 ctx 4096 ({mode}, 3 steps)")
+        print(f"\n== profile {name} decode batch 1 ctx {ctx} ({mode}, 3 steps)")
         table = prof.key_averages()
         print(table.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
         full = table.table(sort_by="self_cuda_time_total", row_limit=-1, max_name_column_width=90)

@@ -22,6 +22,7 @@ Prints one table per kernel and records rows in ``$BENCH_OUT/results.jsonl`` (be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import time
@@ -79,7 +80,9 @@ def sweep_linear(device, configs, shapes, copy_bw: float, act_quant: str | None 
                 t = C.seconds_per_call(call, device)
                 per[name] = t
                 total += t * count
-            row = C.record("kernel_sweep", kernel="fp8_linear", M=1, act_quant=act_quant, **vars(cfg),
+            # W8A8 always runs the swapped tile (linear.py), whatever the config says: record what ran
+            ran = vars(cfg) | ({"swap_ab": True} if act_quant else {})
+            row = C.record("kernel_sweep", kernel="fp8_linear", M=1, act_quant=act_quant, **ran,
                            step_ms=total * 1e3,
                            step_GBps=step_bytes / total / 1e9, of_copy=step_bytes / total / copy_bw,
                            per_us={k: round(v * 1e6, 2) for k, v in per.items()})
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few candidates only")
     ap.add_argument("--only", choices=["linear", "moe", "mla"], default=None)
     ap.add_argument("--act-quant", choices=["dynamic", "dynamic_ue8m0"], default=None,
-                    help="sweep the W8A8 kernels (activations quantized per token) instead of weight-only")
+                    help="sweep the W8A8 FP8 linear and MoE kernels (activations quantized per token) instead of "
+                         "weight-only (MLA has no FP8 operands: --only mla ignores it)")
     args = ap.parse_args(argv)
     device = C.pick_device(args.smoke)
     if device.type != "cuda" and not args.smoke:
@@ -192,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from atomtool.serve.ops.triton.linear import Fp8LinearConfig
+    from atomtool.serve.ops.triton.linear import FP8_LINEAR_W8A8_CONFIG, Fp8LinearConfig
     from atomtool.serve.ops.triton.mla import MlaDecodeConfig
-    from atomtool.serve.ops.triton.moe import MoeGemmConfig
+    from atomtool.serve.ops.triton.moe import MOE_GEMM_W8A8_CONFIG, MoeGemmConfig
 
     print("env", C.env_info(device))
     copy_bw = C.load_or_measure_ceilings(device)["copy_bw_Bps"]
@@ -202,13 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if args.smoke:
         lin = [Fp8LinearConfig(), Fp8LinearConfig(block_n=64, split_target=256, swap_ab=True)]
-        moe = [MoeGemmConfig(), MoeGemmConfig(block_n=64, swap_ab=True)]
+        moe = [MoeGemmConfig(), MoeGemmConfig(swap_ab=False)]
         shapes = [("small", 256, 512, 2), ("tall", 512, 256, 1)]
         T_list = [1]
     else:
         shapes = DSV32_LINEARS
         T_list = [1, 8]
-        if args.act_quant:  # W8A8 always runs the swapped (wgmma) tile
+        if args.act_quant and args.quick:  # the W8A8 defaults, the weight-only ones, and the pointer loads
+            lin = [FP8_LINEAR_W8A8_CONFIG, Fp8LinearConfig(), dataclasses.replace(FP8_LINEAR_W8A8_CONFIG, tma=False)]
+            moe = [MOE_GEMM_W8A8_CONFIG, MoeGemmConfig()]
+        elif args.act_quant:  # W8A8 always runs the swapped (wgmma) tile
             lin = [Fp8LinearConfig(block_n=bn, split_target=tg, num_warps=nw, num_stages=ns)
                    for bn, tg, ns, nw in itertools.product((64, 128), (256, 512, 1024), (3, 4, 6), (4,))]
             lin += [Fp8LinearConfig(block_n=128, num_warps=8), Fp8LinearConfig(block_n=256, num_warps=8),
@@ -250,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== sparse MLA decode, {len(mla_c)} configs")
         ml = sweep_mla(device, mla_c, copy_bw, args.smoke)
         for B in (1, 8, 64):
-            if any(r["B"] == B for r in ml):
-                print(f"best mla B={B}: {min((r for r in ml if r['B'] == B), key=lambda r: r['us'])}")
+            fused = [r for r in ml if r["B"] == B and r["fused_uv"]]
+            if fused:
+                print(f"best mla B={B} (fused merge + W_UV): {min(fused, key=lambda r: r['us'])}")
         results += ml
     print(f"sweep done in {time.time() - t0:.0f} s")
     return 0

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import common as C
+
 #: (glue kernel ops, named-op calls) per batch-1 decode step before the issue-7 kernel-count work (commit
 #: 095726f), for the before/after line
 BEFORE = {"dsv32": (92, 102), "small_dsa": (46, 41), "qwen3": (16, 27)}
@@ -182,7 +184,6 @@ def count_decode_step(model, batch, kv_caches, counts: StepCounts, scope: list[s
 
 def model_config(name: str) -> dict:
     """The raw config of a named proxy model (tiny widths, real structure)."""
-    from benchmarks import common as C
 
     if name == "dsv32":  # the H200 benchmark's structure: dense layers, then MoE; DSA full on every layer
         return C.dsv32_config(5, first_dense=2, smoke=True)
@@ -196,7 +197,6 @@ def model_config(name: str) -> dict:
 def measure(name: str = "dsv32", batch: int = 1, fp8: bool | None = None, seed: int = 0) -> StepCounts:
     """Counts of one decode step of model ``name`` (bfloat16; FP8 block linears for ``dsv32`` by default)
     at ``batch`` sequences, each with more cached tokens than ``index_topk``."""
-    from benchmarks import common as C
 
     torch.manual_seed(seed)
     cfg = model_config(name)
@@ -237,7 +237,7 @@ def report(counts: StepCounts, title: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="all", choices=["all", "dsv32", "small_dsa", "qwen3"])
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=C.positive_int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     names = ["dsv32", "small_dsa", "qwen3"] if args.model == "all" else [args.model]

@@ -31,6 +31,7 @@ from atomtool.serve.engine.model_runner import ModelRunner
 from atomtool.serve.engine.scheduler import Scheduler, SchedulerOutput
 from atomtool.serve.engine.sequence import Sequence, SequenceStatus
 from atomtool.serve.sampling_params import SamplingParams
+from benchmarks import common as C
 
 
 def legacy_prepare(sched: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
@@ -120,10 +121,10 @@ def run(batch: int, ctx: int, steps: int, block_size: int, prefill_chunk: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--ctx", type=int, default=32768)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--batch", type=C.positive_int, default=64)
+    ap.add_argument("--ctx", type=C.positive_int, default=32768)
+    ap.add_argument("--steps", type=C.positive_int, default=64)
+    ap.add_argument("--block-size", type=C.positive_int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()

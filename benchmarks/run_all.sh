@@ -3,8 +3,11 @@
 # overall budget; logs and results go to OUTDIR (bench.log, results.jsonl, ceilings.json).
 #
 #   benchmarks/run_all.sh [OUTDIR]            # on the GPU machine: benchmarks/run_all.sh "$OUT"
-#   SMOKE=1 benchmarks/run_all.sh /tmp/bo     # CPU toy sizes (debugging)
+#   SMOKE=1 PYTHON=.venv/bin/python benchmarks/run_all.sh /tmp/bo     # CPU toy sizes (debugging)
 #   BUDGET_S=400 ONLY="ceilings decode_dsv32" benchmarks/run_all.sh "$OUT"
+#
+# PYTHON: the interpreter (default python3, the GPU machine's). Exit status: 1 when any benchmark that ran
+# failed (each one's rc is in bench.log), else 0.
 #
 # Order = priority (what the goals need first): ceilings, DSA decode (goal 1; W8A8 as the checkpoint asks,
 # then weight-only), Qwen3 throughput
@@ -21,6 +24,7 @@ SMOKE_ARG=""
 [ "${SMOKE:-0}" = "1" ] && SMOKE_ARG="--smoke"
 START=$(date +%s)
 LOG=$OUTDIR/bench.log
+FAILED=""
 
 bench() {  # bench NAME LIMIT_S MODULE ARGS...
   local name=$1 limit=$2 mod=$3; shift 3
@@ -32,7 +36,10 @@ bench() {  # bench NAME LIMIT_S MODULE ARGS...
   local t0=$(date +%s)
   timeout -k 5 "$limit" "$PY" -m "$mod" "$@" $SMOKE_ARG 2>&1 | grep --line-buffered -v -e '^\[transformers\]' \
     -e 'Writing model shards' -e 'Loading weights' | tee -a "$LOG"
-  echo "=== $name rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
+  [ "$rc" -ne 0 ] && FAILED="$FAILED $name"
+  return 0
 }
 
 # the HTTP benchmark needs fastapi/uvicorn/openai; the GPU image lacks them: install from carried wheels
@@ -52,4 +59,5 @@ bench decode_qwen3 45 benchmarks.decode_bench --model qwen3
 bench prefill 60 benchmarks.prefill_bench
 bench throughput_dsa 90 benchmarks.throughput_bench --model dsa --hf-max-time 30
 bench http_qwen3 120 benchmarks.throughput_bench --model qwen3 --http --clients 64
-echo "run_all done in $(( $(date +%s) - START ))s" | tee -a "$LOG"
+echo "run_all done in $(( $(date +%s) - START ))s${FAILED:+; failed:$FAILED}" | tee -a "$LOG"
+[ -z "$FAILED" ]

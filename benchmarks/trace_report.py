@@ -27,6 +27,10 @@ from pathlib import Path
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+class TraceError(ValueError):
+    """A trace file that cannot be read as a chrome trace, or a layer that is not in it."""
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One GPU activity: name, start and end in microseconds (trace clock), stream (trace ``tid``)."""
@@ -34,17 +38,30 @@ class Kernel:
     name: str
     start: float
     end: float
-    stream: int
+    stream: object
 
 
 def load_kernels(path: str | Path) -> list[Kernel]:
-    """GPU kernels / copies / sets of a chrome trace (plain or .gz JSON), sorted by start."""
+    """GPU kernels / copies / sets of a chrome trace (plain or .gz JSON: ``{"traceEvents": [...]}`` or the
+    bare event list), sorted by start. Raises TraceError for a missing, unreadable or malformed file."""
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    out = [Kernel(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e.get("tid", 0)))
-           for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    try:
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceError(f"{path}: not a readable JSON trace ({type(exc).__name__}: {exc})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise TraceError(f"{path}: not a chrome trace (expected {{\"traceEvents\": [event objects]}} or a list "
+                         "of event objects)")
+    out = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
+            try:
+                start = float(e["ts"])
+                out.append(Kernel(str(e.get("name", "?")), start, start + float(e["dur"]), e.get("tid", 0)))
+            except (KeyError, TypeError, ValueError):
+                raise TraceError(f"{path}: GPU event without a numeric ts / dur: {json.dumps(e)[:200]}") from None
     return sorted(out, key=lambda k: k.start)
 
 
@@ -101,7 +118,9 @@ def report(path: str | Path, marker: str = "_add_rms_norm_kernel", layer: int | 
     """Text report of the fullest step (most kernels; the last of equals) of the trace at ``path`` (a graph
     replay; partial ones at the profile's edges have fewer kernels): totals, exposed time per kernel name (the
     ``top`` largest), and the timeline of layer ``layer`` (default: the middle one of those the marker
-    delimits) with each kernel's start, end and exposed time relative to the layer's start."""
+    delimits; "layer 0" is the span after the marker's first launch, i.e. the model's second layer) with each
+    kernel's start, end and exposed time relative to the layer's start. Raises TraceError (see
+    :func:`load_kernels`) and for a ``layer`` out of range."""
     steps = split_steps(load_kernels(path))
     if not steps:
         return f"{path}: no GPU kernels in the trace"
@@ -113,10 +132,13 @@ def report(path: str | Path, marker: str = "_add_rms_norm_kernel", layer: int | 
     for name, (n, t) in sorted(s["per_name"].items(), key=lambda x: -x[1][1])[:top]:
         lines.append(f"{t:10.1f} {n:4d} {t / n:8.1f}  {_short(name)}")
     spans = layer_spans(step, marker)
-    if spans:
+    if not spans:
+        lines += ["", f"no kernel named {marker} in the step: no layer timeline (see --marker)"]
+    else:
         i = len(spans) // 2 if layer is None else layer
         if not 0 <= i < len(spans):
-            raise ValueError(f"layer {i} out of range: {len(spans)} layers delimited by {marker}")
+            raise TraceError(f"layer {i} out of range: the step has {len(spans)} layers delimited by {marker} "
+                             f"(0..{len(spans) - 1})")
         lo, hi = spans[i]
         lines += ["", f"layer {i} of {len(spans)} ({marker} to the next): {hi - lo:.1f} us",
                   f"{'start':>7} {'end':>7} {'exposed':>7}  kernel"]
@@ -132,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--marker", default="_add_rms_norm_kernel", help="the kernel that opens each layer")
     ap.add_argument("--layer", type=int, default=None, help="which layer's timeline (default: the middle one)")
     args = ap.parse_args(argv)
-    print(report(args.trace, args.marker, args.layer))
+    try:
+        print(report(args.trace, args.marker, args.layer))
+    except TraceError as exc:
+        raise SystemExit(f"error: {exc}") from None
     return 0
 
 

@@ -1,7 +1,6 @@
 """Reproducers for defects a newcomer met in the issue-7 benchmark tools on CPU (docs/PERFORMANCE.md, session 6).
 
-Each test states the behaviour the tool should have and is marked ``xfail(strict=True)`` while the defect
-stands: fixing the benchmark code makes the test pass, and strict mode then asks for the marker's removal.
+Each test states the behaviour the tool should have (the defects are fixed; the tests keep them fixed).
 All run in seconds on CPU (no Triton interpreter, toy models only).
 """
 
@@ -53,14 +52,11 @@ def _clear_cli_error(exc: BaseException | None) -> bool:
 # ------------------------------------------------------------------------------------------ trace_report
 
 
-@pytest.mark.xfail(strict=True, reason="trace_report: a missing trace file ends in a FileNotFoundError traceback")
 def test_trace_report_missing_file_is_a_clear_error(tmp_path):
     exc = _run_trace_report([str(tmp_path / "no_such_trace.json")])
     assert _clear_cli_error(exc), repr(exc)
 
 
-@pytest.mark.xfail(strict=True, reason="trace_report: an empty / non-JSON / non-trace file ends in a traceback "
-                                       "(JSONDecodeError, KeyError 'traceEvents', AttributeError)")
 @pytest.mark.parametrize("content", ["", "this is not json {", "{}", "[1, 2]"],
                          ids=["empty", "not_json", "no_traceEvents", "list_of_ints"])
 def test_trace_report_malformed_trace_is_a_clear_error(tmp_path, content):
@@ -70,16 +66,12 @@ def test_trace_report_malformed_trace_is_a_clear_error(tmp_path, content):
     assert _clear_cli_error(exc), repr(exc)
 
 
-@pytest.mark.xfail(strict=True, reason="trace_report: --layer out of range raises ValueError from report() "
-                                       "uncaught by main(): a traceback instead of an argparse-style error")
 @pytest.mark.parametrize("layer", ["2", "-1"])
 def test_trace_report_layer_out_of_range_is_a_clear_error(tmp_path, layer):
     exc = _run_trace_report([str(_hand_trace(tmp_path / "t.json")), "--layer", layer])
     assert _clear_cli_error(exc), repr(exc)
 
 
-@pytest.mark.xfail(strict=True, reason="trace_report: a --marker that never occurs (a typo) silently drops the "
-                                       "layer timeline, even with --layer given; the report does not say why")
 def test_trace_report_says_when_the_marker_never_occurs(tmp_path):
     from benchmarks import trace_report
 
@@ -90,9 +82,6 @@ def test_trace_report_says_when_the_marker_never_occurs(tmp_path):
 # ------------------------------------------------------------------------------------------ decode_bench
 
 
-@pytest.mark.xfail(strict=True, reason="decode_bench --profile profiles a hard-coded batch-1 / 4096-token step "
-                                       "whatever --contexts sized the KV pool for: block ids past the pool "
-                                       "(IndexError on CPU; out-of-bounds cache stores on a GPU)")
 def test_decode_bench_profile_step_stays_inside_the_pool_it_was_given(monkeypatch, tmp_path):
     from benchmarks import common as C
     from benchmarks import decode_bench
@@ -106,8 +95,6 @@ def test_decode_bench_profile_step_stays_inside_the_pool_it_was_given(monkeypatc
     decode_bench.profile_step("qwen3", runner, cfg, 16)
 
 
-@pytest.mark.xfail(strict=True, reason="decode_bench --profile is silently ignored off CUDA (no table, no trace, "
-                                       "no note), so `--smoke --profile` looks like it worked")
 def test_decode_bench_profile_off_cuda_says_it_did_not_profile(monkeypatch, tmp_path, capsys):
     from benchmarks import decode_bench
 
@@ -123,8 +110,6 @@ def test_decode_bench_profile_off_cuda_says_it_did_not_profile(monkeypatch, tmp_
 # ------------------------------------------------------------------------------------------ throughput_bench
 
 
-@pytest.mark.xfail(strict=True, reason="throughput_bench: the offline table has a ttft_p99_s column but its rows "
-                                       "never fill it (only the --http rows do): always blank")
 def test_throughput_offline_table_fills_ttft_p99(monkeypatch, tmp_path, capsys):
     from benchmarks import throughput_bench
 
@@ -142,8 +127,6 @@ def test_throughput_offline_table_fills_ttft_p99(monkeypatch, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ kernel_sweep
 
 
-@pytest.mark.xfail(strict=True, reason="kernel_sweep --smoke: the MoE candidates MoeGemmConfig() and "
-                                       "MoeGemmConfig(block_n=64, swap_ab=True) are the same config, swept twice")
 def test_kernel_sweep_smoke_moe_candidates_are_distinct(monkeypatch, tmp_path):
     from benchmarks import common as C
     from benchmarks import kernel_sweep
@@ -161,9 +144,6 @@ def test_kernel_sweep_smoke_moe_candidates_are_distinct(monkeypatch, tmp_path):
     assert len(seen) >= 2 and len(set(seen)) == len(seen), seen
 
 
-@pytest.mark.xfail(strict=True, reason="kernel_sweep --act-quant records each row's swap_ab from the config "
-                                       "(False for the defaults), but the W8A8 kernel always runs the swapped "
-                                       "tile (linear.py: swap_ab = cfg.swap_ab or act_fp8): results.jsonl lies")
 def test_kernel_sweep_w8a8_rows_record_the_tile_that_ran(monkeypatch, tmp_path):
     from atomtool.serve.ops.triton.linear import Fp8LinearConfig
     from benchmarks import common as C
@@ -179,8 +159,6 @@ def test_kernel_sweep_w8a8_rows_record_the_tile_that_ran(monkeypatch, tmp_path):
 # ------------------------------------------------------------------------------------------ op_count, prepare_bench
 
 
-@pytest.mark.xfail(strict=True, reason="op_count --batch 0 (or negative) ends in a traceback (RuntimeError or ValueError "
-                                       "for 0, EngineError for -1) instead of an argparse error")
 @pytest.mark.parametrize("batch", ["0", "-1"])
 def test_op_count_rejects_a_nonpositive_batch_clearly(batch):
     from benchmarks import op_count
@@ -193,8 +171,6 @@ def test_op_count_rejects_a_nonpositive_batch_clearly(batch):
         pytest.fail("op_count accepted a batch of no sequences")
 
 
-@pytest.mark.xfail(strict=True, reason="prepare_bench: --steps 0, --batch 0, --ctx 0 or --block-size 0 end in "
-                                       "tracebacks (StatisticsError, ValueError, IndexError, ZeroDivisionError)")
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--batch", "0"], ["--ctx", "0"], ["--block-size", "0"]],
                          ids=["steps0", "batch0", "ctx0", "block_size0"])
 def test_prepare_bench_rejects_nonpositive_sizes_clearly(monkeypatch, bad):
@@ -212,9 +188,6 @@ def test_prepare_bench_rejects_nonpositive_sizes_clearly(monkeypatch, bad):
 # ------------------------------------------------------------------------------------------ run_all.sh
 
 
-@pytest.mark.xfail(strict=True, reason="benchmarks/run_all.sh exits 0 when every benchmark it ran failed (it logs "
-                                       "'rc=1' and 'run_all done'); e.g. the documented `SMOKE=1 "
-                                       "benchmarks/run_all.sh DIR` on a box whose python3 lacks torch")
 def test_run_all_exit_status_reports_failed_benchmarks(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PYTHON": "false", "SMOKE": "1", "BUDGET_S": "60", "ONLY": "ceilings"}
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "run_all.sh"), str(tmp_path / "out")], cwd=REPO,
@@ -223,8 +196,6 @@ def test_run_all_exit_status_reports_failed_benchmarks(tmp_path):
     assert proc.returncode != 0, proc.stdout  # ...and the script should say so in its exit status
 
 
-@pytest.mark.xfail(strict=True, reason="kernel_sweep --quick is silently ignored with --act-quant: the W8A8 "
-                                       "branch is checked first and sweeps its full grid (21 linear configs)")
 def test_kernel_sweep_quick_is_honoured_with_act_quant(monkeypatch, tmp_path):
     from benchmarks import common as C
     from benchmarks import kernel_sweep
