@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"device": device.type, "copy_bw_Bps": max(bw, bw2), "matmul_flops": mm}
     (C.out_dir() / "ceilings.json").write_text(json.dumps(data))
     C.record("ceilings", env=env, copy_GBps=bw / 1e9, copy_GBps_repeat=bw2 / 1e9, matmul_TFLOPs=mm / 1e12)
-    print(f"copy bandwidth {bw / 1e9:.0f} / {bw2 / 1e9:.0f} GB/s (read+write), bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    print(f"copy bandwidth {bw / 1e9:.0f} / {bw2 / 1e9:.0f} GB/s (read+write), bf16 matmul {mm / 1e12:.3g} TFLOP/s")
     return 0
 
 

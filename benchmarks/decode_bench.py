@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     print("env", C.env_info(device), flush=True)
     ceil = C.load_or_measure_ceilings(device)
-    print(f"ceilings: copy {ceil['copy_bw_Bps'] / 1e9:.0f} GB/s, matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s",
+    print(f"ceilings: copy {ceil['copy_bw_Bps'] / 1e9:.0f} GB/s, matmul {ceil['matmul_flops'] / 1e12:.3g} TFLOP/s",
           flush=True)
     rows = []
     for name in (["dsv32", "qwen3"] if args.model == "all" else [args.model]):
