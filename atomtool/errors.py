@@ -43,7 +43,17 @@ class EngineError(AtomtoolError):
 
 
 class InvalidRequestError(AtomtoolError):
-    """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ..."""
+    """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ...
+
+    ``param``: the request field at fault when there is one (the server's OpenAI-style error object names it).
+    """
+
+    param: str | None = None  # a subclass may fix it (chat.TemplateBudgetExceeded)
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        if param is not None:
+            self.param = param
 
 
 class Terminated(KeyboardInterrupt):

@@ -506,12 +506,15 @@ def test_repeated_tool_call_ids_are_400(served):
     assert error_of(chat(served[0], messages=same_message))["message"].startswith("messages[1].tool_calls[1].id")
 
 
-def test_longest_tool_name_and_auto_without_tools_are_served(served, tok):
+def test_longest_tool_name_is_served_and_tool_choice_needs_tools(served, tok):
+    """A 64-character tool name is served; tool_choice without tools is a 400 (OpenAI, vLLM), except "none"."""
     name = "A-z_09" + "x" * 58
     r = chat(served[0], messages=[{"role": "user", "content": "q"}],
              tools=[{"type": "function", "function": {"name": name, "parameters": {}}}])
     assert prompt_text(served[1], tok, r).startswith(f"[tools] {name}{{}}\n")
-    r = chat(served[0], messages=[{"role": "user", "content": "q"}], tool_choice="auto")
+    err = error_of(chat(served[0], messages=[{"role": "user", "content": "q"}], tool_choice="auto"))
+    assert err["param"] == "tool_choice" and "only allowed when tools are specified" in err["message"]
+    r = chat(served[0], messages=[{"role": "user", "content": "q"}], tool_choice="none")
     assert prompt_text(served[1], tok, r) == "[user] q\n[assistant]"
 
 

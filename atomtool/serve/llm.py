@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence as Seq
 
 from atomtool.errors import InvalidRequestError
@@ -33,14 +34,17 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion as one continuously batched workload.
 
-        prompts: one prompt or a list (text, or token ids). sampling_params: one for all, or one per prompt.
+        prompts: one prompt or a list (text, or token ids: a list / tuple of integers, numpy's included, or a
+        1-d integer array / tensor). sampling_params: one for all, or one per prompt.
         Returns the final :class:`RequestOutput` of each prompt, in input order.
 
         Raises:
             InvalidRequestError: a bad prompt or sampling parameter (nothing is run then).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if _single_prompt(prompts):
             prompts = [prompts]
+        elif not hasattr(prompts, "__iter__"):
+            raise InvalidRequestError(f"prompts: text, token ids, or a list of them; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -73,3 +77,11 @@ class LLM:
                     self.engine.abort(rid)
             raise
         return [final[rid] for rid in ids]
+
+
+def _single_prompt(prompts: object) -> bool:
+    """True for one prompt (text, a list / tuple starting with an integer, a 1-d array or tensor), False for
+    a list of prompts."""
+    if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
+        return True
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)

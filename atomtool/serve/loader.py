@@ -79,6 +79,8 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 
 def read_config(model_dir: Path) -> dict[str, Any]:
     """config.json as a dict. Raises SourceError / ConfigError."""
+    if model_dir.is_file():  # e.g. the checkpoint's config.json: the message inspect and convert give
+        raise SourceError(f"{model_dir}: is a file; pass the checkpoint directory (holding config.json)")
     if not model_dir.is_dir():
         raise SourceError(f"model directory {str(model_dir)!r} does not exist (as given: a path relative to the "
                           f"current directory {os.getcwd()!r})" if not model_dir.is_absolute() else

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from atomtool.errors import InvalidRequestError
@@ -36,33 +37,48 @@ class SamplingParams:
     min_tokens: int = 0
 
     def validate(self) -> SamplingParams:
-        """Check every field's type and range (bools are not integers here); normalises ``stop`` given as one
-        string to a list and a temperature below 1e-5 to 0 (greedy). Returns self."""
+        """Check every field's type and range (bools are not integers here; numpy scalars are numbers and are
+        turned into Python ones); normalises ``stop`` given as one string to a list and a temperature below
+        1e-5 to 0 (greedy). Returns self. Raises InvalidRequestError naming the field (``param``)."""
+        def bad(name: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(message, param=name)
+
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        self.max_tokens = int(self.max_tokens)
         if not _is_number(self.temperature) or not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise InvalidRequestError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+            raise bad("temperature", f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        self.temperature = float(self.temperature)
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
         if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.top_p = float(self.top_p)
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+            raise bad("top_k", f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        self.top_k = int(self.top_k)
+        if self.logprobs is not None:
+            if not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20:
+                raise bad("logprobs", f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+            self.logprobs = int(self.logprobs)
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
-            raise InvalidRequestError(f"seed must be an integer in the int64 range, got {self.seed!r}")
+            raise bad("min_tokens", f"min_tokens must be in [0, max_tokens] (max_tokens = {self.max_tokens}), got "
+                      f"{self.min_tokens!r}")
+        self.min_tokens = int(self.min_tokens)
+        if self.seed is not None:
+            if not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
+                raise bad("seed", f"seed must be an integer in the int64 range, got {self.seed!r}")
+            self.seed = int(self.seed)
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+            raise bad("stop_token_ids", f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise bad("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise bad("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         return self
 
 
@@ -71,8 +87,10 @@ SAMPLING_EPS = 1e-5
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer (numpy's included), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A real number (numpy's float and integer scalars included), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)

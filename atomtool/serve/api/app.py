@@ -44,7 +44,7 @@ from starlette.responses import Response, StreamingResponse
 
 from atomtool.errors import AtomtoolError, EngineError, InvalidRequestError
 from atomtool.serve.api.async_engine import AsyncEngine, RequestGroup
-from atomtool.serve.api.chat import load_chat_template, render_chat
+from atomtool.serve.api.chat import load_chat_template, prompt_char_limit, render_chat
 from atomtool.serve.api.metrics import ServerMetrics
 from atomtool.serve.api.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -560,6 +560,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     async_engine.on_output = on_output
     token_text = _TokenText(tokenizer)
     max_model_len = int(engine.max_model_len)
+    max_prompt_chars = prompt_char_limit(tokenizer, max_model_len) if tokenizer is not None else 1 << 62
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -874,6 +875,12 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             items = list(prompt)
         if not items:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        for item in items:  # refused before tokenizing: a text this long cannot fit (chat.prompt_char_limit)
+            if isinstance(item, str) and len(item) > max_prompt_chars:
+                raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                               f"your prompt has {len(item)} characters, more than that many tokens can hold "
+                               f"(at most {max_prompt_chars} characters). Please reduce the length of the input "
+                               "prompt.", param="prompt", code="context_length_exceeded")
         ids = [list(tokenizer.encode(item)) if isinstance(item, str) else list(item) for item in items]
         # ids outside the vocabulary: the engine's add_request rejects them
         return ids, [len(x) for x in ids]
@@ -890,7 +897,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         prompt_ids = await run_blocking(functools.partial(
             render_chat, tokenizer, req.messages, chat_template=req.chat_template or template,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs, tools=req.tools))
+            template_kwargs=req.chat_template_kwargs, tools=req.tools, max_chars=max_prompt_chars))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), requested, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None

@@ -54,6 +54,20 @@ MAX_RENDERED_CHARS = 64 << 20
 MAX_ARGUMENT_DEPTH = 64
 
 
+def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int:
+    """Characters a prompt may have and still fit ``max_model_len`` tokens, without tokenizing it: each token
+    covers at most L characters (L = the longest string in the tokenizer's vocabulary, added tokens included;
+    byte-level BPE vocabularies spell one byte per character, so decoded text is never longer), times 2 for
+    normalizers that compose characters (NFC). A text above the limit cannot fit, so the server refuses it
+    before spending seconds tokenizing megabytes (a request's ``chat_template`` can render 64M characters
+    from a short body). 64 characters per token without a vocabulary."""
+    try:
+        longest = max((len(k) for k in tokenizer.get_vocab()), default=64)
+    except Exception:  # a tokenizer without get_vocab (test doubles): a generous constant
+        longest = 64
+    return 2 * max(1, longest) * max(1, int(max_model_len))
+
+
 class TemplateBudgetExceeded(InvalidRequestError):
     """A chat template ran longer than :data:`MAX_TEMPLATE_STEPS` steps (raised inside the render)."""
 
@@ -340,22 +354,25 @@ def warn_if_tools_unused(tokenizer: Any, chat_template: str | None, tools: list[
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None, tools: list[Any] | None = None,
-                max_steps: int = MAX_TEMPLATE_STEPS) -> list[int]:
+                max_steps: int = MAX_TEMPLATE_STEPS, max_chars: int = MAX_RENDERED_CHARS) -> list[int]:
     """Render chat ``messages`` (pydantic ChatMessage or dicts) to prompt token ids.
 
     ``chat_template``: a template replacing the tokenizer's own (None: the tokenizer's; when it has several
     named ones, transformers picks ``tool_use`` if ``tools`` are given, else ``default``). ``tools``: the
     request's function tools (pydantic ``ToolDefinition`` or JSON-schema dicts), passed to the template as
-    ``tools`` (a template that never reads them is logged, :func:`warn_if_tools_unused`). Blocking (template + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds
-    the template's work (see the module doc).
+    ``tools`` (a template that never reads them is logged, :func:`warn_if_tools_unused`). Blocking (template
+    + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds the template's work (see the
+    module doc); ``max_chars`` the rendered text (the server passes :func:`prompt_char_limit`, so a text that
+    cannot fit the context is refused before it is tokenized; never above :data:`MAX_RENDERED_CHARS`).
 
     Raises:
         InvalidRequestError: no chat template is available, the template rejects the conversation
             (``raise_exception`` in the template, e.g. roles that do not alternate), a message holds a
             non-text part, a tool call's arguments are unusable (:func:`template_arguments`),
             ``template_kwargs`` sets a reserved key (an argument the request sets itself, e.g. ``tools``,
-            or ``messages``; param ``chat_template_kwargs``), or rendering exceeded ``max_steps`` steps / :data:`MAX_RENDERED_CHARS`
-            characters ("chat_template: rendering exceeded N steps").
+            or ``messages``; param ``chat_template_kwargs``), rendering exceeded ``max_steps`` steps
+            ("chat_template: rendering exceeded N steps"), or the rendered text exceeds ``max_chars``
+            characters (param ``messages``).
     """
     convo = [template_message(i, msg) for i, msg in enumerate(messages)]
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
@@ -385,7 +402,8 @@ def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | Non
         raise InvalidRequestError(f"the chat template could not render these messages: {exc}") from exc
     if not isinstance(text, str):
         raise InvalidRequestError("the chat template did not render to a string")
-    if len(text) > MAX_RENDERED_CHARS:
-        raise InvalidRequestError(f"chat_template: the rendered prompt has {len(text)} characters, more than "
-                                  f"the limit of {MAX_RENDERED_CHARS}")
+    limit = min(max_chars, MAX_RENDERED_CHARS)
+    if len(text) > limit:
+        raise InvalidRequestError(f"the rendered chat prompt has {len(text)} characters, more than the model's "
+                                  f"context can hold (at most {limit} characters)", param="messages")
     return list(tokenizer.encode(text, add_special_tokens=False))

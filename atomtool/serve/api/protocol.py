@@ -13,7 +13,8 @@ Tool calling follows OpenAI's chat format on the input side, as vLLM and SGLang 
 here (:class:`ToolDefinition`, :class:`ToolCall`, :func:`tool_message_problem`) and handed to the chat
 template by :mod:`atomtool.serve.api.chat`. Generated text is not parsed back into ``tool_calls``, so a
 forced call (``tool_choice`` ``"required"`` or a named tool) is refused with a 400; ``"none"`` and
-``"auto"`` are accepted (with ``"auto"`` a tool call is whatever text the model writes).
+``"auto"`` are accepted (with ``"auto"`` a tool call is whatever text the model writes); any other value
+than ``"none"`` without ``tools`` is a 400, as in vLLM.
 
 Types are strict, as OpenAI's and vLLM's servers are: a boolean or a string is not an integer
 (``"max_tokens": true`` or ``"5"`` is a 400, so is a token-id prompt ``[true, false]``), a string is not a
@@ -470,6 +471,8 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
         if req.best_of is not None and req.best_of != req.n:
             return "best_of", "best_of different from n is not supported"
     if isinstance(req, ChatCompletionRequest):
+        if req.tool_choice not in (None, "none") and not req.tools:  # as vLLM: "none" needs no tools
+            return "tool_choice", "tool_choice is only allowed when tools are specified"
         if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES_SERVED:
             choice = req.tool_choice
             what = repr(choice) if isinstance(choice, str) else f"of type {choice.get('type')!r}"

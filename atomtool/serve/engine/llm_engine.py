@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,7 @@ class LLMEngine:
                 raise InvalidRequestError("this engine has no tokenizer; pass the prompt as token ids")
             ids = list(self.tokenizer.encode(prompt))
         else:
-            ids = [int(t) for t in prompt]
+            ids = prompt_token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
@@ -322,3 +323,25 @@ def load_tokenizer(model_dir: Path):
         raise EngineError(f"{model_dir}: cannot load a tokenizer ({type(exc).__name__}: {detail})") from exc
     tokenizer.model_max_length = int(1e30)  # transformers' own "no limit" value (VERY_LARGE_INTEGER)
     return tokenizer
+
+
+def prompt_token_ids(prompt: object) -> list[int]:
+    """A prompt given as token ids -> a list of Python ints. Accepts any iterable of integers (numpy / torch
+    integer scalars included: ``operator.index``); refuses bools, floats, strings and non-iterables.
+
+    Raises:
+        InvalidRequestError: naming the first value that is not a token id (``param="prompt"``).
+    """
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise InvalidRequestError(f"a prompt is text or a list of token ids, got {type(prompt).__name__} "
+                                  f"{prompt!r:.50}", param="prompt")
+    ids = []
+    for t in prompt:
+        if isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
+            raise InvalidRequestError(f"prompt token ids must be integers, got {t!r}", param="prompt")
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise InvalidRequestError(f"prompt token ids must be integers, got {type(t).__name__} {t!r:.50}",
+                                      param="prompt") from None
+    return ids
