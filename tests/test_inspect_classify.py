@@ -144,7 +144,10 @@ def test_kv_cache_bytes_mla_and_gqa(ckpts):
     # 2 layers x K and V x 2 kv heads x head_dim 16 x 4 B
     assert llama.memory["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     r = inspect_checkpoint(str(ckpts["llama"]), gpu_memory_gb=0.001)
-    assert r.memory["max_context_tokens"] == (10**6 - r.totals["bytes"]) // r.memory["kv_bytes_per_token"]
+    # a GPU question: this float32 checkpoint is served in BF16 there, weights (all float) and KV alike
+    assert r.memory["kv_dtype"] == "BF16"
+    served_weights = r.totals["bytes"] // 2
+    assert r.memory["max_context_tokens"] == (10**6 - served_weights) // r.memory["kv_bytes_per_token"]
     assert inspect_checkpoint(str(ckpts["llama"]), gpu_memory_gb=1e-6).memory["max_context_tokens"] == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +85,18 @@ def test_tensors_flag_lists_every_tensor(ds3):
 def test_gpu_memory(ds3):
     obj = json.loads(_run(str(ds3), "--json", "--gpu-memory", "0.01").stdout)
     m = obj["memory"]
-    assert m["max_context_tokens"] == (10**7 - m["weights_bytes"]) // m["kv_bytes_per_token"]
+    # a float32 checkpoint is served in BF16 on a GPU: 2 bytes per weight element, except the router's
+    # e_score_correction_bias, which the engine keeps in float32
+    from safetensors import safe_open
+
+    served = 0
+    for shard in sorted(ds3.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                numel = math.prod(f.get_slice(name).get_shape())
+                served += numel * (4 if name.endswith("e_score_correction_bias") else 2)
+    assert m["kv_dtype"] == "BF16"
+    assert m["max_context_tokens"] == (10**7 - served) // m["kv_bytes_per_token"]
     res = _run(str(ds3), "--gpu-memory", "-1")
     assert res.exit_code == 1 and res.stderr.strip() == "error: --gpu-memory must be a positive number of GB, got -1.0"
 

@@ -213,8 +213,8 @@ def servability_problems(report: InspectReport) -> list[str]:
 
     Reuses inspect's verdicts rather than re-deriving them: every ``error`` finding of the report (e.g.
     ``fp8-without-scale``, ``config-invalid``), then, when ``report.servable`` is false, the family the engine
-    does not run (:attr:`atomtool.inspect.families.Family.servable`) and inspect's ``scheme-not-servable``
-    findings (schemes outside :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`). Each line is
+    does not run (:attr:`atomtool.inspect.families.Family.servable`) and inspect's ``scheme-not-servable`` /
+    ``activation-not-servable`` / ``feature-not-servable`` findings (schemes outside :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`). Each line is
     ``code: message`` on one line.
     """
     problems = [f"{f.code}: {f.message}" for f in report.findings if f.severity == "error"]
@@ -225,7 +225,8 @@ def servability_problems(report: InspectReport) -> list[str]:
                             f"by inspect but the engine does not run it; it runs "
                             f"{', '.join(supported_architectures())}")
         problems += [f"{f.code}: {f.message}" for f in report.findings
-                     if f.code in ("scheme-not-servable", "activation-not-servable") and f.severity != "error"]
+                     if f.code in ("scheme-not-servable", "activation-not-servable", "feature-not-servable")
+                     and f.severity != "error"]
         if len(problems) == 0:
             problems.append(f"not-servable: inspect reports {report.source} as not servable")
     return [" ".join(p.split()) for p in dict.fromkeys(problems)]

@@ -37,6 +37,7 @@ from atomtool.inspect.hf_config import (
 from atomtool.inspect.hf_registry import config_field_default, is_transformers_architecture
 from atomtool.inspect.quant import (
     QUANTIZED_SCHEMES,
+    SCALE_ROLES,
     QuantSpec,
     classify_modules,
     dtype_findings,
@@ -133,10 +134,32 @@ def _prev_full(roles: list[str], i: int) -> int:
     return i
 
 
+#: the FP8 format the engine's block-FP8 kernels and parameters hold (DeepSeek-V3's): E5M2 bytes copied into
+#: them would saturate every value above E4M3's 448 (and the layout fast path would reinterpret the bits)
+SERVABLE_FP8_DTYPE = "F8_E4M3"
+
+
+def _served_bytes(name: str, t: TensorInfo, serve_tag: str, fp32_keep: tuple[str, ...]) -> int:
+    """Bytes tensor ``name`` takes once serve loaded it in ``serve_tag``: float weights (F32/F16/BF16) in that
+    dtype; quantization scales / companions, the family's float32 keeps and every other dtype as stored."""
+    role = name.rsplit(".", 1)[-1]
+    if (t.dtype in ("F32", "F16", "BF16") and role not in SCALE_ROLES and not name.endswith("_scale_inv")
+            and not any(k in name for k in fp32_keep)):
+        return t.numel * mem.TAG_BYTES[serve_tag]
+    return t.nbytes
+
+
 def unservable_modules(modules: list[ModuleInfo]) -> list[ModuleInfo]:
-    """Modules treated as quantized whose storage scheme the engine cannot run (not in
-    :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`), in the given order."""
-    return [m for m in modules if m.treated_as == "quantized" and m.scheme not in SERVABLE_SCHEMES]
+    """Modules treated as quantized whose storage the engine cannot run: a scheme outside
+    :data:`~atomtool.inspect.families.SERVABLE_SCHEMES`, or FP8 blocks stored in another FP8 format than
+    :data:`SERVABLE_FP8_DTYPE` (e.g. F8_E5M2), in the given order."""
+    return [m for m in modules if m.treated_as == "quantized" and (
+        m.scheme not in SERVABLE_SCHEMES or (m.scheme == "fp8_block" and m.dtype != SERVABLE_FP8_DTYPE))]
+
+
+def _scheme_label(m: ModuleInfo) -> str:
+    """``fp8_block`` stored in an unservable FP8 format reads ``fp8_block (F8_E5M2)``; other schemes as is."""
+    return f"{m.scheme} ({m.dtype})" if m.scheme == "fp8_block" and m.dtype != SERVABLE_FP8_DTYPE else m.scheme
 
 
 def declared_unservable_schemes(spec: QuantSpec | None) -> list[str]:
@@ -548,11 +571,12 @@ def build_report(
         findings.append(Finding("feature-not-servable", "warning", None, f"config.json: {msg}"))
     unservable = unservable_modules(modules)
     if unservable:
-        schemes = sorted({m.scheme for m in unservable})
+        schemes = sorted({_scheme_label(m) for m in unservable})
         findings.append(Finding(
             "scheme-not-servable", "warning", unservable[0].name,
             f"{len(unservable)} module(s) stored as {', '.join(schemes)} (e.g. {unservable[0].name}); serve runs "
-            f"{', '.join(sorted(SERVABLE_SCHEMES))} weights only (convert cannot change that)"))
+            f"{', '.join(sorted(SERVABLE_SCHEMES))} weights only, fp8_block as {SERVABLE_FP8_DTYPE} (convert "
+            "cannot change that)"))
     # Config-only directory: no modules to judge, so the declared quantization decides (the same spec the
     # classification above used, hf_quant_config.json included).
     declared_bad = declared_unservable_schemes(spec) if not tensors else []
@@ -596,10 +620,15 @@ def build_report(
             memory["max_context_tokens"] = None
             memory["weights_exceed_gpu_memory"] = None
             if weights_bytes is not None:
-                # serve loads no layer past num_hidden_layers (MTP): their bytes stay on disk
+                # serve loads no layer past num_hidden_layers (MTP): their bytes stay on disk; float weights
+                # arrive in serve's GPU dtype (a float32 checkpoint is served in BF16), FP8 weights, their
+                # scales and the family's float32 keeps as stored
                 n_layers = flat["num_hidden_layers"]
-                loaded = weights_bytes - sum(t.nbytes for name, t in tensors.items()
-                                             if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= n_layers)
+                loaded = weights_bytes - sum(
+                    t.nbytes - _served_bytes(name, t, kv_tag, keep) for name, t in tensors.items()
+                    if not ((m := DECODER_LAYER.match(name)) and int(m.group(1)) >= n_layers))
+                loaded -= sum(t.nbytes for name, t in tensors.items()
+                              if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= n_layers)
                 memory["weights_exceed_gpu_memory"] = loaded >= int(gpu_memory_gb * 1e9)
                 memory["max_context_tokens"] = mem.max_context_tokens(
                     gpu_memory_gb, loaded, memory["kv_bytes_per_token"],

@@ -483,7 +483,9 @@ def classify_module(name: str, roles: dict[str, TensorInfo], spec: QuantSpec | N
             else:
                 b0, b1 = _infer_block(n, s0), _infer_block(k, s1)
                 if b0 is None or b1 is None:
-                    err("scale-shape-mismatch", f"scale {list(scale.shape)} fits no block size for weight {list(w.shape)}")
+                    err("scale-shape-mismatch", f"scale {list(scale.shape)} for weight {list(w.shape)} fits no "
+                        "power-of-two block, and no quantization_config weight_block_size declares the block "
+                        "(the block size cannot be inferred; declare it in config.json)")
                 else:
                     block = (b0, b1)
         else:

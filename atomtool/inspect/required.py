@@ -127,8 +127,15 @@ def first_extra_layer(flat: dict[str, Any], family: Family | None) -> int | None
 
 def extra_layer_tensors(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> list[str]:
     """Names of the tensors of ``model.layers.N`` with N >= :func:`first_extra_layer` (layers beyond the
-    decoder and its MTP layers), in the order of ``tensors``; empty when there are none or it is unknown."""
-    first = first_extra_layer(flat, family)
+    decoder and its MTP layers), in the order of ``tensors``; empty when there are none or it is unknown.
+    An MLA config without ``num_nextn_predict_layers`` takes the stored layers right after the decoder
+    (``num_hidden_layers``, +1, ... without a gap) as MTP layers; a layer after a gap cannot be one."""
+    first = first_extra_layer(flat, family) if family is not None else None
+    if first is None and family is not None and family.attention == "mla" and _int(flat, "num_hidden_layers"):
+        stored = {int(m.group(1)) for name in tensors if (m := DECODER_LAYER.match(name))}
+        first = _int(flat, "num_hidden_layers")
+        while first in stored:
+            first += 1
     if first is None:
         return []
     return [name for name in tensors if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= first]
@@ -143,7 +150,12 @@ def extra_layer_findings(tensors: dict[str, Any], flat: dict[str, Any], family: 
         return []
     layers = sorted({int(DECODER_LAYER.match(name).group(1)) for name in extra})  # type: ignore[union-attr]
     first = first_extra_layer(flat, family)
-    mtp = "" if first == _int(flat, "num_hidden_layers") else f" + {flat.get('num_nextn_predict_layers')} MTP"
+    n = _int(flat, "num_hidden_layers")
+    if first is None:  # MLA without num_nextn_predict_layers: the gapless run after the decoder counts as MTP
+        gap = min(layers)
+        mtp = f" + {gap - n} MTP (the stored layers right after them)" if gap > n else ""
+    else:
+        mtp = "" if first == n else f" + {flat.get('num_nextn_predict_layers')} MTP"
     shown = ", ".join(extra[:3]) + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
     return [Finding("extra-layers", "warning", f"model.layers.{layers[0]}",
                     f"{len(extra)} tensor(s) of layer(s) {', '.join(map(str, layers[:MAX_LISTED]))} beyond the "

@@ -98,8 +98,9 @@ class CausalLM(nn.Module):
         (:mod:`atomtool.serve.layout_load`); they count as seen, and arriving again is an error.
 
         Raises:
-            EngineError: unexpected names, shape mismatches, or names that never arrived (all listed; a
-                tensor that arrived with the wrong shape is listed only as a shape mismatch).
+            EngineError: unexpected names, shape mismatches, FP8 tensors in another FP8 format than the
+                parameter's (E5M2 into E4M3), or names that never arrived (all listed; a tensor that arrived
+                with the wrong shape or format is listed only as that).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         params.update(dict(self.named_buffers(remove_duplicate=False)))
@@ -108,6 +109,7 @@ class CausalLM(nn.Module):
         unexpected: list[str] = []
         bad_shape: list[str] = []
         misshaped: set[str] = set()  # present but wrong-shaped: a shape mismatch, never also "missing"
+        fp8_format: list[str] = []
         with torch.no_grad():
             for name, tensor in weights:
                 target = params.get(name)
@@ -116,6 +118,13 @@ class CausalLM(nn.Module):
                     continue
                 if tuple(target.shape) != tuple(tensor.shape):
                     bad_shape.append(f"{name} {tuple(tensor.shape)} (model expects {tuple(target.shape)})")
+                    misshaped.add(name)
+                    continue
+                if tensor.dtype != target.dtype and tensor.element_size() == 1 and tensor.is_floating_point() \
+                        and target.element_size() == 1 and target.is_floating_point():
+                    # one FP8 format into another (e.g. E5M2 into the E4M3 kernels' parameters): a value cast
+                    # saturates magnitudes above the target's range (448 for E4M3); refuse, do not corrupt
+                    fp8_format.append(f"{name} stored {str(tensor.dtype).removeprefix('torch.')}")
                     misshaped.add(name)
                     continue
                 target.copy_(tensor.to(target.device))
@@ -128,6 +137,10 @@ class CausalLM(nn.Module):
             problems.append(f"unexpected tensors ({len(unexpected)}): {_short_list(sorted(unexpected))}")
         if bad_shape:
             problems.append(f"shape mismatches: {_short_list(bad_shape)}")
+        if fp8_format:
+            problems.append(f"FP8 weights in an unsupported format ({len(fp8_format)}; the engine serves FP8 "
+                            f"blocks as float8_e4m3fn, DeepSeek-V3's format, and E5M2 values above 448 do not "
+                            f"fit it): {_short_list(fp8_format)}")
         if problems:
             raise EngineError(f"cannot load {self.architecture_name()} weights: " + "; ".join(problems))
         self.post_load()
