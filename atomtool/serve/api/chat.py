@@ -191,9 +191,7 @@ def _message_text(index: int, content: Any, role: str = "user") -> str:
 
 def _invalid(message: str, param: str) -> InvalidRequestError:
     """An InvalidRequestError whose OpenAI error body names ``param``."""
-    exc = InvalidRequestError(message)
-    exc.param = param  # type: ignore[attr-defined]  # read by the server's error handler
-    return exc
+    return InvalidRequestError(message, param=param)
 
 
 def _not_json_constant(name: str) -> Any:
