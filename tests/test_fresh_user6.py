@@ -103,6 +103,24 @@ def test_non_contiguous_extra_layer_in_mla_checkpoint_is_reported(tmp_path):
     assert "extra-layers" in codes or "unexpected-tensors" in codes, codes
 
 
+
+def test_extra_layer_after_an_mtp_run_counts_the_run_not_the_gap(tmp_path):
+    """An MLA checkpoint without num_nextn_predict_layers holding layer n (a possible MTP layer, right after the
+    decoder) and layer n + 5: only n + 5 is extra, and the message counts 1 MTP layer (not the gap's 5)."""
+    src = write_hf_checkpoint(tmp_path / "glm", "glm_moe_dsa", dtype=torch.bfloat16,
+                              drop_config_keys=["indexer_types", "num_nextn_predict_layers"])
+    sd = load_file(str(src / "model.safetensors"))
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    for layer in (n, n + 5):
+        sd[f"model.layers.{layer}.self_attn.o_proj.weight"] = torch.zeros(64, 64, dtype=torch.bfloat16)
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    res = CliRunner().invoke(app, ["inspect", str(src), "--json"])
+    extra = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "extra-layers"]
+    assert len(extra) == 1, extra
+    msg = extra[0]["message"]
+    assert f"1 tensor(s) of layer(s) {n + 5} beyond the {n} + 1 MTP (the stored layers right after them)" in msg
+    assert "num_nextn_predict_layers" not in msg  # the config has no such field
+
 def _e5m2_copy(fp8_dir, dst, factor: float = 64.0):
     """``fp8_dir`` with every ``o_proj`` weight re-stored as float8_e5m2 at ``factor`` x its values (up to
     448 x 64 = 28672, inside E5M2's range, outside E4M3's 448) and its scale_inv divided by ``factor``: the

@@ -142,8 +142,7 @@ SERVABLE_FP8_DTYPE = "F8_E4M3"
 def _served_bytes(name: str, t: TensorInfo, serve_tag: str, fp32_keep: tuple[str, ...]) -> int:
     """Bytes tensor ``name`` takes once serve loaded it in ``serve_tag``: float weights (F32/F16/BF16) in that
     dtype; quantization scales / companions, the family's float32 keeps and every other dtype as stored."""
-    role = name.rsplit(".", 1)[-1]
-    if (t.dtype in ("F32", "F16", "BF16") and role not in SCALE_ROLES and not name.endswith("_scale_inv")
+    if (t.dtype in ("F32", "F16", "BF16") and name.rsplit(".", 1)[-1] not in SCALE_ROLES
             and not any(k in name for k in fp32_keep)):
         return t.numel * mem.TAG_BYTES[serve_tag]
     return t.nbytes
@@ -624,11 +623,13 @@ def build_report(
                 # arrive in serve's GPU dtype (a float32 checkpoint is served in BF16), FP8 weights, their
                 # scales and the family's float32 keeps as stored
                 n_layers = flat["num_hidden_layers"]
-                loaded = weights_bytes - sum(
-                    t.nbytes - _served_bytes(name, t, kv_tag, keep) for name, t in tensors.items()
-                    if not ((m := DECODER_LAYER.match(name)) and int(m.group(1)) >= n_layers))
-                loaded -= sum(t.nbytes for name, t in tensors.items()
-                              if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= n_layers)
+
+                def saved(name: str, t: TensorInfo) -> int:  # stored bytes serve does not hold on the GPU
+                    if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= n_layers:
+                        return t.nbytes
+                    return t.nbytes - _served_bytes(name, t, kv_tag, keep)
+
+                loaded = weights_bytes - sum(saved(name, t) for name, t in tensors.items())
                 memory["weights_exceed_gpu_memory"] = loaded >= int(gpu_memory_gb * 1e9)
                 memory["max_context_tokens"] = mem.max_context_tokens(
                     gpu_memory_gb, loaded, memory["kv_bytes_per_token"],

@@ -125,17 +125,24 @@ def first_extra_layer(flat: dict[str, Any], family: Family | None) -> int | None
     return n + nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and nextn >= 0 else None
 
 
-def extra_layer_tensors(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> list[str]:
-    """Names of the tensors of ``model.layers.N`` with N >= :func:`first_extra_layer` (layers beyond the
-    decoder and its MTP layers), in the order of ``tensors``; empty when there are none or it is unknown.
-    An MLA config without ``num_nextn_predict_layers`` takes the stored layers right after the decoder
-    (``num_hidden_layers``, +1, ... without a gap) as MTP layers; a layer after a gap cannot be one."""
-    first = first_extra_layer(flat, family) if family is not None else None
-    if first is None and family is not None and family.attention == "mla" and _int(flat, "num_hidden_layers"):
+def first_stored_extra_layer(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> int | None:
+    """:func:`first_extra_layer`, or for an MLA config without ``num_nextn_predict_layers`` the first layer
+    index past the stored layers right after the decoder (``num_hidden_layers``, +1, ... without a gap: those
+    may be MTP layers; a layer after a gap cannot be one). None when unknown (no family or layer count)."""
+    first = first_extra_layer(flat, family)
+    n = _int(flat, "num_hidden_layers")
+    if first is None and family is not None and family.attention == "mla" and n:
         stored = {int(m.group(1)) for name in tensors if (m := DECODER_LAYER.match(name))}
-        first = _int(flat, "num_hidden_layers")
+        first = n
         while first in stored:
             first += 1
+    return first
+
+
+def extra_layer_tensors(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> list[str]:
+    """Names of the tensors of ``model.layers.N`` with N >= :func:`first_stored_extra_layer` (layers beyond
+    the decoder and its MTP layers), in the order of ``tensors``; empty when there are none or it is unknown."""
+    first = first_stored_extra_layer(tensors, flat, family)
     if first is None:
         return []
     return [name for name in tensors if (m := DECODER_LAYER.match(name)) and int(m.group(1)) >= first]
@@ -143,25 +150,23 @@ def extra_layer_tensors(tensors: dict[str, Any], flat: dict[str, Any], family: F
 
 def extra_layer_findings(tensors: dict[str, Any], flat: dict[str, Any], family: Family | None) -> list[Finding]:
     """``extra-layers`` (warning): the checkpoint holds tensors of decoder layers beyond ``num_hidden_layers``
-    (and beyond the MTP layers of families that have them, :func:`first_extra_layer`). transformers ignores
-    them; convert leaves them out of the layout and serve does not load them."""
+    (and beyond the MTP layers of families that have them, :func:`first_stored_extra_layer`). transformers
+    ignores them; convert leaves them out of the layout and serve does not load them."""
     extra = extra_layer_tensors(tensors, flat, family)
     if not extra:
         return []
     layers = sorted({int(DECODER_LAYER.match(name).group(1)) for name in extra})  # type: ignore[union-attr]
-    first = first_extra_layer(flat, family)
+    first = first_stored_extra_layer(tensors, flat, family)
+    assert first is not None  # extra tensors exist only past a known first extra layer
+    declared = first_extra_layer(flat, family) is not None
     n = _int(flat, "num_hidden_layers")
-    if first is None:  # MLA without num_nextn_predict_layers: the gapless run after the decoder counts as MTP
-        gap = min(layers)
-        mtp = f" + {gap - n} MTP (the stored layers right after them)" if gap > n else ""
-    else:
-        mtp = "" if first == n else f" + {flat.get('num_nextn_predict_layers')} MTP"
+    mtp = "" if first == n else f" + {first - n} MTP" + ("" if declared else " (the stored layers right after them)")
     shown = ", ".join(extra[:3]) + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
     return [Finding("extra-layers", "warning", f"model.layers.{layers[0]}",
                     f"{len(extra)} tensor(s) of layer(s) {', '.join(map(str, layers[:MAX_LISTED]))} beyond the "
                     f"{flat.get('num_hidden_layers')}{mtp} layers config.json declares (num_hidden_layers"
-                    f"{'/num_nextn_predict_layers' if mtp else ''}): transformers ignores them (unexpected keys); "
-                    f"convert leaves them out of the layout and serve does not load them: {shown}")]
+                    f"{'/num_nextn_predict_layers' if mtp and declared else ''}): transformers ignores them "
+                    f"(unexpected keys); convert leaves them out of the layout and serve does not load them: {shown}")]
 
 
 def tied_head_findings(tensors: dict[str, Any], flat: dict[str, Any]) -> list[Finding]:
