@@ -640,3 +640,30 @@ def test_fp8_linear_and_moe_launch_variants(swap_ab, block_n, fused_sum, monkeyp
     _close(out, torch_ref_mla.fused_moe(xm, d13, d2, tw, ids), 2e-5, 1e-5)
     assert torch.equal(tri.fused_moe(xm[3:4], w13q, w2q, tw[3:4], ids[3:4], s13, s2, (16, 16))[0], out[3])
     _close(tri.fused_moe(xm, w13, w2, tw, ids), torch_ref_mla.fused_moe(xm, w13, w2, tw, ids), 1e-4, 1e-5)
+
+
+def test_fused_split_k_sum_counts_each_weight_apart(monkeypatch):
+    """The fused split-K sum's tile counters belong to one weight: two GEMMs that may run at once on two streams
+    (a layer's side-stream branch beside its main path) never count into each other's tiles, and a weight's
+    counters leave with it."""
+    import dataclasses
+    import gc
+
+    lin = sys.modules["atomtool.serve.ops.triton.linear"]
+    monkeypatch.setattr(lin, "FP8_LINEAR_CONFIG", dataclasses.replace(lin.FP8_LINEAR_CONFIG, split_target=64,
+                                                                      fused_sum=True))
+    g = torch.Generator().manual_seed(5)
+    N, K, block = 40, 256, (32, 32)
+    x = torch.randn(3, K, generator=g)
+    ws = [(torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn) for _ in range(2)]
+    s = torch.rand(-(-N // 32), K // 32, generator=g) + 0.5
+    assert lin.split_k_plan(N, K, lin.FP8_LINEAR_CONFIG.block_n, 32)[0] > 1
+    for w in ws:
+        _close(tri.linear(x, w, None, s, block), torch_ref.linear(x, w, None, s, block), 1e-4, 1e-5)
+    bufs = [lin._COUNTERS[id(w)] for w in ws]
+    assert bufs[0].data_ptr() != bufs[1].data_ptr()
+    assert all(int(b.abs().sum()) == 0 for b in bufs)
+    key = id(ws[0])
+    del ws[0]
+    gc.collect()
+    assert key not in lin._COUNTERS

@@ -23,6 +23,7 @@ cost to prefill efficiency).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -217,22 +218,25 @@ def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.
 
 #: rows per split-K launch (bounds the fp32 partials workspace; does not change any row's result)
 SPLIT_ROWS = 512
-#: tile counters for the fused split-K sum, per device (zero between calls: the last program resets its own)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_COUNTERS = 1 << 16
+#: tile counters for the fused split-K sum, one zeroed int32 buffer per weight (the last program of a tile resets
+#: its counter): two GEMMs may run at once on two streams (the layers' side-stream branches; one buffer per device
+#: let them count into each other's tiles and sum garbage), never two on one weight. Keyed by the weight's id
+#: (tensors compare elementwise, so no WeakKeyDictionary); an entry leaves with its weight.
+_COUNTERS: dict[int, torch.Tensor] = {}
 
 
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of >= n tile counters shared by every split-K call on ``device`` (calls on one
-    stream never overlap), or None when n exceeds the fixed size or the buffer would have to be created while a
-    CUDA graph is being captured (the two-kernel path then serves the call)."""
-    if n > _MAX_COUNTERS:
-        return None
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+def _tile_counters(weight: torch.Tensor, n: int) -> torch.Tensor | None:
+    """The tile counters of ``weight``'s calls (>= n of them), or None when they would have to be created while
+    a CUDA graph is being captured (the two-kernel path then serves the call; the engine's eager warm-up
+    creates them first)."""
+    key = id(weight)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = _COUNTERS[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+        if buf is None:
+            weakref.finalize(weight, _COUNTERS.pop, key, None)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1), dtype=torch.int32, device=weight.device)
     return buf
 
 
@@ -250,7 +254,8 @@ class Fp8LinearConfig:
     DeepSeek-V3.2 step's FP8 weights: this default 1.42 ms (59% of the copy bandwidth; 1.33-1.40 ms with
     programmatic dependent launch), swap_ab 1.48 ms, block_n 32 1.52 ms, block_n 128 >= 1.93 ms, num_stages 4
     1.36 ms (not adopted: the decode step measured 3.73 ms with 3 stages, 3.76 ms with 4). fused_sum is off: in the H200 decode profile (batch
-    1) the fused form cost 1.51 ms per step against 1.31 + 0.14 ms for the GEMM and the separate sum kernel.
+    1) the fused form cost 1.51 ms per step against 1.31 + 0.14 ms for the GEMM and the separate sum kernel; a
+    TMA-kernel version (session 7, not kept) gave the DeepSeek-V3.2-shaped decode step 3.125 ms against 3.086 ms.
     """
 
     block_n: int = 64
@@ -340,7 +345,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         # one split: the kernel writes the output (with the bias); else split planes of fp32 partials
         c = out_r if n_splits == 1 else torch.empty((n_splits, rows, N), dtype=torch.float32, device=x.device)
         s_cm, s_cs = (out_r.stride(0), 0) if n_splits == 1 else (c.stride(1), c.stride(0))
-        counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum and n_splits > 1 else None
+        counters = (_tile_counters(weight, triton.cdiv(SPLIT_ROWS, block_m) * grid[1])
+                    if cfg.fused_sum and n_splits > 1 else None)
         fused = counters is not None
         kernel_bias = has_bias and (n_splits == 1 or fused)
         opts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot, num_warps=cfg.num_warps,
