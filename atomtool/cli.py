@@ -228,6 +228,11 @@ def serve_cmd(
     chat_template: Annotated[str | None, typer.Option(
         help="Jinja chat template (file path or the template text) for /v1/chat/completions; default: "
              "the tokenizer's.")] = None,
+    trust_request_chat_template: Annotated[bool, typer.Option(
+        "--trust-request-chat-template",
+        help="Accept a 'chat_template' sent in a /v1/chat/completions request. Off by default: a client's "
+             "Jinja template is code the server runs, and one expression can allocate gigabytes (a denial of "
+             "service); without this flag such a request gets HTTP 400. --chat-template is unaffected.")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(help="GPUs to shard the model over; only 1 is "
                                                            "supported yet.")] = 1,
     max_request_bytes: Annotated[int | None, typer.Option(
@@ -247,7 +252,7 @@ def serve_cmd(
         gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory, dtype=dtype.value,
         device=device.value, enforce_eager=enforce_eager, chat_template=chat_template,
         tensor_parallel_size=tensor_parallel_size, max_request_bytes=max_request_bytes,
-        fp8_activations=fp8_activations.value))
+        fp8_activations=fp8_activations.value, trust_request_chat_template=trust_request_chat_template))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

@@ -103,7 +103,8 @@ class _SizeCheckingTokenizer:
 def test_request_chat_template_cannot_make_the_server_tokenize_megabytes():
     tok = _SizeCheckingTokenizer(AutoTokenizer.from_pretrained(str(demo_model_path())), limit=1 << 20)
     ids = tok.encode("ok", add_special_tokens=False)
-    app = create_app(ScriptedEngine(tok, ids, max_model_len=128), "m", chat_template=TEMPLATE)
+    app = create_app(ScriptedEngine(tok, ids, max_model_len=128), "m", chat_template=TEMPLATE,
+                     trust_request_chat_template=True)  # the bound under test applies to trusted templates
     with ServerThread(app) as u:
         r = httpx.post(u + "/v1/chat/completions", json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,

@@ -477,8 +477,16 @@ def test_metrics_present_and_moving(server, offline, monkeypatch):
     assert metric(during, "atomtool:num_kv_blocks_total") == engine.num_total_blocks()
 
 
-def test_request_level_chat_template(server, offline):
-    url = server[0]
+@pytest.fixture(scope="module")
+def trusting_server(ckpt):
+    """A server started with --trust-request-chat-template (the module's ``server`` refuses request templates)."""
+    with ServerThread(create_app(LLMEngine.from_model(ckpt, **ENGINE_KW), NAME,
+                                 trust_request_chat_template=True)) as url:
+        yield url
+
+
+def test_request_level_chat_template(trusting_server, offline):
+    url = trusting_server
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     r = httpx.post(url + "/v1/chat/completions", json={
         "model": NAME, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 2, "chat_template": template})

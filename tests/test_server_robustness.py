@@ -1,6 +1,7 @@
 """Defects a fresh-user tester found in ``atomtool serve`` / ``atomtool generate``, each fed its bad input:
 
-- a request whose chat template loops (nested ``range(99999)``) is a 400 and never freezes the server;
+- a request whose chat template loops (nested ``range(99999)``; accepted with --trust-request-chat-template)
+  is a 400 and never freezes the server;
   template rendering and tokenization run off the event loop (``/health`` answers meanwhile);
 - request bodies above the limit are a 413;
 - lone surrogates in text are a 400 naming the field (not a TypeError 500), every status incl. 500 is
@@ -74,7 +75,8 @@ def tok():
 @pytest.fixture(scope="module")
 def served(tok):
     engine = ScriptedEngine(SlowTokenizer(tok, 3.0), tok.encode("ok", add_special_tokens=False))
-    with ServerThread(create_app(engine, "m", max_body_bytes=4096)) as url:
+    # request templates trusted: the render bounds under test apply to those (off, they are refused unrendered)
+    with ServerThread(create_app(engine, "m", max_body_bytes=4096, trust_request_chat_template=True)) as url:
         yield url, engine
 
 

@@ -82,7 +82,7 @@ def tok():
 @pytest.fixture(scope="module")
 def served(tok):
     engine = _engine(tok)
-    with ServerThread(create_app(engine, "m")) as url:
+    with ServerThread(create_app(engine, "m", trust_request_chat_template=True)) as url:  # request templates
         yield url, engine
 
 
@@ -393,7 +393,8 @@ def test_tools_a_template_ignores_are_logged_once(caplog):
     tok.chat_template = "{# ignores-tools-1 #}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
     engine = _engine(tok)
     plain = [{"role": "user", "content": "hi"}]
-    with ServerThread(create_app(engine, "m")) as url, caplog.at_level("WARNING", logger="atomtool.serve"):
+    with ServerThread(create_app(engine, "m", trust_request_chat_template=True)) as url, \
+            caplog.at_level("WARNING", logger="atomtool.serve"):
         assert prompt_text(engine, tok, chat(url, messages=plain, tools=TOOLS)) == "[user] hi"
         assert prompt_text(engine, tok, chat(url, messages=plain, tools=TOOLS)) == "[user] hi"
         prompt_text(engine, tok, chat(url, messages=plain))  # no tools: nothing to warn about
@@ -401,7 +402,8 @@ def test_tools_a_template_ignores_are_logged_once(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.name == "atomtool.serve" and "tools" in r.getMessage()]
     assert warnings == ["a request sent tools, but the chat template does not reference `tools`, so the tool "
                         "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
-                        "template with --chat-template, or send one as the request's chat_template"]
+                        "template with --chat-template, or send one as the request's chat_template (accepted "
+                        "with --trust-request-chat-template)"]
 
 
 @pytest.mark.parametrize("template, reads", [

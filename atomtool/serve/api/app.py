@@ -525,10 +525,18 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
     raise APIError(499, "client disconnected")
 
 
+#: The 400 for a chat request carrying its own ``chat_template`` while the server does not accept one.
+REQUEST_CHAT_TEMPLATE_REFUSED = (
+    "this server does not accept a chat_template in requests (a client's Jinja template is code the server "
+    "would run); leave chat_template out to use the server's template, or start the server with "
+    "--trust-request-chat-template to allow request templates")
+
+
 # -------------------------------------------------------------------------------------------- app
 def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                chat_template: str | None = None, *, model_root: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               trust_request_chat_template: bool = False) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an :class:`LLMEngine`) as ``served_model_name``.
 
     Args:
@@ -538,6 +546,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         chat_template: a Jinja chat template file or string replacing the tokenizer's own.
         model_root: the model path shown as ``root`` in ``/v1/models``.
         max_body_bytes: the request-body limit in bytes; a larger body gets a 413.
+        trust_request_chat_template: accept a chat request's own ``chat_template`` (vLLM's
+            ``--trust-request-chat-template``). Off (the default), such a request gets a 400 (param
+            ``chat_template``) before the template is compiled: a client's Jinja is code the server runs, and
+            one expression (``{{ 'x' * 10**10 }}``) allocates gigabytes before the render bounds in
+            :mod:`atomtool.serve.api.chat` can stop it. On, it is rendered within those bounds.
 
     Raises:
         ConfigError: ``chat_template`` looks like a path that does not exist.
@@ -888,6 +901,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_request(req)
+        if req.chat_template is not None and not trust_request_chat_template:  # before anything compiles it
+            raise APIError(400, REQUEST_CHAT_TEMPLATE_REFUSED, param="chat_template")
         problem = tool_message_problem(req.messages, calls_may_end=not req.add_generation_prompt)
         if problem is not None:
             raise APIError(400, problem, param="messages")

@@ -22,7 +22,9 @@ warning in the server log, once per template (:func:`template_reads_tools`).
 Errors found here name the exact field as OpenAI's error ``param`` (``messages[1].content[0]``), as
 OpenAI's own API does for content parts.
 
-Rendering is bounded: a chat template is code a client can send (a request's ``chat_template``), and
+Rendering is bounded: a chat template is code a client can send (a request's ``chat_template``, accepted
+only with ``--trust-request-chat-template``: the bounds below cannot stop one expression that allocates
+gigabytes, such as ``{{ 'x' * 10**10 }}``), and
 Jinja's sandbox stops unsafe attribute access but not ``{% for i in range(99999) %}`` nested twice. So
 the render counts the template's executed Python lines (``sys.settrace`` on the rendering thread, only
 for frames compiled from a template, filename ``<template>``) and aborts past
@@ -346,7 +348,8 @@ def warn_if_tools_unused(tokenizer: Any, chat_template: str | None, tools: list[
     if not reads:
         logger.warning("a request sent tools, but the chat template does not reference `tools`, so the tool "
                        "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
-                       "template with --chat-template, or send one as the request's chat_template")
+                       "template with --chat-template, or send one as the request's chat_template (accepted with "
+                       "--trust-request-chat-template)")
 
 
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,

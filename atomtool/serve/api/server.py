@@ -139,7 +139,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None, dtype: str = "auto",
               device: str = "auto", enforce_eager: bool = False, chat_template: str | None = None,
               tensor_parallel_size: int = 1, max_request_bytes: int | None = None,
-              fp8_activations: str = "auto") -> int:
+              fp8_activations: str = "auto", trust_request_chat_template: bool = False) -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
@@ -147,6 +147,9 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     Ctrl-C while requests were still draining). ``api_key``: required as ``Authorization: Bearer <key>``
     on ``/v1`` routes; None serves without auth, an empty string is refused. ``max_request_bytes``: the
     request-body limit (default :data:`~atomtool.serve.api.app.DEFAULT_MAX_BODY_BYTES`).
+    ``trust_request_chat_template``: accept a chat request's own ``chat_template`` (vLLM's flag of that
+    name); off, such a request gets a 400 before its template is compiled, since one Jinja expression
+    can allocate gigabytes before the render bounds apply (see :func:`~atomtool.serve.api.app.create_app`).
 
     Raises:
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
@@ -179,7 +182,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
                                   kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                   enforce_eager=enforce_eager, fp8_activations=fp8_activations)
     app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model,
-                     max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES)
+                     max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES,
+                     trust_request_chat_template=trust_request_chat_template)
     server = _uvicorn_server(app, sock, "info")
     bound_host, bound_port = sock.getsockname()[:2]
     if engine.max_model_len_note:
