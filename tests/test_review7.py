@@ -79,7 +79,6 @@ def test_gemm_ignores_another_weights_counters_mid_count(monkeypatch):
         a_counters.zero_()
 
 
-@pytest.mark.xfail(strict=True, reason="a regrow frees the counters a captured graph may still use")
 def test_counters_outlive_a_regrow_while_their_weight_lives(monkeypatch):
     """A counters buffer that a kernel used (and a CUDA graph may have captured by address) stays allocated
     while its weight lives, even after a call needing more counters (another block_n, e.g. the W8A8

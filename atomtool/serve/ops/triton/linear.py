@@ -223,19 +223,29 @@ SPLIT_ROWS = 512
 #: let them count into each other's tiles and sum garbage), never two on one weight. Keyed by the weight's id
 #: (tensors compare elementwise, so no WeakKeyDictionary); an entry leaves with its weight.
 _COUNTERS: dict[int, torch.Tensor] = {}
+#: buffers a larger one replaced (a call with more tiles: another block_n), kept until their weight goes: a CUDA
+#: graph captured with one keeps its address, and freed bytes would be another tensor's by the next replay
+_RETIRED: dict[int, list[torch.Tensor]] = {}
+
+
+def _forget(key: int) -> None:
+    _COUNTERS.pop(key, None)
+    _RETIRED.pop(key, None)
 
 
 def _tile_counters(weight: torch.Tensor, n: int) -> torch.Tensor | None:
     """The tile counters of ``weight``'s calls (>= n of them), or None when they would have to be created while
     a CUDA graph is being captured (the two-kernel path then serves the call; the engine's eager warm-up
-    creates them first)."""
+    creates them first). A buffer once returned stays allocated while ``weight`` lives."""
     key = id(weight)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         if buf is None:
-            weakref.finalize(weight, _COUNTERS.pop, key, None)
+            weakref.finalize(weight, _forget, key)
+        else:
+            _RETIRED.setdefault(key, []).append(buf)
         buf = _COUNTERS[key] = torch.zeros(max(n, 1), dtype=torch.int32, device=weight.device)
     return buf
 
