@@ -145,3 +145,33 @@ def test_chat_template_inside_chat_template_kwargs_is_refused(chat_server):
     assert err["param"] == "chat_template_kwargs"
     assert "may not set 'chat_template'" in err["message"]
     assert _chat(chat_server).status_code == 200  # the server still serves
+
+
+@pytest.mark.xfail(strict=True, reason="a trusted request template of any size is compiled (~5 s per MiB)")
+def test_trusted_request_chat_template_has_a_size_limit():
+    """Even trusted, a request's template is compiled by Jinja's pure-Python parser before any render bound
+    acts: about 5 s of CPU per MiB of template (holding the GIL the engine thread needs), and transformers keeps
+    the last 128 compiled templates. So a request template longer than MAX_REQUEST_TEMPLATE_CHARS is a 400
+    (param chat_template) that points to --chat-template; one at the limit is served. Real templates (Llama 3.1,
+    DeepSeek-V3, Qwen3, gpt-oss) are 2-20 KB."""
+    from atomtool.serve.api.app import create_app
+    from atomtool.serve.api.chat import MAX_REQUEST_TEMPLATE_CHARS
+    from atomtool.serve.api.server import ServerThread
+    from tests.test_server_support import ScriptedEngine, byte_level_tokenizer
+
+    tok = byte_level_tokenizer()
+    engine = ScriptedEngine(tok, tok.encode("ok", add_special_tokens=False), max_model_len=128)
+
+    def template(chars: int) -> str:  # renders the user's text, padded with a Jinja comment to ``chars``
+        head, tail = "{{ messages[0].content }}{# ", " #}"
+        return head + "x" * (chars - len(head) - len(tail)) + tail
+
+    with ServerThread(create_app(engine, "m", api_key="sk-7", trust_request_chat_template=True)) as url:
+        r = _chat(url, chat_template=template(MAX_REQUEST_TEMPLATE_CHARS))
+        assert r.status_code == 200, r.text
+        assert tok.decode(engine.prompts[r.json()["id"] + "-0"]) == "hi"
+        err = _error(_chat(url, chat_template=template(MAX_REQUEST_TEMPLATE_CHARS + 1)), 400)
+        assert err["param"] == "chat_template" and err["type"] == "invalid_request_error"
+        assert f"{MAX_REQUEST_TEMPLATE_CHARS + 1} characters" in err["message"]
+        assert "--chat-template" in err["message"]
+        assert len(engine.prompts) == 1  # the long one never reached the engine
