@@ -147,7 +147,6 @@ def test_chat_template_inside_chat_template_kwargs_is_refused(chat_server):
     assert _chat(chat_server).status_code == 200  # the server still serves
 
 
-@pytest.mark.xfail(strict=True, reason="a trusted request template of any size is compiled (~5 s per MiB)")
 def test_trusted_request_chat_template_has_a_size_limit():
     """Even trusted, a request's template is compiled by Jinja's pure-Python parser before any render bound
     acts: about 5 s of CPU per MiB of template (holding the GIL the engine thread needs), and transformers keeps

@@ -44,7 +44,12 @@ from starlette.responses import Response, StreamingResponse
 
 from atomtool.errors import AtomtoolError, EngineError, InvalidRequestError
 from atomtool.serve.api.async_engine import AsyncEngine, RequestGroup
-from atomtool.serve.api.chat import load_chat_template, prompt_char_limit, render_chat
+from atomtool.serve.api.chat import (
+    MAX_REQUEST_TEMPLATE_CHARS,
+    load_chat_template,
+    prompt_char_limit,
+    render_chat,
+)
 from atomtool.serve.api.metrics import ServerMetrics
 from atomtool.serve.api.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -903,6 +908,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         check_request(req)
         if req.chat_template is not None and not trust_request_chat_template:  # before anything compiles it
             raise APIError(400, REQUEST_CHAT_TEMPLATE_REFUSED, param="chat_template")
+        if req.chat_template is not None and len(req.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise APIError(400, f"chat_template has {len(req.chat_template)} characters; a request's template may "
+                           f"have at most {MAX_REQUEST_TEMPLATE_CHARS} (compiling one costs seconds of CPU per "
+                           "MiB): serve a longer one with --chat-template", param="chat_template")
         problem = tool_message_problem(req.messages, calls_may_end=not req.add_generation_prompt)
         if problem is not None:
             raise APIError(400, problem, param="messages")

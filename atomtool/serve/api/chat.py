@@ -24,7 +24,8 @@ OpenAI's own API does for content parts.
 
 Rendering is bounded: a chat template is code a client can send (a request's ``chat_template``, accepted
 only with ``--trust-request-chat-template``: the bounds below cannot stop one expression that allocates
-gigabytes, such as ``{{ 'x' * 10**10 }}``), and
+gigabytes, such as ``{{ 'x' * 10**10 }}``, and a request's template is at most
+:data:`MAX_REQUEST_TEMPLATE_CHARS` long, since compiling one is unbounded work too), and
 Jinja's sandbox stops unsafe attribute access but not ``{% for i in range(99999) %}`` nested twice. So
 the render counts the template's executed Python lines (``sys.settrace`` on the rendering thread, only
 for frames compiled from a template, filename ``<template>``) and aborts past
@@ -50,6 +51,11 @@ logger = logging.getLogger("atomtool.serve")
 MAX_TEMPLATE_STEPS = 2_000_000
 #: Characters the rendered prompt may have (far above any context window's worth of text).
 MAX_RENDERED_CHARS = 64 << 20
+#: Characters a request's own ``chat_template`` may have (the operator's ``--chat-template`` has no limit).
+#: Jinja compiles a template with its pure-Python parser before any render bound acts, about 5 s of CPU per MiB
+#: (holding the GIL), and transformers caches the last 128 compiled templates; real templates (Llama 3.1,
+#: DeepSeek-V3, Qwen3, gpt-oss) are 2-20 KB.
+MAX_REQUEST_TEMPLATE_CHARS = 64 << 10
 #: Nesting levels (objects/arrays) a tool call's decoded ``arguments`` may have. Real arguments are a few
 #: levels deep; the bound keeps a hostile value from exhausting Python's recursion limit in json.loads or
 #: in the template's ``tojson`` (the request body's 16 MiB limit bounds the size).
