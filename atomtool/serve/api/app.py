@@ -414,10 +414,19 @@ def _delta_logprobs(out: Any) -> list[dict]:
 MAX_STOP_SEQUENCES = 64
 
 
+#: SentencePiece's word-boundary mark (U+2581 LOWER ONE EIGHTH BLOCK): the space before a piece
+SENTENCEPIECE_SPACE = "\u2581"
+
+
 class _TokenText:
     """Token id -> display string for log-probs (cached ``tokenizer.decode([id])``), and -> the token's raw
     UTF-8 bytes (OpenAI's chat ``bytes``: joining a text's token bytes gives its UTF-8 even where a character
-    is split over byte tokens, whose display string is U+FFFD)."""
+    is split over byte tokens, whose display string is U+FFFD).
+
+    A SentencePiece piece that starts a word (``▁the``, U+2581 marking the space before it, as in Llama-2's
+    and Mistral's tokenizers) keeps that space (``" the"``): decoded alone, those tokenizers' decoders strip
+    a text's first space, so ``decode([id])`` would be ``"the"`` and the joined tokens would lose every word
+    boundary the text has."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -436,6 +445,10 @@ class _TokenText:
         s = self.cache.get(token_id)
         if s is None:
             s = self.tokenizer.decode([int(token_id)])
+            if not s.startswith(" ") and not self.byte_level and int(token_id) not in self.special:
+                piece = self.tokenizer.convert_ids_to_tokens(int(token_id)) or ""
+                if piece.startswith(SENTENCEPIECE_SPACE):
+                    s = " " + s
             if len(self.cache) < 200_000:
                 self.cache[token_id] = s
         return s
@@ -478,6 +491,42 @@ class _TextOffsets:
             offsets.append(len(self.detok.text(final=True)))
             self.detok.add([int(t)], check_stop=False)
         return offsets
+
+
+def _kept_at_stop(offsets: list[int], text: str, already: int = 0) -> int:
+    """How many of a completion's next log-prob entries (their ``text_offset`` s, in order) a stop-string cut
+    keeps: those of the tokens that start inside the final ``text``, and at least one entry in all
+    (``already`` entries were kept before these)."""
+    return max(1, already + sum(o < len(text) for o in offsets)) - already
+
+
+class _StreamedLogProbs:
+    """One request's completions log-probs in a stream: each entry goes out with the text its token starts
+    (its offset below the text streamed so far), so tokens whose text is held back (an incomplete UTF-8
+    character, a possible stop-string prefix) wait for it; at the end a stop-string cut keeps what the
+    non-streamed response keeps (:func:`_kept_at_stop`), so the streamed entries join to the same list."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.offsets = _TextOffsets(tokenizer, prompt_token_ids)
+        self.pending: list[tuple[dict, int]] = []  # (entry, text_offset) not streamed yet
+        self.released = 0  # entries streamed so far
+        self.text_len = 0  # characters streamed so far
+
+    def next(self, out: Any, entries: list[dict], delta: str) -> tuple[list[dict], list[int]]:
+        """The entries (and their offsets) to send with ``delta``, the text chunk of output ``out``."""
+        self.pending += zip(entries, self.offsets.next([e["token_id"] for e in entries]), strict=True)
+        self.text_len += len(delta)
+        if not out.finished:
+            n = 0
+            while n < len(self.pending) and self.pending[n][1] < self.text_len:
+                n += 1
+        elif isinstance(out.stop_reason, str):
+            n = _kept_at_stop([o for _, o in self.pending], out.text, self.released)
+        else:
+            n = len(self.pending)
+        send, self.pending = self.pending[:n], self.pending[n:]
+        self.released += len(send)
+        return [e for e, _ in send], [o for _, o in send]
 
 
 class _EngineStream(StreamingResponse):
@@ -848,16 +897,15 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         want_lp = req.logprobs is not None
 
         if req.stream:
-            trackers: dict[str, _TextOffsets] = {}
+            trackers: dict[str, _StreamedLogProbs] = {}
 
             def make_chunks(out: Any, delta: str) -> list[CompletionResponse]:
                 lp = None
                 if want_lp:
                     tracker = trackers.get(out.request_id)
                     if tracker is None:
-                        tracker = trackers[out.request_id] = _TextOffsets(tokenizer, out.prompt_token_ids)
-                    entries = _delta_logprobs(out)
-                    lp = completion_logprobs(entries, tracker.next([e["token_id"] for e in entries]))
+                        tracker = trackers[out.request_id] = _StreamedLogProbs(tokenizer, out.prompt_token_ids)
+                    lp = completion_logprobs(*tracker.next(out, _delta_logprobs(out), delta))
                 if not delta and not (lp and lp.tokens) and not out.finished:
                     return []
                 choice = CompletionChoice(index=choice_index(out.request_id), text=delta, logprobs=lp,
@@ -873,7 +921,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             if want_lp:
                 offsets = _TextOffsets(tokenizer, out.prompt_token_ids).next([e["token_id"] for e in entries])
                 if isinstance(out.stop_reason, str):  # a stop string cut the text: tokens starting past it go
-                    keep = max(1, sum(o < len(out.text) for o in offsets))
+                    keep = _kept_at_stop(offsets, out.text)
                     entries, offsets = entries[:keep], offsets[:keep]
                 lp = completion_logprobs(entries, offsets)
             return CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason, logprobs=lp)

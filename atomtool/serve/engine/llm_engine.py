@@ -184,12 +184,12 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
-                                          f"{bad[:10]}")
+                                          f"{bad[:10]}", param="prompt")
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         if len(ids) > self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens, more than max_model_len "
-                                      f"{self.max_model_len}")
+                                      f"{self.max_model_len}", param="prompt")
         seq = Sequence(request_id, ids, params, self.eos_token_ids)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
