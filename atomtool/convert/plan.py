@@ -21,7 +21,8 @@ stay separate tensors under their source names. Plain-float parts of different d
 float storage is stacked in the float dtype with its FP8 experts dequantized (``PartSpec.scale``).
 
 What transformers does not load is left out (``ConversionPlan.dropped``, with a note or warning): legacy
-``rotary_emb.inv_freq`` buffers, layers beyond the decoder and its MTP layers, and an ``lm_head.weight`` that
+``rotary_emb.inv_freq`` buffers, layers beyond the decoder and its MTP layers, quantization companions
+(``weight_scale_inv``, ``input_scale``, ...) of a weight stored in a plain float dtype, and an ``lm_head.weight`` that
 ``tie_word_embeddings`` ties to an equal embedding (a different one is kept and the layout untied, as
 transformers' ``tie_weights`` does). An atomtool layout is not planned again (:func:`layout_source_message`).
 """
@@ -29,6 +30,7 @@ transformers' ``tie_weights`` does). An atomtool layout is not planned again (:f
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -38,6 +40,7 @@ from atomtool.convert.cast import FLOAT_SCHEMES, PLAIN_FLOAT_TAGS, cast_messages
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor, PartSpec
 from atomtool.errors import ConversionError
 from atomtool.inspect.families import FAMILIES, Family, family_for
+from atomtool.inspect.quant import SCALE_ROLES
 from atomtool.inspect.report import human_bytes
 from atomtool.inspect.required import extra_layer_tensors
 from atomtool.inspect.types import InspectReport, ModuleInfo, TensorInfo
@@ -147,21 +150,46 @@ class _Planner:
         self.dtype_policy = dtype
         self.family = _family(report)
         self.fp32_keep = self.family.fp32_keep if self.family else ()
-        self.modules = {m.name: m for m in report.modules}
-        self.module_of_tensor = {t.name: m for m in report.modules for t in m.tensors.values()}
+        #: source tensors left out of the layout -> why (not weights, or ignored by transformers too)
+        self.dropped: dict[str, str] = {}
+        self.warnings: list[str] = []  # printed as ``warning:`` (and in notes)
+        modules = self._without_stray_companions(report.modules)
+        self.modules = {m.name: m for m in modules}
+        self.module_of_tensor = {t.name: m for m in modules for t in m.tensors.values()}
         self.outputs: list[OutputTensor] = []
         self.consumed: set[str] = set()
         self.casts: list[tuple[str, str, str]] = []
         self.notes: list[str] = []
-        #: source tensors left out of the layout -> why (not weights, or ignored by transformers too)
-        self.dropped: dict[str, str] = {}
-        self.warnings: list[str] = []  # printed as ``warning:`` (and in notes)
         self.infos: list[str] = []  # printed as ``note:`` (and in notes)
         self.untie = False  # the layout's config.json says tie_word_embeddings: false
         n = report.config_flat.get("num_hidden_layers")
         self.num_layers = n if isinstance(n, int) else None
         self.roles = list(report.dsa.roles) if report.dsa is not None else None
         self._experts: dict[str, dict[int, dict[str, ModuleInfo]]] | None = None
+
+    def _without_stray_companions(self, modules: Sequence[ModuleInfo]) -> list[ModuleInfo]:
+        """``modules`` with the quantization companions of float-stored weights taken out (into
+        ``self.dropped``, with a warning): inspect's ``float-with-companions`` treats such a module as
+        unquantized, the weight as stored, and transformers ignores the stray scales too (unexpected keys of
+        a plain ``nn.Linear``). Kept, they would block the module's fusion or expert stacking and the engine
+        would refuse the layout (it loads no tensor it has no place for)."""
+        out: list[ModuleInfo] = []
+        stray: list[str] = []
+        for m in modules:
+            extra = [r for r in m.tensors if r in SCALE_ROLES] if m.scheme in FLOAT_SCHEMES else []
+            if extra:
+                names = [m.tensors[r].name for r in extra]
+                stray.extend(names)
+                self.dropped.update((n, f"quantization companion of {m.name}, whose weight is stored {m.dtype}")
+                                    for n in names)
+                m = dataclasses.replace(m, tensors={r: t for r, t in m.tensors.items() if r not in extra})
+            out.append(m)
+        if stray:
+            stray.sort(key=natural_key)
+            self.warnings.append(f"left out {len(stray)} quantization companion(s) of float-stored weights "
+                                 f"({_listed(stray)}): the weights are used as stored, unquantized, and "
+                                 "transformers ignores these tensors too")
+        return out
 
     # ---- dtype policy -------------------------------------------------------------------------
     def _keep_fp32(self, name: str) -> bool:

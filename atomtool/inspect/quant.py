@@ -776,7 +776,7 @@ def dtype_findings(tensors: dict[str, TensorInfo], model_dtype: str | None, fp32
         lossy = (dt, model_dtype) not in _LOSSLESS
         ex = ", ".join(names[:3]) + (f", ... (+{len(names) - 3} more)" if len(names) > 3 else "")
         how = "lossy cast" if lossy else "lossless upcast"
-        if {dt, model_dtype} == {"BF16", "F16"} or (dt in ("F32", "BF16") and model_dtype == "F16"):
+        if model_dtype == "F16" and dt in ("BF16", "F32", "F64"):  # F16 -> BF16 keeps every magnitude
             how += ", may overflow above 65504"
         out.append(Finding("float-dtype-differs", "warning" if lossy else "info", names[0],
                            f"{len(names)} tensor(s) stored {dt} while the model dtype is {model_dtype} "

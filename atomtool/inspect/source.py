@@ -195,11 +195,27 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
     headers = _parallel(fetch, parse, files)
     label = (lambda f: f"{source}/{f}") if is_remote else (lambda f: str(root / f))
     tensors, warnings, unlisted = _merge(headers, weight_map, label, index_label)
+    if weight_map is not None:
+        warnings += _unindexed_files_warning(root, files, index_label)
     return CheckpointSource(
         source=source, root=root, config=config, tensors=tensors, files=files, is_remote=is_remote,
         metadata={f: h.metadata for f, h in headers.items()}, revision=revision, commit=commit,
         index_metadata=index_meta, warnings=warnings, ignored_weights=pickles, unlisted=unlisted,
     )
+
+
+def _unindexed_files_warning(root: Path, files: list[str], index_label: str) -> list[str]:
+    """A warning naming the top-level ``*.safetensors`` files of ``root`` that the index does not name (a
+    stale index.json, e.g. after a shard was added): their tensors are not read, as transformers does not
+    load them, and a tensor only they hold reads as missing. Their headers are not opened."""
+    listed = set(files)
+    stray = sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed and p.is_file())
+    if not stray:
+        return []
+    shown = ", ".join(stray[:5]) + (f" (+{len(stray) - 5} more)" if len(stray) > 5 else "")
+    return [f"{index_label}: does not name {len(stray)} safetensors file(s) in {root}: {shown} (stale index?); "
+            "their tensors are not read, as transformers does not load them (a tensor only they hold counts "
+            "as missing)"]
 
 
 #: weight files in PyTorch's pickle format (torch.save / pytorch_model.bin): never read (unpickling runs code)
