@@ -110,7 +110,6 @@ def test_inspect_names_a_shard_file_the_index_does_not_list(tmp_path):
     assert shard in res.output, res.output
 
 
-@pytest.mark.xfail(strict=True, reason="a shard the index places in a subfolder is converted but reported not carried")
 def test_index_shard_in_a_subfolder_is_converted_not_reported_left_out(tmp_path):
     src = write_hf_checkpoint(tmp_path / "sharded", "llama", dtype=torch.bfloat16, max_shard_size="20KB",
                               tokenizer=False)

@@ -86,8 +86,9 @@ def _unread_weights_reason(root: Path) -> str:
 def extra_files(src: str | Path, weight_files: set[str] | None = None) -> ExtraFiles:
     """Walk the checkpoint directory ``src`` (following symlinked files and folders; a folder linking back
     to one of its ancestors is a cycle and is skipped) and sort its files into carried and not carried (module
-    docstring). ``weight_files``: the top-level safetensors the conversion reads (its plan's source files);
-    any other top-level ``*.safetensors`` is listed as not carried. None: top-level safetensors are not
+    docstring). ``weight_files``: the safetensors the conversion reads (its plan's source files, relative to
+    ``src``; an index may place shards in a subfolder): neither carried nor listed; any other top-level
+    ``*.safetensors`` is listed as not carried. None: top-level safetensors are not
     listed (e.g. for a size estimate)."""
     root = Path(src)
     found = ExtraFiles()
@@ -112,6 +113,8 @@ def extra_files(src: str | Path, weight_files: set[str] | None = None) -> ExtraF
             if top and (name in _WRITTEN_BY_LAYOUT or name.endswith(".safetensors")
                         or name.endswith(".safetensors.index.json")):
                 continue
+            if not top and weight_files is not None and rel in weight_files:
+                continue  # a shard the index places in a subfolder: read and converted, not an extra file
             reason = _not_carried_reason(rel, top)
             if reason is None and not path.is_file():
                 reason = "dangling symlink" if path.is_symlink() else "not a regular file"
