@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.skip = skip_special_tokens
         self._text = ""
+        self._hold = 0  # length of the longest tail of _text that is a prefix of a stop string (held back)
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
@@ -36,8 +37,13 @@ class IncrementalDetokenizer:
     def _append(self, delta: str, check_stop: bool = True) -> str | None:
         if self.stopped or not delta:
             return None
-        start = max(0, len(self._text) - self.max_stop + 1)
+        # A stop string ending in ``delta`` starts in it or in the held-back tail (its part before ``delta``
+        # is a tail of the text that is a prefix of a stop string, at most _hold long), so only that window
+        # is searched, and the new held-back tail is at most _hold + len(delta) long: the per-token cost
+        # does not grow with the text or with the stop strings' length.
+        start = len(self._text) - self._hold
         self._text += delta
+        self._hold = self._stop_prefix_tail(self._hold + len(delta))
         if not self.stop or not check_stop:
             return None
         best: tuple[int, str] | None = None
@@ -76,8 +82,10 @@ class IncrementalDetokenizer:
                 return self._append(full[len(prefix):])
         return None
 
-    def _holdback(self) -> int:
-        for n in range(min(len(self._text), self.max_stop - 1), 0, -1):
+    def _stop_prefix_tail(self, longest: int) -> int:
+        """Length of the longest tail of the text, at most ``longest`` (and shorter than the longest stop
+        string), that is a prefix of a stop string; 0 if none."""
+        for n in range(min(len(self._text), self.max_stop - 1, longest), 0, -1):
             tail = self._text[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return n
@@ -87,4 +95,4 @@ class IncrementalDetokenizer:
         """The stable text so far (``final``: all of it)."""
         if final or self.stopped:
             return self._text
-        return self._text[:len(self._text) - self._holdback()]
+        return self._text[:len(self._text) - self._hold]
