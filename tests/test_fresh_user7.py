@@ -126,3 +126,12 @@ def test_index_shard_in_a_subfolder_is_converted_not_reported_left_out(tmp_path)
     assert manifest["not_carried"] == []
     assert not (tmp_path / "out" / "weights").exists()  # not copied as an extra file either
     assert CliRunner().invoke(app, ["verify", str(tmp_path / "out"), "--source", str(src)]).exit_code == 0
+
+
+def test_mistral_consolidated_file_beside_an_index_is_not_called_a_stale_index(tmp_path):
+    src = write_hf_checkpoint(tmp_path / "sharded", "llama", dtype=torch.bfloat16, max_shard_size="40KB",
+                              tokenizer=False)
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, str(src / "consolidated.safetensors"))
+    res = CliRunner().invoke(app, ["inspect", str(src), "--json"])
+    assert res.exit_code == 0, res.output
+    assert not [f for f in json.loads(res.stdout)["findings"] if f["code"] == "source-warning"]

@@ -207,9 +207,12 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
 def _unindexed_files_warning(root: Path, files: list[str], index_label: str) -> list[str]:
     """A warning naming the top-level ``*.safetensors`` files of ``root`` that the index does not name (a
     stale index.json, e.g. after a shard was added): their tensors are not read, as transformers does not
-    load them, and a tensor only they hold reads as missing. Their headers are not opened."""
+    load them, and a tensor only they hold reads as missing. Their headers are not opened. Mistral's
+    ``consolidated*.safetensors`` (the same weights in mistral-inference's names, shipped beside the HF
+    shards) is expected there and not named."""
     listed = set(files)
-    stray = sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed and p.is_file())
+    stray = sorted(p.name for p in root.glob("*.safetensors")
+                   if p.name not in listed and not p.name.startswith("consolidated") and p.is_file())
     if not stray:
         return []
     shown = ", ".join(stray[:5]) + (f" (+{len(stray) - 5} more)" if len(stray) > 5 else "")
