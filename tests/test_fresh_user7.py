@@ -135,3 +135,17 @@ def test_mistral_consolidated_file_beside_an_index_is_not_called_a_stale_index(t
     res = CliRunner().invoke(app, ["inspect", str(src), "--json"])
     assert res.exit_code == 0, res.output
     assert not [f for f in json.loads(res.stdout)["findings"] if f["code"] == "source-warning"]
+
+
+@pytest.mark.xfail(strict=True, reason="a weight_block_size that is not a 2-list silently means per-tensor FP8")
+@pytest.mark.parametrize("wbs", ["128", 128, [128], [128, 128, 128]])
+def test_malformed_weight_block_size_is_named_not_read_as_per_tensor(tmp_path, wbs):
+    src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": wbs}
+    (src / "config.json").write_text(json.dumps(cfg))
+    for cmd in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out")]):
+        res = CliRunner().invoke(app, cmd)
+        assert res.exit_code == 1, res.output
+        assert "weight_block_size must be two positive integers" in res.output, res.output
+        assert "Traceback" not in res.output
