@@ -137,7 +137,6 @@ def test_mistral_consolidated_file_beside_an_index_is_not_called_a_stale_index(t
     assert not [f for f in json.loads(res.stdout)["findings"] if f["code"] == "source-warning"]
 
 
-@pytest.mark.xfail(strict=True, reason="a weight_block_size that is not a 2-list silently means per-tensor FP8")
 @pytest.mark.parametrize("wbs", ["128", 128, [128], [128, 128, 128]])
 def test_malformed_weight_block_size_is_named_not_read_as_per_tensor(tmp_path, wbs):
     src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)

@@ -185,7 +185,7 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
     per_module: dict[str, str] | None = None
     if method in ("fp8", "fbgemm_fp8"):
         wbs = qcfg.get("weight_block_size")
-        if isinstance(wbs, list) and len(wbs) == 2:
+        if wbs is not None:  # "128", 128 or [128] is malformed (transformers refuses it), not per-tensor FP8
             block = _block(wbs, "weight_block_size")
             scheme = "fp8_block"
         else:
