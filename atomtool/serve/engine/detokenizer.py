@@ -37,18 +37,19 @@ class IncrementalDetokenizer:
     def _append(self, delta: str, check_stop: bool = True) -> str | None:
         if self.stopped or not delta:
             return None
-        # A stop string ending in ``delta`` starts in it or in the held-back tail (its part before ``delta``
-        # is a tail of the text that is a prefix of a stop string, at most _hold long), so only that window
-        # is searched, and the new held-back tail is at most _hold + len(delta) long: the per-token cost
-        # does not grow with the text or with the stop strings' length.
-        start = len(self._text) - self._hold
+        # Only stop strings that end in ``delta`` count (one completed before, e.g. inside min_tokens, does
+        # not; vLLM's rule). Such a string starts in ``delta`` or in the held-back tail (its part before
+        # ``delta`` is a tail of the text that is a prefix of a stop string, at most _hold long), so only that
+        # window is searched, and the new held-back tail is at most _hold + len(delta) long: the per-token
+        # cost does not grow with the text or with the stop strings' length.
+        old, old_hold = len(self._text), self._hold
         self._text += delta
-        self._hold = self._stop_prefix_tail(self._hold + len(delta))
+        self._hold = self._stop_prefix_tail(old_hold + len(delta))
         if not self.stop or not check_stop:
             return None
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self._text.find(s, start)
+            i = self._text.find(s, max(old - old_hold, old - len(s) + 1, 0))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
