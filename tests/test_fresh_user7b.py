@@ -239,7 +239,6 @@ class _CountingTokenizer:
         return self.tok.decode(ids, **kw)
 
 
-@pytest.mark.xfail(strict=True, reason="a run of skipped special tokens grows the decode window: O(n^2) decoding")
 def test_a_run_of_special_tokens_costs_linear_decoding(demo_tok):
     """With ``ignore_eos`` (benchmarks send it) a model often emits EOS (or another special token) over and
     over. Skipped in the text, such a token never advanced the incremental decode window, so each one

@@ -8,7 +8,30 @@ of streamed deltas equals the final text.
 
 from __future__ import annotations
 
+import weakref
+
 _CONTEXT = 5  # tokens of left context used to decode a new token (word-boundary spaces, byte merges)
+
+_SKIPPED_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> frozenset of ids
+
+
+def skipped_special_ids(tokenizer) -> frozenset[int]:
+    """The special token ids ``tokenizer.decode(..., skip_special_tokens=True)`` drops: its special ids and
+    special added tokens (``added_tokens_decoder``) that decode to nothing on their own. Computed once per
+    tokenizer (a weak-keyed cache; a tokenizer that cannot be weakly referenced is not cached)."""
+    try:
+        return _SKIPPED_IDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    candidates = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    candidates |= {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+    ids = frozenset(i for i in candidates if tokenizer.decode([i], skip_special_tokens=True) == "")
+    try:
+        _SKIPPED_IDS[tokenizer] = ids
+    except TypeError:
+        pass
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -27,6 +50,9 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.skip = skip_special_tokens
+        # ids the decoded text skips: left out of the decode window, so a run of them (EOS after EOS under
+        # ignore_eos) costs no decoding instead of re-decoding a window that grows with every one of them
+        self.skipped = skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
         self._text = ""
         self._hold = 0  # length of the longest tail of _text that is a prefix of a stop string (held back)
         self.stopped = False
@@ -65,6 +91,8 @@ class IncrementalDetokenizer:
         """
         hit = None
         for tid in token_ids:
+            if tid in self.skipped:
+                continue
             self.ids.append(tid)
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
