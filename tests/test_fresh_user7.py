@@ -148,3 +148,16 @@ def test_malformed_weight_block_size_is_named_not_read_as_per_tensor(tmp_path, w
         assert res.exit_code == 1, res.output
         assert "weight_block_size must be two positive integers" in res.output, res.output
         assert "Traceback" not in res.output
+
+
+@pytest.mark.xfail(strict=True, reason="a string exclusion list is read character by character")
+def test_exclusion_list_given_as_a_string_is_a_config_error(tmp_path):
+    src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16],
+                                  "modules_to_not_convert": "lm_head"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 1, res.output
+    assert "modules_to_not_convert must be a list of module names" in res.output, res.output
+    assert "Traceback" not in res.output
