@@ -150,7 +150,6 @@ def test_malformed_weight_block_size_is_named_not_read_as_per_tensor(tmp_path, w
         assert "Traceback" not in res.output
 
 
-@pytest.mark.xfail(strict=True, reason="a string exclusion list is read character by character")
 def test_exclusion_list_given_as_a_string_is_a_config_error(tmp_path):
     src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
     cfg = json.loads((src / "config.json").read_text())

@@ -190,7 +190,7 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
             scheme = "fp8_block"
         else:
             scheme = "fp8_channel" if method == "fbgemm_fp8" else "fp8_tensor"
-        excl = list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
+        excl = _exclusions(qcfg, "ignored_layers", "modules_to_not_convert")
     elif method == "compressed-tensors":
         groups = qcfg.get("config_groups") or {}
         for g in groups.values():
@@ -206,12 +206,12 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
                     block = _block(w["block_structure"], "block_structure")
             if g_scheme:
                 extra.add(g_scheme)
-        excl = list(qcfg.get("ignore") or [])
+        excl = _exclusions(qcfg, "ignore")
     elif method == "modelopt":
         algo = str(qcfg.get("quant_algo", "")).upper()
         scheme = _MODELOPT_SCHEMES.get(algo)
         group = qcfg.get("group_size") or (16 if algo == "NVFP4" else None)
-        excl = list(qcfg.get("exclude_modules") or qcfg.get("ignore") or [])
+        excl = _exclusions(qcfg, "exclude_modules", "ignore")
         layers = qcfg.get("quantized_layers")
         if algo == "MIXED_PRECISION" and isinstance(layers, dict):
             per_module = {str(k): _MODELOPT_SCHEMES.get(str(v.get("quant_algo", "")).upper(), "unknown")
@@ -219,29 +219,41 @@ def _parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, 
             extra.update(per_module.values())
     elif method == "mxfp8":  # MiniMax-M3-MXFP8: {weight_block_size [1, 32], ignored_layers}
         scheme, group = "mxfp8", 32
-        excl = list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
+        excl = _exclusions(qcfg, "ignored_layers", "modules_to_not_convert")
     elif method == "mxfp4":
         scheme, group = "mxfp4", 32
-        excl = list(qcfg.get("modules_to_not_convert") or [])
+        excl = _exclusions(qcfg, "modules_to_not_convert")
     elif method in ("awq", "gptq"):
         scheme = method
         group = qcfg.get("group_size")
-        excl = list(qcfg.get("modules_to_not_convert") or [])
+        excl = _exclusions(qcfg, "modules_to_not_convert")
         if method == "gptq":
             excl += [k for k in (qcfg.get("dynamic") or {}) if str(k).startswith("-:")]
     elif method == "bitsandbytes":
         scheme = "bnb4" if qcfg.get("load_in_4bit") else "int8"
-        excl = list(qcfg.get("llm_int8_skip_modules") or [])
+        excl = _exclusions(qcfg, "llm_int8_skip_modules")
     elif method == "quark":
         wq = ((qcfg.get("global_quant_config") or {}).get("weight") or {})
         dtype = str(wq.get("dtype", ""))
         scheme = {"fp4": "mxfp4", "fp8_e4m3": "fp8_tensor", "int4": "int4_pack", "int8": "int8"}.get(dtype)
         group = wq.get("group_size")
-        excl = list(qcfg.get("exclude") or [])
+        excl = _exclusions(qcfg, "exclude")
     if scheme:
         extra.add(scheme)
     return QuantSpec(method, scheme, block, group if isinstance(group, int) else None, bits,
                      [str(e) for e in excl], qcfg, frozenset(extra), per_module)
+
+
+def _exclusions(qcfg: dict[str, Any], *keys: str) -> list[Any]:
+    """The exclusion list under the first of ``keys`` that is set (``modules_to_not_convert``, ``ignore``, ...);
+    a string is a ValueError: read as a list it would be single characters, each matching nearly every module."""
+    for key in keys:
+        v = qcfg.get(key)
+        if v:
+            if isinstance(v, str):
+                raise ValueError(f"{key} must be a list of module names, got the string {v!r}")
+            return list(v)
+    return []
 
 
 def _block(v: Any, key: str) -> tuple[int, int]:
