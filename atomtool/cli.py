@@ -225,6 +225,10 @@ def serve_cmd(
     fp8_activations: Annotated[Fp8Activations, typer.Option(help=_FP8_ACT_HELP)] = Fp8Activations.auto,
     enforce_eager: Annotated[bool, typer.Option(help="Disable CUDA graphs (run every decode step "
                                                      "eagerly).")] = False,
+    enable_prefix_caching: Annotated[bool, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse the KV cache blocks of a prompt prefix already computed (vLLM's automatic prefix "
+             "caching); --no-enable-prefix-caching recomputes every prompt in full.")] = True,
     chat_template: Annotated[str | None, typer.Option(
         help="Jinja chat template (file path or the template text) for /v1/chat/completions; default: "
              "the tokenizer's.")] = None,
@@ -252,7 +256,8 @@ def serve_cmd(
         gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory, dtype=dtype.value,
         device=device.value, enforce_eager=enforce_eager, chat_template=chat_template,
         tensor_parallel_size=tensor_parallel_size, max_request_bytes=max_request_bytes,
-        fp8_activations=fp8_activations.value, trust_request_chat_template=trust_request_chat_template))
+        fp8_activations=fp8_activations.value, trust_request_chat_template=trust_request_chat_template,
+        enable_prefix_caching=enable_prefix_caching))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

@@ -139,7 +139,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None, dtype: str = "auto",
               device: str = "auto", enforce_eager: bool = False, chat_template: str | None = None,
               tensor_parallel_size: int = 1, max_request_bytes: int | None = None,
-              fp8_activations: str = "auto", trust_request_chat_template: bool = False) -> int:
+              fp8_activations: str = "auto", trust_request_chat_template: bool = False,
+              enable_prefix_caching: bool = True) -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
@@ -150,6 +151,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     ``trust_request_chat_template``: accept a chat request's own ``chat_template`` (vLLM's flag of that
     name); off, such a request gets a 400 before its template is compiled, since one Jinja expression
     can allocate gigabytes before the render bounds apply (see :func:`~atomtool.serve.api.app.create_app`).
+    ``enable_prefix_caching``: reuse cached KV blocks of a shared prompt prefix (vLLM's
+    ``--enable-prefix-caching``, on by default as there).
 
     Raises:
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
@@ -180,7 +183,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     engine = LLMEngine.from_model(model, dtype=dtype, device=device, max_model_len=max_model_len,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                                  enforce_eager=enforce_eager, fp8_activations=fp8_activations)
+                                  enforce_eager=enforce_eager, fp8_activations=fp8_activations,
+                                  enable_prefix_caching=enable_prefix_caching)
     app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model,
                      max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES,
                      trust_request_chat_template=trust_request_chat_template)
