@@ -160,3 +160,16 @@ def test_exclusion_list_given_as_a_string_is_a_config_error(tmp_path):
     assert res.exit_code == 1, res.output
     assert "modules_to_not_convert must be a list of module names" in res.output, res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.xfail(strict=True, reason="no 'architectures' reads as architecture 'unknown' that transformers does not know")
+def test_config_without_architectures_is_named_as_such(tmp_path):
+    src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["architectures"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    for cmd in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out")]):
+        res = CliRunner().invoke(app, cmd)
+        assert res.exit_code == 1, res.output
+        assert "no 'architectures'" in res.output and "model_type 'llama'" in res.output, res.output
+        assert "'unknown'" not in res.output and "Traceback" not in res.output, res.output
