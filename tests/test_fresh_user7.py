@@ -162,7 +162,6 @@ def test_exclusion_list_given_as_a_string_is_a_config_error(tmp_path):
     assert "Traceback" not in res.output
 
 
-@pytest.mark.xfail(strict=True, reason="no 'architectures' reads as architecture 'unknown' that transformers does not know")
 def test_config_without_architectures_is_named_as_such(tmp_path):
     src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
     cfg = json.loads((src / "config.json").read_text())
@@ -173,3 +172,6 @@ def test_config_without_architectures_is_named_as_such(tmp_path):
         assert res.exit_code == 1, res.output
         assert "no 'architectures'" in res.output and "model_type 'llama'" in res.output, res.output
         assert "'unknown'" not in res.output and "Traceback" not in res.output, res.output
+    (src / "config.json").unlink()
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 1 and "no config.json" in res.output, res.output

@@ -41,7 +41,13 @@ from atomtool.convert.writer import (
     plan_shards,
     write_layout,
 )
-from atomtool.errors import AtomtoolError, ConversionError, SourceError, Terminated
+from atomtool.errors import (
+    AtomtoolError,
+    ConversionError,
+    SourceError,
+    Terminated,
+    UnsupportedArchitectureError,
+)
 from atomtool.inspect.families import family_for, supported_architectures
 from atomtool.inspect.source import hub_download_error, looks_like_path, quiet_hub_logs
 from atomtool.inspect.types import InspectReport
@@ -259,6 +265,10 @@ def _vet(src: str, report: InspectReport, dtype: str, *, force: bool) -> tuple[C
     (:func:`servability_problems`), missing tensors (the plan's). Returns the plan and, with ``force``, the
     warnings that replace the servability refusals."""
     if family_for(report.architecture) is None:
+        why = next((f.message for f in report.findings if f.code in ("unknown-architecture", "no-config")
+                    and report.architecture == "unknown"), None)
+        if why is not None:  # no config.json / no architectures in it: inspect's finding says so
+            raise UnsupportedArchitectureError(why)
         family_for(report.architecture, strict=True)  # raises UnsupportedArchitectureError with the list
     if not report.tensors:
         raise ConversionError(f"{src}: no safetensors weights to convert")

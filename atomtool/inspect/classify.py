@@ -488,6 +488,11 @@ def build_report(
                                 f"{arch} (model_type {model_type}) is a transformers architecture that atomtool "
                                 f"does not serve; inspect reports what it can from config.json and the headers; "
                                 f"serve supports: {', '.join(supported_architectures())}"))
+    elif fam is None and config is not None and arch == "unknown":
+        findings.append(Finding("unknown-architecture", "error", None,
+                                f"config.json has no 'architectures' (model_type {model_type!r}): name the model "
+                                f"class, e.g. \"architectures\": [\"LlamaForCausalLM\"]; serve supports: "
+                                f"{', '.join(supported_architectures())}"))
     elif fam is None and config is not None:
         findings.append(Finding("unknown-architecture", "error", None,
                                 f"config.json: unknown architecture {arch!r} (neither atomtool nor transformers "
