@@ -307,6 +307,8 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     from atomtool.inspect.classify import inspect_checkpoint
 
     size = parse_size(shard_size)
+    if not src:  # Path("") is the current directory: an unset "$SRC" would convert it
+        raise ConversionError("SRC is an empty string; pass a checkpoint directory or a Hub repo id")
     local_src = Path(src).expanduser()
     hub_id = not local_src.is_dir() and not local_src.exists() and not looks_like_path(src)
     # refuse before any work; a Hub repo id cannot contain OUT, so only OUT itself is checked for it

@@ -514,6 +514,8 @@ def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport
         SourceError: the source cannot be opened, or obviously is not the layout's source
             (:func:`check_is_source`).
     """
+    if not str(layout):  # Path("") is the current directory
+        raise LayoutError("LAYOUT is an empty string; pass the layout directory (holding atomtool.json)")
     root = Path(layout)
     if not root.exists():
         raise LayoutError(f"{layout}: no such directory")

@@ -127,6 +127,8 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
         ConversionError: OUT equals or is inside SRC; OUT is a file; OUT is non-empty without ``overwrite``;
             ``overwrite`` of a directory that is not an atomtool layout or that contains SRC.
     """
+    if not str(out):  # Path("") is the current directory: an unset "$OUT" would write the layout there
+        raise ConversionError("OUT is an empty string; name the directory to write the layout to")
     out_r = Path(out).resolve()
     src_r = Path(src).resolve() if src is not None else None
     if src_r is not None and (out_r == src_r or src_r in out_r.parents):

@@ -98,6 +98,8 @@ class CheckpointSource:
         source: an existing directory, else a Hub repo id (``org/name``). revision: Hub branch, tag or
         commit (only for repo ids). Raises SourceError, ConfigError or HeaderError (see module doc).
         """
+        if not source:  # Path("") is the current directory: an unset "$SRC" would read it
+            raise SourceError("SOURCE is an empty string; pass a checkpoint directory or a Hub repo id")
         path = Path(source).expanduser()
         if path.is_dir():
             if revision is not None:
