@@ -71,6 +71,15 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class GenerationConfigMode(str, Enum):
+    auto = "auto"
+    none = "none"
+
+
+_GEN_CONFIG_HELP = ("auto: the model's generation_config.json gives the default temperature, top_p, top_k and "
+                    "max tokens (max_new_tokens) of requests that do not set them, as vLLM's "
+                    "--generation-config auto does (do_sample is ignored, as there); none: ignore the file.")
+
 _DTYPE_HELP = ("Activation / float-weight dtype. auto: float32 on CPU; on GPU the checkpoint's float16, "
                "else bfloat16.")
 _DEVICE_HELP = "Where to run: auto = CUDA/ROCm GPU when available, else CPU."
@@ -163,13 +172,19 @@ def verify_cmd(
 def generate_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="atomtool layout, raw HF checkpoint directory, or Hub repo id.")],
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch.")],
-    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt (fewer at EOS or at the "
-                                                 "context limit).")] = 32,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy (argmax), as is any value below 1e-5.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens whose "
-                                              "probability sums to at least this; 1 = off.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Sample among the K most likely tokens; 0 or -1 = off (all "
-                                            "tokens).")] = 0,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="Most tokens to generate per prompt (fewer at EOS or at the context limit); default: the model's "
+             "generation_config.json max_new_tokens (see --generation-config), else 32.",
+        show_default=False)] = None,
+    temperature: Annotated[float | None, typer.Option(
+        help="Sampling temperature; 0 = greedy (argmax), as is any value below 1e-5; default: the model's "
+             "generation_config.json temperature, else 0.", show_default=False)] = None,
+    top_p: Annotated[float | None, typer.Option(
+        help="Nucleus sampling: keep the smallest set of tokens whose probability sums to at least this; 1 = "
+             "off; default: the model's generation_config.json top_p, else 1.", show_default=False)] = None,
+    top_k: Annotated[int | None, typer.Option(
+        help="Sample among the K most likely tokens; 0 or -1 = off (all tokens); default: the model's "
+             "generation_config.json top_k, else 0.", show_default=False)] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling (reproducible output); default: "
                                                   "unseeded.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past the end-of-sequence token, up to "
@@ -179,6 +194,8 @@ def generate_cmd(
     fp8_activations: Annotated[Fp8Activations, typer.Option(help=_FP8_ACT_HELP)] = Fp8Activations.auto,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of {prompt, text, token_ids, "
                                                             "finish_reason} instead of text.")] = False,
+    generation_config: Annotated[GenerationConfigMode, typer.Option(help=_GEN_CONFIG_HELP)] = (
+        GenerationConfigMode.auto),
 ) -> None:
     """Generate completions for one batch of prompts with the engine (offline, no server)."""
     from atomtool.serve.commands import run_generate
@@ -186,7 +203,8 @@ def generate_cmd(
     raise typer.Exit(run_generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
                                   device=device.value, json_out=json_out,
-                                  fp8_activations=fp8_activations.value))
+                                  fp8_activations=fp8_activations.value,
+                                  generation_config=generation_config.value))
 
 
 @app.command("serve", short_help="Serve a model over an OpenAI-compatible HTTP API.")
@@ -241,6 +259,8 @@ def serve_cmd(
                                                            "supported yet.")] = 1,
     max_request_bytes: Annotated[int | None, typer.Option(
         help="Largest request body in bytes; bigger ones get HTTP 413. Default 16777216 (16 MiB).")] = None,
+    generation_config: Annotated[GenerationConfigMode, typer.Option(help=_GEN_CONFIG_HELP)] = (
+        GenerationConfigMode.auto),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     import os
@@ -257,7 +277,7 @@ def serve_cmd(
         device=device.value, enforce_eager=enforce_eager, chat_template=chat_template,
         tensor_parallel_size=tensor_parallel_size, max_request_bytes=max_request_bytes,
         fp8_activations=fp8_activations.value, trust_request_chat_template=trust_request_chat_template,
-        enable_prefix_caching=enable_prefix_caching))
+        enable_prefix_caching=enable_prefix_caching, generation_config=generation_config.value))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

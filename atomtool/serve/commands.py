@@ -7,7 +7,7 @@ import sys
 
 from atomtool.errors import InvalidRequestError
 from atomtool.inspect.report import human_bytes
-from atomtool.serve.sampling_params import SamplingParams
+from atomtool.serve.generation_defaults import GenerationDefaults
 
 
 def engine_summary(engine) -> str:
@@ -50,16 +50,26 @@ def check_prompt_text(prompts: list[str]) -> None:
                                       f"{exc.start}") from None
 
 
-def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
+#: ``atomtool generate``'s own defaults, below the model's generation config (greedy, 32 tokens)
+GENERATE_DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, ignore_eos: bool = False,
                  dtype: str = "auto", device: str = "auto", json_out: bool = False,
-                 kv_cache_memory: int | None = None, fp8_activations: str = "auto") -> int:
+                 kv_cache_memory: int | None = None, fp8_activations: str = "auto",
+                 generation_config: str = "auto") -> int:
     """Generate for every prompt (one continuous batch) and print the completions; returns the exit code.
 
     ``--json`` prints a list of ``{"prompt", "text", "token_ids", "finish_reason"}``, one per prompt in order.
     A completion cut by the context limit rather than ``max_tokens`` (both are finish_reason ``"length"``,
     as in OpenAI's API) gets a one-line note on stderr: ``note: stopped at the context limit (max_model_len
     N): prompt P + output K tokens`` (``[i]`` after ``note:`` when there are several prompts).
+
+    Sampling fields left None take the model's generation_config.json defaults (``generation_config``
+    ``auto``; :mod:`atomtool.serve.generation_defaults`), else :data:`GENERATE_DEFAULTS`; a note on stderr
+    names the defaults taken from the file.
 
     Raises:
         AtomtoolError subclasses (the CLI prints them, exit 1): bad model directory, unsupported architecture,
@@ -69,9 +79,14 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int = 32, temper
     from atomtool.serve.llm import LLM
 
     check_prompt_text(list(prompts))
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            ignore_eos=ignore_eos).validate()
-    llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, fp8_activations=fp8_activations)
+    explicit = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                "ignore_eos": ignore_eos}
+    GenerationDefaults().sampling_params(explicit, GENERATE_DEFAULTS)  # bad flags fail before the model loads
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, fp8_activations=fp8_activations,
+              generation_config=generation_config)
+    params = llm.generation_defaults.sampling_params(explicit, GENERATE_DEFAULTS)
+    if note := llm.generation_defaults.describe():
+        print(f"note: {note}", file=sys.stderr)
     if llm.engine.max_model_len_note:  # stderr: stdout holds only the completions
         print(f"warning: {llm.engine.max_model_len_note}", file=sys.stderr)
     if llm.engine.act_quant_note:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Sequence as Seq
 
 from atomtool.errors import InvalidRequestError
 from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.engine.outputs import RequestOutput
+from atomtool.serve.generation_defaults import load_generation_defaults
 from atomtool.serve.sampling_params import SamplingParams
 
 
@@ -20,11 +22,31 @@ class LLM:
     checkpoints), ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory``,
     ``gpu_memory_utilization``, ``block_size``, ``enforce_eager``, ``enable_prefix_caching``, ``backend``
     (``auto`` | ``torch`` | ``triton``). ``llm.engine.act_quant`` says whether W8A8 runs.
+
+    ``generation_config``: ``auto`` (default, as vLLM's): the model's generation_config.json gives the
+    default sampling parameters (temperature, top_p, top_k, max_new_tokens as max_tokens) of
+    :meth:`generate` calls without ``sampling_params``; ``none``: SamplingParams' own defaults. An explicit
+    SamplingParams is used as given (as in vLLM). ``llm.generation_defaults`` holds what was read
+    (:mod:`atomtool.serve.generation_defaults`); its ``describe()`` is logged at INFO.
+
+    Raises:
+        ConfigError: a ``generation_config`` other than auto / none (before loading), or a malformed
+            generation_config.json; the engine's load errors (:meth:`LLMEngine.from_model`).
     """
 
-    def __init__(self, model: str, **engine_kwargs) -> None:
+    def __init__(self, model: str, generation_config: str = "auto", **engine_kwargs) -> None:
+        load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
         self.engine = LLMEngine.from_model(model, **engine_kwargs)
+        self.generation_defaults = load_generation_defaults(self.engine.model_dir, generation_config)
+        note = self.generation_defaults.describe()
+        if note:
+            logging.getLogger(__name__).info(note)
         self._next_id = 0
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams :meth:`generate` uses when given none: SamplingParams' defaults with the model's
+        generation config over them (vLLM's ``LLM.get_default_sampling_params``)."""
+        return self.generation_defaults.sampling_params({})
 
     @property
     def tokenizer(self):
@@ -35,7 +57,8 @@ class LLM:
         """Run every prompt to completion as one continuously batched workload.
 
         prompts: one prompt or a list (text, or token ids: a list / tuple of integers, numpy's included, or a
-        1-d integer array / tensor). sampling_params: one for all, or one per prompt.
+        1-d integer array / tensor). sampling_params: one for all, or one per prompt; None:
+        :meth:`get_default_sampling_params` (the model's generation config defaults).
         Returns the final :class:`RequestOutput` of each prompt, in input order.
 
         Raises:
@@ -47,7 +70,7 @@ class LLM:
             raise InvalidRequestError(f"prompts: text, token ids, or a list of them; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):

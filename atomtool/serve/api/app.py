@@ -77,6 +77,7 @@ from atomtool.serve.api.protocol import (
     unsupported_fields,
 )
 from atomtool.serve.api.strict_json import BodyNotJSON, StrictJSONRoute, surrogate_problem
+from atomtool.serve.generation_defaults import GenerationDefaults
 from atomtool.serve.sampling_params import SamplingParams
 
 logger = logging.getLogger("atomtool.serve")
@@ -590,7 +591,8 @@ REQUEST_CHAT_TEMPLATE_REFUSED = (
 def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                chat_template: str | None = None, *, model_root: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               trust_request_chat_template: bool = False) -> FastAPI:
+               trust_request_chat_template: bool = False,
+               generation_defaults: GenerationDefaults | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an :class:`LLMEngine`) as ``served_model_name``.
 
     Args:
@@ -605,11 +607,16 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             ``chat_template``) before the template is compiled: a client's Jinja is code the server runs, and
             one expression (``{{ 'x' * 10**10 }}``) allocates gigabytes before the render bounds in
             :mod:`atomtool.serve.api.chat` can stop it. On, it is rendered within those bounds.
+        generation_defaults: the model's generation-config sampling defaults
+            (:func:`~atomtool.serve.generation_defaults.load_generation_defaults`): temperature, top_p, top_k
+            and max_tokens of requests that do not send them (vLLM's ``--generation-config auto``); a
+            default max_tokens is cut to the room left in the context. None: OpenAI's defaults.
 
     Raises:
         ConfigError: ``chat_template`` looks like a path that does not exist.
     """
     template = load_chat_template(chat_template)
+    defaults = generation_defaults or GenerationDefaults()
     tokenizer = engine.tokenizer
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.snapshot, served_model_name)
@@ -722,14 +729,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         # choice i samples with seed + i (README), wrapped into the int64 range the client's seed came from
         seed = ((req.seed + choice + 2**63) % 2**64) - 2**63 if req.seed is not None else None
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            seed=seed, logprobs=logprobs, stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
-        return params.validate()
+        explicit = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                    "top_k": req.top_k, "seed": seed, "logprobs": logprobs, "stop": req.stop_list(),
+                    "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
+                    "min_tokens": req.min_tokens}
+        return defaults.sampling_params(explicit)
 
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]]) -> RequestGroup:
         reqs = []
@@ -887,7 +891,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         prompts, lengths = await run_blocking(completion_prompts, req.prompt)
         per_prompt = []
         sent_max = "max_tokens" in req.model_fields_set and req.max_tokens is not None
-        requested = req.max_tokens if sent_max else COMPLETION_DEFAULT_MAX_TOKENS  # null: OpenAI's default
+        # null or unset: the generation config's max_new_tokens, else OpenAI's default
+        requested = req.max_tokens if sent_max else defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
         for n_tok in lengths:
             max_tokens = check_length(n_tok, requested, "prompt", clamp=not sent_max)
             per_prompt.append([sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
@@ -971,7 +976,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs, tools=req.tools, max_chars=max_prompt_chars))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = check_length(len(prompt_ids), requested, "messages")
+        sent_max = requested is not None
+        if not sent_max:  # the generation config's max_new_tokens (cut to the room left), else the room left
+            requested = defaults.get("max_tokens")
+        max_tokens = check_length(len(prompt_ids), requested, "messages", clamp=not sent_max)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = [sampling_params(req, max_tokens, top_n, i) for i in range(req.n)]
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

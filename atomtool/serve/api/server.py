@@ -140,7 +140,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               device: str = "auto", enforce_eager: bool = False, chat_template: str | None = None,
               tensor_parallel_size: int = 1, max_request_bytes: int | None = None,
               fp8_activations: str = "auto", trust_request_chat_template: bool = False,
-              enable_prefix_caching: bool = True) -> int:
+              enable_prefix_caching: bool = True, generation_config: str = "auto") -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
@@ -152,7 +152,9 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     name); off, such a request gets a 400 before its template is compiled, since one Jinja expression
     can allocate gigabytes before the render bounds apply (see :func:`~atomtool.serve.api.app.create_app`).
     ``enable_prefix_caching``: reuse cached KV blocks of a shared prompt prefix (vLLM's
-    ``--enable-prefix-caching``, on by default as there).
+    ``--enable-prefix-caching``, on by default as there). ``generation_config``: ``auto`` takes the default
+    sampling parameters of requests that leave them unset from the model's generation_config.json (vLLM's
+    ``--generation-config auto``; :mod:`atomtool.serve.generation_defaults`), ``none`` ignores the file.
 
     Raises:
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
@@ -165,6 +167,9 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     from atomtool.serve.api.chat import load_chat_template
 
     template = load_chat_template(chat_template)  # fail fast, before the model loads
+    from atomtool.serve.generation_defaults import load_generation_defaults
+
+    load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
     if model is None:
         try:
             from atomtool.serve.demo import demo_model_path
@@ -185,15 +190,19 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
                                   kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                   enforce_eager=enforce_eager, fp8_activations=fp8_activations,
                                   enable_prefix_caching=enable_prefix_caching)
+    generation_defaults = load_generation_defaults(engine.model_dir, generation_config)
     app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model,
                      max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES,
-                     trust_request_chat_template=trust_request_chat_template)
+                     trust_request_chat_template=trust_request_chat_template,
+                     generation_defaults=generation_defaults)
     server = _uvicorn_server(app, sock, "info")
     bound_host, bound_port = sock.getsockname()[:2]
     if engine.max_model_len_note:
         print(f"atomtool serve: warning: {engine.max_model_len_note}", file=sys.stderr, flush=True)
     if engine.act_quant_note:
         print(f"atomtool serve: note: {engine.act_quant_note}", file=sys.stderr, flush=True)
+    if note := generation_defaults.describe():
+        print(f"atomtool serve: note: {note}", file=sys.stderr, flush=True)
     print(f"atomtool serve: model {name!r} ({engine_summary(engine)}) on http://{bound_host}:{bound_port}",
           file=sys.stderr, flush=True)
 
