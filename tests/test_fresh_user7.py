@@ -190,7 +190,6 @@ def test_empty_path_arguments_are_refused_not_read_as_the_current_directory(tmp_
     assert list(work.iterdir()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="convert into '.' renames a new directory over the cwd (the shell sees an empty dir)")
 def test_convert_into_the_current_directory_is_refused(tmp_path, monkeypatch):
     import os
 
