@@ -202,3 +202,23 @@ def test_convert_into_the_current_directory_is_refused(tmp_path, monkeypatch):
     assert res.exit_code == 1, res.output
     assert "current directory" in res.output and "Traceback" not in res.output, res.output
     assert os.stat(str(work)).st_ino == before and list(work.iterdir()) == []
+
+
+@pytest.mark.xfail(strict=True, reason="index preferred over model.safetensors, transformers does the opposite")
+def test_model_safetensors_beside_an_index_is_read_as_transformers_does(tmp_path):
+    import shutil
+
+    single = write_hf_checkpoint(tmp_path / "single", "llama", seed=1, tokenizer=False)
+    both = write_hf_checkpoint(tmp_path / "both", "llama", seed=2, max_shard_size="40KB", tokenizer=False)
+    shutil.copy(single / "model.safetensors", both / "model.safetensors")
+    # transformers' from_pretrained loads model.safetensors when both are there (modeling_utils checks it first)
+    runner = CliRunner()
+    assert runner.invoke(app, ["convert", str(single), str(tmp_path / "want")]).exit_code == 0
+    res = runner.invoke(app, ["convert", str(both), str(tmp_path / "got")])
+    assert res.exit_code == 0, res.output
+    assert "model.safetensors" in res.output and "index" in res.output, res.output  # the choice is said
+    want, got = _layout_tensors(tmp_path / "want"), _layout_tensors(tmp_path / "got")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    manifest = json.loads((tmp_path / "got" / "atomtool.json").read_text())
+    assert all(e["reason"].startswith("safetensors next to model.safetensors") for e in manifest["not_carried"])
