@@ -204,7 +204,6 @@ def test_convert_into_the_current_directory_is_refused(tmp_path, monkeypatch):
     assert os.stat(str(work)).st_ino == before and list(work.iterdir()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="index preferred over model.safetensors, transformers does the opposite")
 def test_model_safetensors_beside_an_index_is_read_as_transformers_does(tmp_path):
     import shutil
 

@@ -78,7 +78,8 @@ def _not_carried_reason(rel: str, top: bool) -> str | None:
 
 
 def _unread_weights_reason(root: Path) -> str:
-    if (root / INDEX_NAME).is_file():
+    # model.safetensors is the file read whenever it exists, index or not (as transformers loads it first)
+    if not (root / "model.safetensors").is_file() and (root / INDEX_NAME).is_file():
         return f"safetensors that {INDEX_NAME} does not list (not converted)"
     return "safetensors next to model.safetensors, the file read (not converted)"
 

@@ -163,7 +163,15 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
     weight_map, index_meta = None, None
     index_path = root / INDEX_FILE
     index_label = f"{source}/{INDEX_FILE}" if is_remote else str(index_path)
-    if index_path.is_file():
+    both: list[str] = []
+    if (root / SINGLE_FILE).is_file() and index_path.is_file():
+        # transformers' from_pretrained looks for model.safetensors first and loads it when it exists; a
+        # malformed index is still an error (a broken file in the checkpoint, whichever is read)
+        _load_index(index_path)
+        files = [SINGLE_FILE]
+        both.append(f"{source}: has both {SINGLE_FILE} and {INDEX_FILE}; reading {SINGLE_FILE}, as transformers "
+                    "does (it loads model.safetensors first); the index and the shards it names are ignored")
+    elif index_path.is_file():
         weight_map, index_meta = _load_index(index_path)
         files = sorted(set(weight_map.values()))
         for f in files:
@@ -197,6 +205,7 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
     headers = _parallel(fetch, parse, files)
     label = (lambda f: f"{source}/{f}") if is_remote else (lambda f: str(root / f))
     tensors, warnings, unlisted = _merge(headers, weight_map, label, index_label)
+    warnings += both
     if weight_map is not None:
         warnings += _unindexed_files_warning(root, files, index_label)
     return CheckpointSource(
