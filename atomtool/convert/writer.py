@@ -136,8 +136,11 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
                               "(the source is never modified)")
     if out_r.exists() and not out_r.is_dir():
         raise ConversionError(f"OUT {out} exists and is not a directory")
-    cwd = Path.cwd().resolve()
-    if out_r == cwd or out_r in cwd.parents:  # the finished layout is renamed over OUT: the shell would be
+    try:
+        cwd: Path | None = Path.cwd().resolve()
+    except OSError:  # the working directory was deleted: nothing to protect
+        cwd = None
+    if cwd is not None and (out_r == cwd or out_r in cwd.parents):  # the finished layout is renamed over OUT: the shell would be
         # left in the replaced, deleted directory (an empty listing where the layout was just "written")
         raise ConversionError(f"OUT {out} is the current directory{'' if out_r == cwd else ' or holds it'}; "
                               "convert replaces OUT with a directory renamed into place, so run it from "
