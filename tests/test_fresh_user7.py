@@ -13,6 +13,19 @@ Each test was a strict-xfail reproducer; the defects are fixed and the tests kee
 - A sharded checkpoint whose index does not list a shard file (a stale index.json): inspect reports
   "the checkpoint has no lm_head.weight" while ``model-000NN.safetensors`` holds it, and says nothing about
   the file it did not read.
+- A shard that the index places in a subfolder (``weights/model-00003-of-00012.safetensors``) is read and
+  converted, yet convert says "not carried: ... (safetensors in a subfolder (not converted))".
+- ``weight_block_size: "128"`` / ``128`` / ``[128]`` (transformers refuses them) silently read as per-tensor FP8:
+  one scheme-mismatch error per module instead of one line naming the field.
+- ``modules_to_not_convert: "lm_head"`` (a string) is read character by character: every module is excluded.
+- config.json without ``architectures``: "unknown architecture 'unknown' (neither atomtool nor transformers
+  knows it)"; convert: "unsupported architecture 'unknown'".
+- An empty SRC / OUT / LAYOUT argument (``"$OUT"`` unset) is the current directory: ``convert SRC ""`` writes
+  the layout into the working directory.
+- ``convert SRC .`` renames the finished layout over the working directory: the shell is left in a deleted
+  directory and ``ls`` shows nothing where "wrote ..." was just printed.
+- A local directory with both ``model.safetensors`` and ``model.safetensors.index.json``: atomtool converts the
+  index's shards, transformers' ``from_pretrained`` loads ``model.safetensors`` (another model).
 """
 
 from __future__ import annotations
