@@ -58,8 +58,11 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     (bigmeta / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
                                         "b.weight": "model-00002-of-00002.safetensors"}}))
+    # model.safetensors beside an index of another model's shards: transformers loads model.safetensors
+    both = write_hf_checkpoint(base / "both", "qwen3", seed=2, max_shard_size="40KB", tokenizer=False)
+    shutil.copy(single / "model.safetensors", both / "model.safetensors")
     return {"org/sharded": sharded, "org/single": single, "org/cfg-only": cfg_only, "org/missing": missing,
-            "org/hostile": hostile, "org/bigmeta": bigmeta}
+            "org/hostile": hostile, "org/bigmeta": bigmeta, "org/both": both}
 
 
 @pytest.fixture
@@ -95,11 +98,13 @@ def test_request_count_at_most_two_per_shard(hub, repos):
     names = {f: [k for k, t in src.tensors.items() if t.file == f] for f in src.files}
     by_file: dict[str, list] = {}
     for r in hub.requests:
-        assert r.repo == "org/sharded" and r.status < 400
+        assert r.repo == "org/sharded" and (r.status < 400 or r.file == "model.safetensors")
         by_file.setdefault(r.file, []).append(r)
-    assert set(by_file) == set(src.files) | {"config.json", "model.safetensors.index.json"}
+    assert set(by_file) == set(src.files) | {"config.json", "model.safetensors.index.json", "model.safetensors"}
     for f in ("config.json", "model.safetensors.index.json"):
         assert sorted(r.method for r in by_file[f]) == ["GET", "HEAD"]
+    # one existence check of model.safetensors (read instead of the index when present, as transformers)
+    assert [(r.method, r.status) for r in by_file["model.safetensors"]] == [("HEAD", 404)]
     for f in src.files:
         reqs = by_file[f]
         assert 1 <= len(reqs) <= 2 and all(r.method == "GET" and r.range for r in reqs)
@@ -129,6 +134,22 @@ def test_single_file_repo(hub, repos):
     reqs = hub.for_file("model.safetensors")
     assert 1 <= len(reqs) <= 2 and all(r.range for r in reqs)
     assert [r.status for r in hub.for_file("model.safetensors.index.json")] == [404]
+
+
+def test_model_safetensors_beside_an_index_is_read_as_transformers_does(hub, repos):
+    remote = CheckpointSource.open("org/both")
+    local = CheckpointSource.open(str(repos["org/both"]))
+    # transformers' from_pretrained loads model.safetensors first; the index names another model's shards
+    assert remote.files == local.files == ["model.safetensors"]
+    assert as_tuples(remote) == as_tuples(CheckpointSource.open(str(repos["org/single"])))
+    assert remote.index_metadata is None and remote.metadata == local.metadata
+    said = [w for w in remote.warnings if "has both" in w]
+    assert said == [w.replace(str(repos["org/both"]), "org/both") for w in local.warnings if "has both" in w]
+    assert said and said[0].startswith("org/both: has both model.safetensors and model.safetensors.index.json")
+    read = {r.file for r in hub.requests if r.repo == "org/both"}
+    assert read == {"config.json", "model.safetensors.index.json", "model.safetensors"}  # no shard read
+    single = hub.for_file("model.safetensors")
+    assert single[0].method == "HEAD" and all(r.method == "GET" and r.range for r in single[1:])
 
 
 def test_config_only_repo(hub):

@@ -152,6 +152,12 @@ class CheckpointSource:
 # ----------------------------------------------------------------------------- local
 
 
+def _both_warning(source: str) -> str:
+    """The source-warning of a checkpoint holding both model.safetensors and an index (model.safetensors read)."""
+    return (f"{source}: has both {SINGLE_FILE} and {INDEX_FILE}; reading {SINGLE_FILE}, as transformers does "
+            "(it loads model.safetensors first); the index and the shards it names are ignored")
+
+
 def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None = None,
               commit: str | None = None, strict_weights: bool = False) -> CheckpointSource:
     """Read a directory laid out like an HF checkpoint (a local checkout or an HF cache snapshot).
@@ -169,8 +175,7 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
         # malformed index is still an error (a broken file in the checkpoint, whichever is read)
         _load_index(index_path)
         files = [SINGLE_FILE]
-        both.append(f"{source}: has both {SINGLE_FILE} and {INDEX_FILE}; reading {SINGLE_FILE}, as transformers "
-                    "does (it loads model.safetensors first); the index and the shards it names are ignored")
+        both.append(_both_warning(source))
     elif index_path.is_file():
         weight_map, index_meta = _load_index(index_path)
         files = sorted(set(weight_map.values()))
@@ -540,7 +545,14 @@ def _open_online(repo: str, revision: str | None) -> CheckpointSource:
     config = _load_json_object(cfg_path, ConfigError) if cfg_path is not None else None
     index_path = _hub_download_json(repo, INDEX_FILE, pinned)
     weight_map, index_meta = (None, None)
-    if index_path is not None:
+    both: list[str] = []
+    if index_path is not None and _hub_file_exists(repo, SINGLE_FILE, pinned):
+        # as _open_dir: transformers' from_pretrained loads model.safetensors first when it exists; a
+        # malformed index is still an error
+        _load_index(index_path)
+        index_path, files = None, [SINGLE_FILE]
+        both.append(_both_warning(repo))
+    elif index_path is not None:
         weight_map, index_meta = _load_index(index_path)
         files = sorted(set(weight_map.values()))
     else:
@@ -573,6 +585,7 @@ def _open_online(repo: str, revision: str | None) -> CheckpointSource:
         missing = next(f for f in files if f not in headers)
         raise SourceError(f"{repo}/{INDEX_FILE}: names shard {missing!r}, which does not exist in the repo")
     tensors, warnings, unlisted = _merge(headers, weight_map, lambda f: f"{repo}/{f}", f"{repo}/{INDEX_FILE}")
+    warnings += both
     snapshot = cfg_path.parent if cfg_path is not None else (index_path.parent if index_path else None)
     root = snapshot if snapshot is not None and len(cached) == len(files) else None
     return CheckpointSource(
@@ -594,6 +607,19 @@ def first_range_bytes(names: list[str] | None) -> int:
         return SINGLE_FILE_FIRST_RANGE
     est = 8 + 2 + sum(len(json.dumps(n)) + 100 for n in names) + 1024  # + __metadata__ and padding
     return min(-(-est // 4096) * 4096, 8 + MAX_HEADER_BYTES)
+
+
+def _hub_file_exists(repo: str, name: str, revision: str | None) -> bool:
+    """Whether Hub repo ``repo`` has file ``name`` at ``revision``: the HF cache when it holds the file,
+    else one HEAD request (huggingface_hub's ``HfApi.file_exists``). Hub errors as :func:`_hub_error`."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo, name, revision=revision), str):
+        return True
+    try:
+        return HfApi(endpoint=_endpoint()).file_exists(repo, name, revision=revision)
+    except Exception as e:
+        raise _hub_error(repo, name, e, revision) from None
 
 
 def _fetch_remote_header(repo: str, file: str, revision: str | None,
