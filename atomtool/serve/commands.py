@@ -77,7 +77,9 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = Non
         valid UTF-8 text.
     """
     from atomtool.serve.llm import LLM
+    from atomtool.serve.loader import check_model_argument
 
+    check_model_argument(model)  # before the flag checks: "" is the current directory, not a model
     check_prompt_text(list(prompts))
     explicit = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                 "ignore_eos": ignore_eos}

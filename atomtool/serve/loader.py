@@ -63,14 +63,24 @@ def resolve_dtype(dtype: str | torch.dtype, config: dict[str, Any], device: torc
     return _DTYPES[dtype]
 
 
+def check_model_argument(model: str | os.PathLike) -> None:
+    """Refuse an empty MODEL (an unset ``"$MODEL"``): ``Path("")`` is the current directory, which would be
+    read as the checkpoint (as inspect / convert / verify refuse empty paths). Raises SourceError."""
+    if not str(model):
+        raise SourceError("MODEL is an empty string; pass an atomtool layout, a checkpoint directory or a Hub "
+                          "repo id")
+
+
 def resolve_model_dir(model: str | os.PathLike) -> Path:
     """The local directory of ``model``: an existing path as is; a Hub repo id (``org/name``, not an existing
     path) through convert's :func:`~atomtool.convert.commands.resolve_source` (the HF cache, else a download
-    of weights, configs and tokenizer). Raises SourceError when a repo id can be neither found nor downloaded.
+    of weights, configs and tokenizer). Raises SourceError when a repo id can be neither found nor downloaded,
+    or ``model`` is empty (:func:`check_model_argument`).
     """
     from atomtool.convert.commands import resolve_source
     from atomtool.inspect.source import looks_like_path
 
+    check_model_argument(model)
     path = Path(model).expanduser()
     if isinstance(model, str) and not path.exists() and not looks_like_path(model):
         return resolve_source(model)[0]

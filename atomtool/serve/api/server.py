@@ -160,6 +160,10 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
             path that does not exist, an address that cannot be bound, or engine load errors.
     """
+    if model is not None:  # an empty MODEL fails before the port is bound and the 'loading' line
+        from atomtool.serve.loader import check_model_argument
+
+        check_model_argument(model)
     _check_flags(port=port, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                  tensor_parallel_size=tensor_parallel_size, kv_cache_memory=kv_cache_memory,
