@@ -19,7 +19,9 @@ class SamplingParams:
     to return per generated token (None: none). stop: strings that end generation (not included in the
     text); stop_token_ids: extra token ids that end generation. min_tokens: EOS/stop are ignored before
     this many tokens: EOS and stop_token_ids are masked for the first min_tokens tokens, and stop strings are
-    looked for only in the text after them.
+    looked for only in the text after them. include_stop_str_in_output (vLLM's extra of that name): a stop
+    string that ends generation stays at the end of the text (the text after it is still dropped); stop
+    tokens (EOS, stop_token_ids) are unaffected, they are never in the text.
 
     Raises:
         InvalidRequestError: from :meth:`validate` for out-of-range or wrongly typed values.
@@ -35,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> SamplingParams:
         """Check every field's type and range (bools are not integers here; numpy scalars are numbers and are
@@ -79,6 +82,9 @@ class SamplingParams:
             raise bad("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "include_stop_str_in_output must be true or false, got "
+                      f"{self.include_stop_str_in_output!r}")
         return self
 
 

@@ -732,7 +732,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         explicit = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                     "top_k": req.top_k, "seed": seed, "logprobs": logprobs, "stop": req.stop_list(),
                     "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
-                    "min_tokens": req.min_tokens}
+                    "min_tokens": req.min_tokens, "include_stop_str_in_output": req.include_stop_str_in_output}
         return defaults.sampling_params(explicit)
 
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]]) -> RequestGroup:

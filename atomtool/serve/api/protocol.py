@@ -2,8 +2,8 @@
 
 Follows OpenAI's public API reference for ``/v1/completions`` and ``/v1/chat/completions`` and vLLM's
 OpenAI-compatible server for the extra sampling parameters (``ignore_eos``, ``top_k``, ``min_tokens``,
-``stop_token_ids``) and request-level chat template options. Unknown request fields are rejected, as
-OpenAI does ("Unrecognized request argument supplied: foo"), so a typo such as ``max_token`` is a 400
+``stop_token_ids``, ``include_stop_str_in_output``) and request-level chat template options. Unknown
+request fields are rejected, as OpenAI does ("Unrecognized request argument supplied: foo"), so a typo such as ``max_token`` is a 400
 instead of a silent default; every field the official ``openai`` client can send for these endpoints is
 declared (tests/test_server_protocol.py checks this against ``openai.types``). Parameters we accept but
 cannot honour are rejected with a 400 by :func:`unsupported_fields` rather than silently dropped.
@@ -132,6 +132,7 @@ class _SamplingFields(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False  # a stop string that ends generation stays in the text
     repetition_penalty: float | None = None
 
     def stop_list(self) -> list[str]:

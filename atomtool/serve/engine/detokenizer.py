@@ -37,12 +37,13 @@ def skipped_special_ids(tokenizer) -> frozenset[int]:
 class IncrementalDetokenizer:
     """Detokenizes one request's generated tokens as they arrive.
 
-    ``add(token_ids)`` returns the stop string found (text truncated before it) or None. ``text(final)`` is
-    the stable text: everything decoded minus held-back stop-string prefixes unless ``final``.
+    ``add(token_ids)`` returns the stop string found (text truncated before it, or after it with
+    ``include_stop_str``: vLLM's ``include_stop_str_in_output``) or None. ``text(final)`` is the stable text:
+    everything decoded minus held-back stop-string prefixes unless ``final``.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop_str: bool = False) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids)
         self.prefix_offset = max(len(self.ids) - _CONTEXT, 0)
@@ -50,6 +51,7 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.skip = skip_special_tokens
+        self.include_stop_str = include_stop_str
         # ids the decoded text skips: left out of the decode window, so a run of them (EOS after EOS under
         # ignore_eos) costs no decoding instead of re-decoding a window that grows with every one of them
         self.skipped = skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
@@ -80,12 +82,13 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self._text = self._text[:best[0]]
+        self._text = self._text[:best[0] + (len(best[1]) if self.include_stop_str else 0)]
         self.stopped = True
         return best[1]
 
     def add(self, token_ids: list[int], check_stop: bool = True) -> str | None:
-        """Feed newly generated ids; returns the stop string if one appeared (then the text ends before it).
+        """Feed newly generated ids; returns the stop string if one appeared (then the text ends before it, or
+        with it when ``include_stop_str``).
 
         ``check_stop=False`` (before ``min_tokens``): text is appended without looking for stop strings.
         """

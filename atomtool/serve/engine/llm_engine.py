@@ -192,7 +192,8 @@ class LLMEngine:
                                       f"{self.max_model_len}", param="prompt")
         seq = Sequence(request_id, ids, params, self.eos_token_ids)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                               include_stop_str=params.include_stop_str_in_output)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
