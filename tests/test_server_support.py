@@ -40,6 +40,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, script: list[int], *, max_model_len: int = 256, num_blocks: int = 64,
                  block_size: int = 4, fail_on_step: int | None = None, step_delay: float = 0.0) -> None:
         self.tokenizer = tokenizer
+        self.model_dir = None  # as LLMEngine.model_dir; no checkpoint on disk, so no generation_config defaults
         self.script = script
         self.max_model_len = max_model_len
         self.block_size = block_size
