@@ -49,7 +49,7 @@ from atomtool.errors import (
     UnsupportedArchitectureError,
 )
 from atomtool.inspect.families import family_for, supported_architectures
-from atomtool.inspect.source import hub_download_error, looks_like_path, quiet_hub_logs
+from atomtool.inspect.source import check_path_argument, hub_download_error, looks_like_path, quiet_hub_logs
 from atomtool.inspect.types import InspectReport
 
 #: files a conversion fetches from a Hub repo: everything but weights in other formats (the trailing "*"
@@ -307,8 +307,7 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     from atomtool.inspect.classify import inspect_checkpoint
 
     size = parse_size(shard_size)
-    if not src:  # Path("") is the current directory: an unset "$SRC" would convert it
-        raise ConversionError("SRC is an empty string; pass a checkpoint directory or a Hub repo id")
+    check_path_argument(src, "SRC", "pass a checkpoint directory or a Hub repo id", ConversionError)
     local_src = Path(src).expanduser()
     hub_id = not local_src.is_dir() and not local_src.exists() and not looks_like_path(src)
     # refuse before any work; a Hub repo id cannot contain OUT, so only OUT itself is checked for it

@@ -41,6 +41,7 @@ from atomtool.convert.layout import (
 )
 from atomtool.convert.plan_types import OutputTensor
 from atomtool.errors import AtomtoolError, HeaderError, LayoutError, SourceError
+from atomtool.inspect.source import check_path_argument
 
 _CHUNK = 64 << 20
 
@@ -514,8 +515,7 @@ def verify_layout(layout: str | Path, source: str | None = None) -> VerifyReport
         SourceError: the source cannot be opened, or obviously is not the layout's source
             (:func:`check_is_source`).
     """
-    if not str(layout):  # Path("") is the current directory
-        raise LayoutError("LAYOUT is an empty string; pass the layout directory (holding atomtool.json)")
+    check_path_argument(layout, "LAYOUT", "pass the layout directory (holding atomtool.json)", LayoutError)
     root = Path(layout)
     if not root.exists():
         raise LayoutError(f"{layout}: no such directory")

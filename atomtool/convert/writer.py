@@ -74,6 +74,7 @@ from atomtool.convert.plan_types import ConversionPlan, OutputTensor
 from atomtool.errors import ConversionError
 from atomtool.inspect.report import human_bytes
 from atomtool.inspect.safetensors_header import DTYPE_BITS
+from atomtool.inspect.source import check_path_argument
 
 #: seconds to sleep after each shard; a test hook to kill a conversion mid-write deterministically
 SLEEP_ENV = "ATOMTOOL_CONVERT_TEST_SLEEP_PER_SHARD"
@@ -127,8 +128,7 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
         ConversionError: OUT equals or is inside SRC; OUT is a file; OUT is non-empty without ``overwrite``;
             ``overwrite`` of a directory that is not an atomtool layout or that contains SRC.
     """
-    if not str(out):  # Path("") is the current directory: an unset "$OUT" would write the layout there
-        raise ConversionError("OUT is an empty string; name the directory to write the layout to")
+    check_path_argument(out, "OUT", "name the directory to write the layout to", ConversionError)
     out_r = Path(out).resolve()
     src_r = Path(src).resolve() if src is not None else None
     if src_r is not None and (out_r == src_r or src_r in out_r.parents):

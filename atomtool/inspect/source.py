@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from atomtool.errors import ConfigError, HeaderError, SourceError, clip, one_line
+from atomtool.errors import AtomtoolError, ConfigError, HeaderError, SourceError, clip, one_line
 from atomtool.inspect.safetensors_header import (
     MAX_HEADER_BYTES,
     SafetensorsHeader,
@@ -98,8 +98,7 @@ class CheckpointSource:
         source: an existing directory, else a Hub repo id (``org/name``). revision: Hub branch, tag or
         commit (only for repo ids). Raises SourceError, ConfigError or HeaderError (see module doc).
         """
-        if not source:  # Path("") is the current directory: an unset "$SRC" would read it
-            raise SourceError("SOURCE is an empty string; pass a checkpoint directory or a Hub repo id")
+        check_path_argument(source, "SOURCE", "pass a checkpoint directory or a Hub repo id")
         path = Path(source).expanduser()
         if path.is_dir():
             if revision is not None:
@@ -296,6 +295,15 @@ def _merge(headers: dict[str, SafetensorsHeader], weight_map: dict[str, str] | N
                             f"weight_map (stale index?): {shown}; they are ignored, as transformers ignores "
                             "them (it loads the tensors the index lists)")
     return tensors, warnings, unlisted
+
+
+def check_path_argument(value: str | os.PathLike, name: str, expected: str,
+                        error: type[AtomtoolError] = SourceError) -> None:
+    """Refuse an empty path argument (an unset shell variable, ``"$OUT"``): ``Path("")`` is the current
+    directory, which the command would read or write instead. Raises ``error`` with
+    ``"<name> is an empty string; <expected>"``."""
+    if not str(value):
+        raise error(f"{name} is an empty string; {expected}")
 
 
 def looks_like_path(source: str) -> bool:

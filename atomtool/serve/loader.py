@@ -66,9 +66,9 @@ def resolve_dtype(dtype: str | torch.dtype, config: dict[str, Any], device: torc
 def check_model_argument(model: str | os.PathLike) -> None:
     """Refuse an empty MODEL (an unset ``"$MODEL"``): ``Path("")`` is the current directory, which would be
     read as the checkpoint (as inspect / convert / verify refuse empty paths). Raises SourceError."""
-    if not str(model):
-        raise SourceError("MODEL is an empty string; pass an atomtool layout, a checkpoint directory or a Hub "
-                          "repo id")
+    from atomtool.inspect.source import check_path_argument
+
+    check_path_argument(model, "MODEL", "pass an atomtool layout, a checkpoint directory or a Hub repo id")
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:

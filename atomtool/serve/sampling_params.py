@@ -80,11 +80,9 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", "include_stop_str_in_output must be true or false, got "
-                      f"{self.include_stop_str_in_output!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         return self
 
 
