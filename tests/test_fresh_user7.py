@@ -150,25 +150,37 @@ def test_mistral_consolidated_file_beside_an_index_is_not_called_a_stale_index(t
     assert not [f for f in json.loads(res.stdout)["findings"] if f["code"] == "source-warning"]
 
 
-@pytest.mark.parametrize("wbs", ["128", 128, [128], [128, 128, 128]])
-def test_malformed_weight_block_size_is_named_not_read_as_per_tensor(tmp_path, wbs):
+def _llama_with_config(tmp_path, edit):
+    """A tiny Llama checkpoint whose config.json ``edit`` (a function of the config dict) changed in place."""
     src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": wbs}
+    edit(cfg)
     (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def _refused_by_inspect_and_convert(tmp_path, src):
+    """``inspect`` and ``convert`` of ``src``: each exits 1 without a traceback; their outputs."""
+    outputs = []
     for cmd in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out")]):
         res = CliRunner().invoke(app, cmd)
         assert res.exit_code == 1, res.output
-        assert "weight_block_size must be two positive integers" in res.output, res.output
-        assert "Traceback" not in res.output
+        assert "Traceback" not in res.output, res.output
+        outputs.append(res.output)
+    return outputs
+
+
+@pytest.mark.parametrize("wbs", ["128", 128, [128], [128, 128, 128]])
+def test_malformed_weight_block_size_is_named_not_read_as_per_tensor(tmp_path, wbs):
+    src = _llama_with_config(tmp_path, lambda cfg: cfg.update(quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": wbs}))
+    for output in _refused_by_inspect_and_convert(tmp_path, src):
+        assert "weight_block_size must be two positive integers" in output, output
 
 
 def test_exclusion_list_given_as_a_string_is_a_config_error(tmp_path):
-    src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16],
-                                  "modules_to_not_convert": "lm_head"}
-    (src / "config.json").write_text(json.dumps(cfg))
+    src = _llama_with_config(tmp_path, lambda cfg: cfg.update(quantization_config={
+        "quant_method": "fp8", "weight_block_size": [16, 16], "modules_to_not_convert": "lm_head"}))
     res = CliRunner().invoke(app, ["inspect", str(src)])
     assert res.exit_code == 1, res.output
     assert "modules_to_not_convert must be a list of module names" in res.output, res.output
@@ -176,15 +188,10 @@ def test_exclusion_list_given_as_a_string_is_a_config_error(tmp_path):
 
 
 def test_config_without_architectures_is_named_as_such(tmp_path):
-    src = write_hf_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
-    cfg = json.loads((src / "config.json").read_text())
-    del cfg["architectures"]
-    (src / "config.json").write_text(json.dumps(cfg))
-    for cmd in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out")]):
-        res = CliRunner().invoke(app, cmd)
-        assert res.exit_code == 1, res.output
-        assert "no 'architectures'" in res.output and "model_type 'llama'" in res.output, res.output
-        assert "'unknown'" not in res.output and "Traceback" not in res.output, res.output
+    src = _llama_with_config(tmp_path, lambda cfg: cfg.pop("architectures"))
+    for output in _refused_by_inspect_and_convert(tmp_path, src):
+        assert "no 'architectures'" in output and "model_type 'llama'" in output, output
+        assert "'unknown'" not in output, output
     (src / "config.json").unlink()
     res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out")])
     assert res.exit_code == 1 and "no config.json" in res.output, res.output
