@@ -202,14 +202,16 @@ def _fp8_block_gemm_tma_kernel(a_desc, w_desc, s_ptr, bias_ptr, c_ptr, M, N, K, 
 
 
 @triton.jit
-def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, n_splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
-    # out = ((ws[0] + ws[1]) + ws[2]) + ... (+ bias), in split-index order: a fixed order whatever M is
+def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, N_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # out = ((ws[0] + ws[1]) + ws[2]) + ... (+ bias), in split-index order: a fixed order whatever M is. The
+    # plane count is a compile-time constant (a weight's split count never changes; the MoE's top-k likewise),
+    # so the loop unrolls and every plane's load is in flight at once instead of one L2 round trip per plane
     grid_dependency_wait(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.load(ws_ptr + i, mask=ok, other=0.0)
-    for sp in range(1, n_splits):
+    for sp in tl.static_range(1, N_SPLITS):
         acc += tl.load(ws_ptr + sp * MN + i, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
@@ -414,8 +416,8 @@ def sum_planes(planes: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | Non
     S, M, N = planes.shape
     block = 1024
     _sum_splits_kernel[(triton.cdiv(M * N, block),)](planes, bias if bias is not None else planes, out, M * N, N,
-                                                     S, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                                     **launch_pdl_args(out.device))
+                                                     N_SPLITS=S, HAS_BIAS=bias is not None, BLOCK=block,
+                                                     num_warps=4, **launch_pdl_args(out.device))
     return out
 
 
