@@ -76,8 +76,8 @@ class GenerationConfigMode(str, Enum):
     none = "none"
 
 
-_GEN_CONFIG_HELP = ("auto: the model's generation_config.json gives the default temperature, top_p, top_k and "
-                    "max tokens (max_new_tokens) of requests that do not set them, as vLLM's "
+_GEN_CONFIG_HELP = ("auto: the model's generation_config.json gives the default temperature, top_p, top_k, "
+                    "min_p, repetition_penalty and max tokens (max_new_tokens) of requests that do not set them, as vLLM's "
                     "--generation-config auto does (do_sample is ignored, as there); none: ignore the file.")
 
 _DTYPE_HELP = ("Activation / float-weight dtype. auto: float32 on CPU; on GPU the checkpoint's float16, "
@@ -185,6 +185,20 @@ def generate_cmd(
     top_k: Annotated[int | None, typer.Option(
         help="Sample among the K most likely tokens; 0 or -1 = off (all tokens); default: the model's "
              "generation_config.json top_k, else 0.", show_default=False)] = None,
+    min_p: Annotated[float | None, typer.Option(
+        help="Drop tokens less likely than this fraction of the most likely token's probability (after "
+             "temperature), in [0, 1]; 0 = off; default: the model's generation_config.json min_p, else 0.",
+        show_default=False)] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(
+        help="Penalise every token already in the prompt or the output (positive logits divided by it, "
+             "others multiplied), > 0; 1 = off; default: the model's generation_config.json "
+             "repetition_penalty, else 1.", show_default=False)] = None,
+    presence_penalty: Annotated[float | None, typer.Option(
+        help="Subtract this from the logit of every token already in the output, in [-2, 2]; default 0 "
+             "(off).", show_default=False)] = None,
+    frequency_penalty: Annotated[float | None, typer.Option(
+        help="Subtract this times its count in the output so far from each token's logit, in [-2, 2]; "
+             "default 0 (off).", show_default=False)] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling (reproducible output); default: "
                                                   "unseeded.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past the end-of-sequence token, up to "
@@ -201,7 +215,9 @@ def generate_cmd(
     from atomtool.serve.commands import run_generate
 
     raise typer.Exit(run_generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
+                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
                                   device=device.value, json_out=json_out,
                                   fp8_activations=fp8_activations.value,
                                   generation_config=generation_config.value))

@@ -1,6 +1,6 @@
 """The checkpoint's generation_config.json gives the default sampling parameters (vLLM's
-``--generation-config auto``): requests that leave temperature / top_p / top_k / max_tokens unset follow it,
-explicit values override it, ``none`` ignores it; the server (chat + completions), ``LLM`` and ``atomtool
+``--generation-config auto``): requests that leave temperature / top_p / top_k / min_p / repetition_penalty /
+max_tokens unset follow it, explicit values override it, ``none`` ignores it; the server (chat + completions), ``LLM`` and ``atomtool
 generate`` share :mod:`atomtool.serve.generation_defaults`. A malformed file is a ConfigError naming it.
 
 One tiny save_pretrained llama checkpoint; each variant is a directory of links to its files plus its own
@@ -63,17 +63,20 @@ def greedy_ids(base) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------- reading the file
-def test_values_read_do_sample_ignored_unsupported_reported(base, tmp_path):
+def test_values_read_do_sample_ignored_penalty_and_min_p_applied(base, tmp_path):
     d = variant(base, tmp_path / "ds", {"do_sample": True, "temperature": 0.6, "top_p": 0.95,
-                                        "repetition_penalty": 1.1})
+                                        "repetition_penalty": 1.1, "min_p": 0.05})
     defaults = load_generation_defaults(d)
-    assert defaults.values == {"temperature": 0.6, "top_p": 0.95}
-    assert defaults.unsupported == {"repetition_penalty": 1.1}
+    assert defaults.values == {"temperature": 0.6, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
+    assert defaults.unsupported == {}  # vLLM applies min_p and repetition_penalty, and so does atomtool
     note = defaults.describe()
-    assert "temperature=0.6, top_p=0.95" in note and "repetition_penalty=1.1" in note
-    assert "--generation-config none" in note
+    assert "temperature=0.6, top_p=0.95, min_p=0.05, repetition_penalty=1.1" in note
+    assert "not supported" not in note and "--generation-config none" in note
     p = defaults.sampling_params({"temperature": None, "top_k": 5})  # None: unset
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.95, 5, 16)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_p, p.repetition_penalty) == (
+        0.6, 0.95, 5, 16, 0.05, 1.1)
+    p = defaults.sampling_params({"repetition_penalty": 1.0, "min_p": 0.0})  # explicit "off" wins
+    assert (p.repetition_penalty, p.min_p) == (1.0, 0.0)
     # do_sample false does not switch a default temperature off (vLLM ignores do_sample)
     d2 = variant(base, tmp_path / "nods", {"do_sample": False, "temperature": 0.7})
     assert load_generation_defaults(d2).values == {"temperature": 0.7}
@@ -92,6 +95,8 @@ def test_no_file_none_mode_and_config_without_sampling_fields(base, tmp_path, gr
     ({"top_p": 2}, "top_p: top_p must be in (0, 1]"),
     ({"max_new_tokens": 0}, "max_new_tokens"),  # transformers refuses it itself
     ({"top_k": 1.5}, "top_k: top_k must be -1, 0 or a positive integer"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty: repetition_penalty must be > 0 and finite"),
+    ({"min_p": 1.5}, "min_p: min_p must be in [0, 1]"),
 ])
 def test_malformed_generation_config_is_a_config_error(base, tmp_path, content, message):
     d = variant(base, tmp_path / "bad", content)
@@ -130,6 +135,20 @@ def test_llm_follows_overrides_and_ignores(greedy_dir, greedy_ids):
     d = plain.get_default_sampling_params()
     assert (d.temperature, d.top_k, d.max_tokens) == (1.0, 0, 16)
     assert plain.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, ignore_eos=True))[0].token_ids == sampled
+
+
+def test_llm_applies_the_configs_repetition_penalty(base, tmp_path, greedy_ids):
+    d = variant(base, tmp_path / "rep", {**GREEDY, "max_new_tokens": 32, "repetition_penalty": 3.0})
+    llm = LLM(d, **ENGINE_KW)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.repetition_penalty, p.max_tokens) == (0.0, 3.0, 32)
+    p.ignore_eos = True
+    penalised = llm.generate(PROMPT, p)[0].token_ids
+    assert len(set(greedy_ids)) < 32  # the plain greedy run repeats tokens ...
+    assert penalised != greedy_ids  # ... and the penalty changes the greedy tokens ...
+    explicit = SamplingParams(max_tokens=32, temperature=0, repetition_penalty=3.0, ignore_eos=True)
+    plain = LLM(str(base), **ENGINE_KW)  # ... exactly as the same penalty sent explicitly does
+    assert plain.generate(PROMPT, explicit)[0].token_ids == penalised
 
 
 # ----------------------------------------------------------------------------------------- server

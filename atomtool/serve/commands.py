@@ -56,6 +56,8 @@ GENERATE_DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k"
 
 def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
                  seed: int | None = None, ignore_eos: bool = False,
                  dtype: str = "auto", device: str = "auto", json_out: bool = False,
                  kv_cache_memory: int | None = None, fp8_activations: str = "auto",
@@ -82,7 +84,8 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = Non
     check_model_argument(model)  # before the flag checks: "" is the current directory, not a model
     check_prompt_text(list(prompts))
     explicit = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-                "ignore_eos": ignore_eos}
+                "ignore_eos": ignore_eos, "min_p": min_p, "repetition_penalty": repetition_penalty,
+                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty}
     GenerationDefaults().sampling_params(explicit, GENERATE_DEFAULTS)  # bad flags fail before the model loads
     llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, fp8_activations=fp8_activations,
               generation_config=generation_config)

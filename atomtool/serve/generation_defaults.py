@@ -3,8 +3,8 @@
 vLLM (``--generation-config auto``, its default) reads the model's Hugging Face generation config and uses
 its sampling fields as the defaults of every request that leaves them unset; ``--generation-config vllm``
 turns that off. atomtool does the same with ``--generation-config auto|none`` on ``serve`` and ``generate``
-and ``LLM(..., generation_config="auto"|"none")``, for the fields :class:`SamplingParams` has: temperature,
-top_p, top_k, and ``max_new_tokens`` as the default ``max_tokens``. DeepSeek-V3's config, for example, sets
+and ``LLM(..., generation_config="auto"|"none")``, for the fields vLLM takes from it: temperature, top_p, top_k,
+min_p, repetition_penalty, and ``max_new_tokens`` as the default ``max_tokens``. DeepSeek-V3's config, for example, sets
 temperature 0.6 and top_p 0.95, so a request without sampling fields samples at 0.6 / 0.95, as under vLLM.
 
 ``do_sample`` is ignored, as vLLM ignores it: ``do_sample: false`` next to ``temperature: 0.6`` still gives
@@ -23,10 +23,13 @@ from atomtool.serve.sampling_params import SamplingParams
 
 GENERATION_CONFIG_MODES = ("auto", "none")
 
-#: generation_config.json field -> SamplingParams field, for the fields atomtool samples with
-_APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
-#: fields vLLM would also apply but SamplingParams does not have yet: reported, not applied
-_NOT_SUPPORTED = ("min_p", "repetition_penalty")
+#: generation_config.json field -> SamplingParams field: the fields vLLM's ``--generation-config auto`` applies
+#: (its ``get_diff_sampling_param``: repetition_penalty, temperature, top_k, top_p, min_p, max_new_tokens)
+_APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+#: fields vLLM would also apply but SamplingParams does not have: reported, not applied (none left today; the
+#: report stays for a field a future vLLM adds)
+_NOT_SUPPORTED: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class GenerationDefaults:
 
     values: SamplingParams field name -> value (``max_tokens`` from ``max_new_tokens``), only the fields the
         file sets; empty with ``--generation-config none`` or no file.
-    unsupported: fields the file sets that vLLM would apply but atomtool's sampler does not have
-        (``min_p``, ``repetition_penalty``); they are not applied.
+    unsupported: fields the file sets that vLLM would apply but atomtool's sampler does not have (none
+        today, see ``_NOT_SUPPORTED``); they are not applied.
     source: the generation_config.json read, or None.
     """
 
@@ -83,8 +86,8 @@ def load_generation_defaults(model_dir: str | Path | None, mode: str = "auto") -
 
     Raises:
         ConfigError: an unknown ``mode``; a generation_config.json that is not valid JSON, not a JSON object, or
-            whose temperature / top_p / top_k / max_new_tokens is out of range (the message names the file and
-            field and suggests ``--generation-config none``).
+            whose temperature / top_p / top_k / min_p / repetition_penalty / max_new_tokens is out of range (the
+            message names the file and field and suggests ``--generation-config none``).
     """
     if mode not in GENERATION_CONFIG_MODES:
         raise ConfigError(f"--generation-config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {mode!r}")

@@ -24,8 +24,8 @@ class LLM:
     (``auto`` | ``torch`` | ``triton``). ``llm.engine.act_quant`` says whether W8A8 runs.
 
     ``generation_config``: ``auto`` (default, as vLLM's): the model's generation_config.json gives the
-    default sampling parameters (temperature, top_p, top_k, max_new_tokens as max_tokens) of
-    :meth:`generate` calls without ``sampling_params``; ``none``: SamplingParams' own defaults. An explicit
+    default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+    max_tokens) of :meth:`generate` calls without ``sampling_params``; ``none``: SamplingParams' own defaults. An explicit
     SamplingParams is used as given (as in vLLM). ``llm.generation_defaults`` holds what was read
     (:mod:`atomtool.serve.generation_defaults`); its ``describe()`` is logged at INFO.
 

@@ -23,6 +23,16 @@ class SamplingParams:
     string that ends generation stays at the end of the text (the text after it is still dropped); stop
     tokens (EOS, stop_token_ids) are unaffected, they are never in the text.
 
+    Penalties and min_p follow vLLM (and OpenAI for presence/frequency). ``repetition_penalty`` (1.0: off;
+    > 1 discourages repeats) divides the positive raw logits and multiplies the non-positive ones of every
+    token seen in the prompt or the output so far (transformers' RepetitionPenaltyLogitsProcessor over
+    prompt + output ids). ``frequency_penalty`` and ``presence_penalty`` (0.0: off; in [-2, 2]) subtract
+    ``frequency_penalty * count + presence_penalty * (count > 0)`` from the raw logit of each token, ``count``
+    its occurrences in the output so far (the prompt does not count). Penalties apply before temperature and
+    to greedy requests too. ``min_p`` (0.0: off; in [0, 1]) drops, after temperature, every token whose
+    probability is below ``min_p`` times the most likely token's (transformers' MinPLogitsWarper); it does
+    not change greedy picks. Returned log-probs are always those of the raw logits.
+
     Raises:
         InvalidRequestError: from :meth:`validate` for out-of-range or wrongly typed values.
     """
@@ -38,6 +48,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def validate(self) -> SamplingParams:
         """Check every field's type and range (bools are not integers here; numpy scalars are numbers and are
@@ -57,6 +71,19 @@ class SamplingParams:
         if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         self.top_p = float(self.top_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, float(value))
+        if not _is_number(self.repetition_penalty) or not (
+                self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise bad("repetition_penalty", f"repetition_penalty must be > 0 and finite, got "
+                      f"{self.repetition_penalty!r}")
+        self.repetition_penalty = float(self.repetition_penalty)
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        self.min_p = float(self.min_p)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
         self.top_k = int(self.top_k)

@@ -608,9 +608,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             one expression (``{{ 'x' * 10**10 }}``) allocates gigabytes before the render bounds in
             :mod:`atomtool.serve.api.chat` can stop it. On, it is rendered within those bounds.
         generation_defaults: the model's generation-config sampling defaults
-            (:func:`~atomtool.serve.generation_defaults.load_generation_defaults`): temperature, top_p, top_k
-            and max_tokens of requests that do not send them (vLLM's ``--generation-config auto``); a
-            default max_tokens is cut to the room left in the context. None: OpenAI's defaults.
+            (:func:`~atomtool.serve.generation_defaults.load_generation_defaults`): temperature, top_p, top_k,
+            min_p, repetition_penalty and max_tokens of requests that do not send them (vLLM's
+            ``--generation-config auto``); a default max_tokens is cut to the room left in the context. None:
+            OpenAI's defaults.
 
     Raises:
         ConfigError: ``chat_template`` looks like a path that does not exist.
@@ -732,7 +733,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         explicit = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                     "top_k": req.top_k, "seed": seed, "logprobs": logprobs, "stop": req.stop_list(),
                     "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
-                    "min_tokens": req.min_tokens, "include_stop_str_in_output": req.include_stop_str_in_output}
+                    "min_tokens": req.min_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
+                    "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+                    "repetition_penalty": req.repetition_penalty, "min_p": req.min_p}
         return defaults.sampling_params(explicit)
 
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]]) -> RequestGroup:

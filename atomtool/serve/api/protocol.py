@@ -1,8 +1,8 @@
 """Pydantic models of the OpenAI-compatible HTTP API (requests, responses, stream chunks, errors).
 
 Follows OpenAI's public API reference for ``/v1/completions`` and ``/v1/chat/completions`` and vLLM's
-OpenAI-compatible server for the extra sampling parameters (``ignore_eos``, ``top_k``, ``min_tokens``,
-``stop_token_ids``, ``include_stop_str_in_output``) and request-level chat template options. Unknown
+OpenAI-compatible server for the extra sampling parameters (``ignore_eos``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``) and request-level chat template options. Unknown
 request fields are rejected, as OpenAI does ("Unrecognized request argument supplied: foo"), so a typo such as ``max_token`` is a 400
 instead of a silent default; every field the official ``openai`` client can send for these endpoints is
 declared (tests/test_server_protocol.py checks this against ``openai.types``). Parameters we accept but
@@ -123,17 +123,18 @@ class _SamplingFields(OpenAIModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI; torch rejects more
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None  # [-2, 2], checked by SamplingParams (400 with param)
+    frequency_penalty: float | None = None  # [-2, 2]
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # end-user id: accepted and ignored (bookkeeping only, as in vLLM)
     # vLLM extra sampling parameters
     top_k: int | None = None
+    min_p: float | None = None  # [0, 1]; unset: the model's generation_config.json min_p, else 0 (off)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # a stop string that ends generation stays in the text
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = None  # > 0; unset: the generation config's, else 1.0 (off)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -452,16 +453,9 @@ class ModelList(BaseModel):
 def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     """The first accepted-but-unsupported parameter set to a non-default value, as (param, message).
 
-    The engine has no presence/frequency/repetition penalties, logit bias, suffix or echo yet, and the
-    server does not parse tool calls out of generated text (so it cannot force one); refusing them is
+    The engine has no logit bias, suffix or echo yet, and the server does not parse tool calls out of generated text (so it cannot force one); refusing them is
     clearer than ignoring them (a client would silently get other behaviour).
     """
-    if req.presence_penalty not in (None, 0.0):
-        return "presence_penalty", "presence_penalty is not supported by this server yet"
-    if req.frequency_penalty not in (None, 0.0):
-        return "frequency_penalty", "frequency_penalty is not supported by this server yet"
-    if req.repetition_penalty not in (None, 1.0):
-        return "repetition_penalty", "repetition_penalty is not supported by this server yet"
     if req.logit_bias:
         return "logit_bias", "logit_bias is not supported by this server yet"
     if isinstance(req, CompletionRequest):

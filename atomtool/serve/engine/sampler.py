@@ -1,16 +1,26 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds, log-probabilities — batched.
+"""Token selection: penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds, log-probabilities
+— batched.
 
 One decode step samples every row of the batch with a handful of batched tensor ops and a single
 device->host transfer (issue 7: the former per-row loop sorted the whole vocabulary and synchronised twice
 per row).
 
+- Penalties (vLLM's ``apply_penalties``, OpenAI's presence/frequency formula), on the raw logits of the rows
+  that ask for one, before temperature and for greedy rows too (:func:`apply_penalties`): one [R, V] count
+  of each row's output tokens (one ``index_add_`` over the flattened rows' ids), then ``repetition_penalty``
+  divides the positive and multiplies the non-positive logits of the tokens seen in the prompt or the output
+  (a row's prompt ids are kept on the device across steps), and ``frequency_penalty * count +
+  presence_penalty * (count > 0)`` is subtracted. Rows without a penalty are not touched (nothing is built
+  when no row has one).
 - Greedy rows (``temperature == 0`` or ``top_k == 1``): one ``argmax`` over those rows. ``torch.argmax``
   returns the first maximal index, so ties go to the lowest token id.
-- Sampled rows: logits / temperature, then the candidate set. Rows with neither top-k nor top-p sample from
-  the full softmax (no sort). Rows with ``top_k <= MAX_TOPK_CANDIDATES`` take their exact top-k candidates
-  (:func:`exact_topk`, ties to the lowest id, like a stable descending sort); other rows with a filter pay
-  one stable sort of the vocabulary (batched over those rows). Top-p (nucleus) keeps, in that order, each candidate whose preceding
-  mass is below ``top_p`` (the smallest prefix reaching ``top_p``), after renormalising over the top-k.
+- Sampled rows: logits / temperature, then min-p (vLLM's order: before top-k/top-p; :func:`apply_min_p`, only
+  when a row of the group asks for it), then the candidate set. Rows with neither top-k nor top-p sample
+  from the full softmax (no sort). Rows with ``top_k <= MAX_TOPK_CANDIDATES`` take their exact top-k
+  candidates (:func:`exact_topk`, ties to the lowest id, like a stable descending sort); other rows with a
+  filter pay one stable sort of the vocabulary (batched over those rows). Top-p (nucleus) keeps, in that
+  order, each candidate whose preceding mass is below ``top_p`` (the smallest prefix reaching ``top_p``),
+  after renormalising over the top-k (and the min-p survivors).
 - Drawing, full-softmax and top-k rows: the exponential race, ``argmax(probs / q)`` with
   ``q ~ Exponential(1)`` i.i.d. per token (:func:`exponential_`), which picks token i with probability
   ``probs[i]`` (the trick vLLM's and nano-vllm's samplers use; no cumulative sum, no searchsorted). A seeded
@@ -19,15 +29,19 @@ per row).
   share the batch; unseeded rows share one draw from the global generator.
 - Drawing, vocabulary-sort rows: these already hold the sorted cumulative mass for top-p, so they invert
   it with one uniform per row (batched ``searchsorted``), a seeded row's uniform from its own generator.
-- Log-probabilities: one ``log_softmax`` over the raw logits of the rows that ask, the sampled token's
-  value and the top ``n`` (:func:`exact_topk`, ties lower id first).
+- Log-probabilities: one ``log_softmax`` over the raw logits of the rows that ask (before penalties, masks,
+  temperature and min-p: vLLM's default ``logprobs_mode``), the sampled token's value and the top ``n``
+  (:func:`exact_topk`, ties lower id first).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from atomtool.serve.engine.sequence import Sequence
+from atomtool.serve.sampling_params import SamplingParams
 
 #: Rows whose top_k is at most this take the ``torch.topk`` candidate path; larger k (or top-p alone)
 #: stably sorts the vocabulary, which is cheaper than a very wide top-k.
@@ -136,12 +150,87 @@ def _sample_sorted_vocab(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Ten
     return ids.gather(1, pick).squeeze(1)
 
 
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether a request asks for a repetition, frequency or presence penalty (any non-default value)."""
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[torch.Tensor | None], output_ids: list[list[int]],
+                    repetition: list[float], frequency: list[float], presence: list[float]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties of R rows (vLLM's ``apply_penalties``); a new tensor.
+
+    Row r, with ``count[v]`` the occurrences of token v in ``output_ids[r]``:
+
+    - ``repetition[r]`` (1.0: off) on every token seen in ``prompt_ids[r]`` or ``output_ids[r]``: a positive
+      logit is divided by it, any other multiplied by it (transformers' RepetitionPenaltyLogitsProcessor
+      over the prompt + output ids; CTRL, Keskar et al. 2019). The result is clamped to the finite float32
+      range so that a tiny penalty cannot make the softmax NaN; ``-inf`` logits (masked tokens) stay ``-inf``.
+    - then ``logit[v] -= frequency[r] * count[v] + presence[r] * (count[v] > 0)`` (OpenAI's documented
+      formula; the prompt does not count).
+
+    Args:
+        logits: [R, V] float32 raw logits (not modified).
+        prompt_ids: per row an int64 tensor of prompt ids on ``logits.device``, all in ``[0, V)``; only read
+            for rows whose ``repetition`` is not 1 (None allowed for the others).
+        output_ids: per row the ids generated so far (ids outside ``[0, V)`` are ignored).
+        repetition: [R] repetition penalties (> 0). frequency, presence: [R] penalties (0.0: off).
+
+    Returns:
+        [R, V] float32 penalised logits; a row with no penalty equals its input bit for bit.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    flat = [r * vocab + t for r, ids in enumerate(output_ids) for t in ids if 0 <= t < vocab]
+    counts = torch.zeros(num_rows * vocab, dtype=logits.dtype, device=device)
+    if flat:  # float counts: sums of ones are exact (< 2**24) in any order, so CUDA's atomics are deterministic
+        counts.index_add_(0, _host_list(flat, device), torch.ones(len(flat), dtype=logits.dtype, device=device))
+    counts = counts.view(num_rows, vocab)
+    x = logits
+    rep_rows = [r for r in range(num_rows) if repetition[r] != 1.0]
+    if rep_rows:
+        seen = counts > 0
+        ids = [prompt_ids[r] for r in rep_rows]
+        lengths = [int(t.numel()) for t in ids]
+        if sum(lengths):
+            rows = torch.repeat_interleave(_host_list(rep_rows, device), _host_list(lengths, device),
+                                           output_size=sum(lengths))
+            seen.view(-1)[rows * vocab + torch.cat(ids)] = True
+        rep = _host_list(list(repetition), device, logits.dtype).unsqueeze(1)
+        fmax = torch.finfo(logits.dtype).max
+        penalised = torch.where(x > 0, x / rep, x * rep).clamp_(-fmax, fmax)
+        x = torch.where(seen & (x > float("-inf")), penalised, x)
+    if any(f != 0.0 for f in frequency):
+        x = x - _host_list(list(frequency), device, logits.dtype).unsqueeze(1) * counts
+    if any(p != 0.0 for p in presence):
+        x = x - _host_list(list(presence), device, logits.dtype).unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return x if x is not logits else logits.clone()
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p filtering (Nguyen et al. 2024, "Min P Sampling"; vLLM's MinPLogitsProcessor, transformers'
+    MinPLogitsWarper): tokens whose probability under ``softmax(x)`` is below ``min_p`` times the row's
+    largest probability become ``-inf``; the most likely token always stays.
+
+    Args:
+        x: [R, V] float32 temperature-scaled logits. min_p: [R] float32 on ``x.device``, in [0, 1] (0: off;
+            such a row is returned bit for bit).
+
+    Returns:
+        [R, V] float32, a new tensor.
+    """
+    probs = torch.softmax(x, dim=-1)
+    keep = probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return torch.where(keep, x, float("-inf"))
+
+
 def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
+                generators: list[torch.Generator | None], min_p: list[float] | None = None) -> torch.Tensor:
     """Pick one token per row of logits [R, V] float32; returns int64 [R] on ``logits.device`` (no sync).
 
     Per row: ``temperature`` (0: greedy), ``top_k`` (0, -1 or >= V: off; 1: greedy), ``top_p`` (1.0: off),
-    ``generators`` (``None``: the global torch generator). Ties go to the lowest token id.
+    ``generators`` (``None``: the global torch generator), ``min_p`` (0.0 or None: off; after temperature,
+    before top-k/top-p, as in vLLM). Ties go to the lowest token id. Penalties are the caller's
+    (:func:`apply_penalties` on the logits first).
     """
     num_rows, vocab = logits.shape
     device = logits.device
@@ -164,7 +253,10 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
         rows = kinds[kind]
         idx = _host_list(rows, device)
         temps = _host_list([temperature[r] for r in rows], device, torch.float32)
-        return idx, logits.index_select(0, idx) / temps.unsqueeze(1)
+        x = logits.index_select(0, idx) / temps.unsqueeze(1)
+        if min_p is not None and any(min_p[r] > 0.0 for r in rows):
+            x = apply_min_p(x, _host_list([min_p[r] for r in rows], device, torch.float32))
+        return idx, x
 
     def params_of(kind: str) -> tuple[torch.Tensor, list[torch.Generator | None]]:
         rows = kinds[kind]
@@ -205,20 +297,36 @@ def top_logprobs(logprobs: torch.Tensor, n: int) -> dict[int, float]:
 
 
 def sample_one(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               generator: torch.Generator | None) -> int:
+               generator: torch.Generator | None, min_p: float = 0.0) -> int:
     """Pick one token from logits [V] float32 (``temperature == 0``: greedy); a batch of one of
     :func:`sample_rows`, so it draws exactly what the batched sampler draws for that row."""
-    return int(sample_rows(logits.unsqueeze(0), [temperature], [top_k], [top_p], [generator])[0])
+    return int(sample_rows(logits.unsqueeze(0), [temperature], [top_k], [top_p], [generator], [min_p])[0])
 
 
 class Sampler:
     """Samples the next token of each sequence from its last-token logits (batched, one host transfer)."""
 
+    def __init__(self) -> None:
+        #: a penalised sequence's prompt ids on the device, built once (a prompt can be long; it never changes)
+        self._prompt_ids: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
+
+    def _prompt_tensor(self, seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+        """``seq``'s prompt ids in ``[0, vocab)`` as int64 on ``device`` (cached for the sequence's life)."""
+        ids = self._prompt_ids.get(seq)
+        if ids is None or ids.device != device:
+            t = torch.tensor(seq.prompt_token_ids, dtype=torch.long)
+            t = t[(t >= 0) & (t < vocab)]
+            ids = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+            self._prompt_ids[seq] = ids
+        return ids
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None]]:
         """logits: [B, V] float32, row b for ``seqs[b]``. Returns ``(token_id, logprob entry or None)`` each.
 
-        Before ``min_tokens`` outputs, EOS and ``stop_token_ids`` are masked out (vLLM semantics). Log-probs
-        are those of the raw logits (before masking and temperature): ``{"token_id", "logprob", "top"}``.
+        Before ``min_tokens`` outputs, EOS and ``stop_token_ids`` are masked out (vLLM semantics); then the
+        rows that ask for one get their penalties (:func:`apply_penalties`; prompt and output so far from
+        ``seq``), then :func:`sample_rows` (min-p included). Log-probs are those of the raw logits (before
+        masking, penalties, temperature and min-p): ``{"token_id", "logprob", "top"}``.
         """
         num_rows, vocab = logits.shape
         device = logits.device
@@ -239,8 +347,19 @@ class Sampler:
             x = logits.clone()
             x[_host_list(ban_rows, device), _host_list(ban_cols, device)] = float("-inf")
         params = [s.params for s in seqs]
+        pen_rows = [b for b, p in enumerate(params) if has_penalty(p)]
+        if pen_rows:
+            idx = _host_list(pen_rows, device)
+            pen = [params[b] for b in pen_rows]
+            penalised = apply_penalties(
+                x.index_select(0, idx),
+                [self._prompt_tensor(seqs[b], vocab, device) if params[b].repetition_penalty != 1.0 else None
+                 for b in pen_rows],
+                [seqs[b].output_token_ids for b in pen_rows], [p.repetition_penalty for p in pen],
+                [p.frequency_penalty for p in pen], [p.presence_penalty for p in pen])
+            x = x.index_copy(0, idx, penalised)  # out of place: ``logits`` stays raw for the log-probs
         tokens = sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
-                             [p.top_p for p in params], [s.generator for s in seqs])
+                             [p.top_p for p in params], [s.generator for s in seqs], [p.min_p for p in params])
 
         # Everything the host needs goes into one float64 tensor (token ids < 2**53 are exact) -> one transfer.
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
