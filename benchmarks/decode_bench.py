@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from atomtool.serve.engine.cuda_graphs import pick_context
 from benchmarks import common as C
 from benchmarks import trace_report
 
@@ -197,7 +198,8 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
             if graphed:
                 runner.run(batch)  # loads the static inputs
                 gsize = next(s for s in runner.graphs.sizes if s >= B)
-                gpu = C.time_gpu(runner.graphs.graphs[gsize].replay, device, warmup=1, iters=iters * 2)
+                gctx = pick_context(runner.graphs.contexts, batch.seq_lens_cpu)
+                gpu = C.time_gpu(runner.graphs.graphs[gctx, gsize].replay, device, warmup=1, iters=iters * 2)
             else:
                 gpu = C.time_gpu(lambda batch=batch: runner.run(batch), device, warmup=1, iters=iters)
             r = C.record("decode", model=name, label=label, batch=B, ctx=ctx, graphs=graphed,

@@ -21,6 +21,7 @@ import pytest
 import torch
 from gpu_driver import CudaDriver
 
+from atomtool.serve.engine import cuda_graphs
 from atomtool.serve.loader import load_model
 from atomtool.serve.sampling_params import SamplingParams
 from tests.checkpoints import write_hf_checkpoint
@@ -163,6 +164,35 @@ def test_cuda_graph_decode_matches_eager(family):
     assert graph_t == eager_t
     for sid in prompts:
         torch.testing.assert_close(torch.stack(graph_l[sid]), torch.stack(eager_l[sid]), atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_graph_context_buckets_change_no_bit(family, monkeypatch):
+    """With a long max_model_len the decode graphs are captured twice (cuda_graphs' context buckets): a step
+    whose sequences are short replays the graph with narrow block tables (the DSA top-k in its one-program
+    form). bf16 logits are bitwise those of the full-width graphs, and the short graph really ran."""
+    name, path, _ = family
+    model = load_model(path, dtype="bfloat16", device="cuda").model
+    prompts = {str(i): _prompt(n, 300 + i) for i, n in enumerate(LENGTHS)}
+    picked: list[int] = []
+    real_pick = cuda_graphs.pick_context
+
+    def spy(contexts, seq_lens):
+        picked.append(real_pick(contexts, seq_lens))
+        return picked[-1]
+
+    monkeypatch.setattr(cuda_graphs, "pick_context", spy)
+    runs = {}
+    for label, width in (("buckets", cuda_graphs.SHORT_CONTEXT_WIDTH), ("full width only", 1)):
+        monkeypatch.setattr(cuda_graphs, "SHORT_CONTEXT_WIDTH", width)
+        drv = CudaDriver(model, seed=4, max_model_len=16384)
+        drv.enable_graphs(max_num_seqs=4, sizes=[1, 2, 4])
+        assert drv.graphs.contexts == ([8176, 16384] if label == "buckets" else [16384])
+        picked.clear()
+        runs[label] = drv.generate(prompts, N_NEW)
+        assert picked and set(picked) == ({8176} if label == "buckets" else {16384})
+    assert runs["buckets"][0] == runs["full width only"][0]
+    for sid in prompts:
+        assert torch.equal(torch.stack(runs["buckets"][1][sid]), torch.stack(runs["full width only"][1][sid]))
 
 
 def test_programmatic_dependent_launch_changes_no_bit(family, monkeypatch):

@@ -10,9 +10,18 @@ address), and their logits are dropped.
 Requirements on the model's forward (all met by the Triton ops, none by the torch reference, which reads
 lengths on the host): no host sync, no data-dependent shapes. Host-side control flow may only read
 ``batch.seq_lens_cpu`` / ``query_lens_cpu`` to choose a code path, and the graphs are captured with every
-sequence claiming ``max_model_len`` tokens, so the captured path is the long-context one: for DSA that is
+sequence claiming the bucket's full context, so the captured path is the long-context one: for DSA that is
 indexer + sparse MLA, which is exact for short contexts too (the indexer then selects every position).
 ``enforce_eager`` (``--enforce-eager``) turns graphs off; so does any device other than CUDA.
+
+Context buckets: when ``max_model_len`` is long, each batch size is captured twice, once with block tables
+as wide as ``max_model_len`` and once with tables only :func:`short_context` tokens wide, and a step whose
+longest sequence fits the short one replays that graph. Kernels choose their form from the table width (a
+host-side shape): the DSA top-k selects rows narrower than ``SHORT_CONTEXT_WIDTH`` in one program instead
+of its multi-program split mode, and grids sized by the width launch fewer idle programs. Every kernel's
+result depends on each row's own length only (the split-KV chunking, the exact top-k), so the two graphs
+give the same bits. H200, DeepSeek-V3.2 shape, batch 1 at 4k with a 32k-wide table: 3.175 ms per step
+with the wide table, 3.08 ms narrow (docs/PERFORMANCE.md, issue 7 step 48).
 """
 
 from __future__ import annotations
@@ -26,6 +35,22 @@ from atomtool.serve.engine.batch import ForwardBatch
 
 #: decode batch sizes captured by default (vLLM-like ladder), cut at ``max_num_seqs``
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+#: block tables narrower than this many tokens make the short-context graphs: the Triton top-k's
+#: ``SPLIT_MIN_WIDTH`` (the width from which it selects a row with several programs), kept equal by a test
+SHORT_CONTEXT_WIDTH = 8192
+
+
+def short_context(max_model_len: int, block_size: int) -> int | None:
+    """Tokens of the short-context bucket: the longest whole-block context whose table is narrower than
+    :data:`SHORT_CONTEXT_WIDTH` tokens; None when that is not shorter than ``max_model_len`` (one bucket)."""
+    short = (SHORT_CONTEXT_WIDTH - 1) // block_size * block_size
+    return short if 0 < short < max_model_len else None
+
+
+def context_buckets(max_model_len: int, block_size: int) -> list[int]:
+    """Context lengths captured (ascending; the last is ``max_model_len``)."""
+    short = short_context(max_model_len, block_size)
+    return [max_model_len] if short is None else [short, max_model_len]
 
 
 def capture_sizes(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_BATCH_SIZES) -> list[int]:
@@ -71,34 +96,39 @@ class DecodeCudaGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.contexts = context_buckets(max_model_len, block_size)
+        #: (context bucket, batch size) -> graph and its output
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def _static_batch(self, bs: int, context: int) -> ForwardBatch:
+        width = math.ceil(context / self.block_size)
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs],
-            logits_indices=self.logits_indices[:bs], is_decode=True, block_size=self.block_size,
-            seq_lens_cpu=[self.max_model_len] * bs, query_lens_cpu=[1] * bs)
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs, :width],
+            slot_mapping=self.slot_mapping[:bs], logits_indices=self.logits_indices[:bs], is_decode=True,
+            block_size=self.block_size, seq_lens_cpu=[context] * bs, query_lens_cpu=[1] * bs)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size, largest first (smaller ones reuse its memory pool).
+        """Capture one graph per context bucket and size, longest and largest first (the others reuse its
+        memory pool).
 
         The static inputs describe padding rows only (slot -1), so capturing writes nothing to the KV cache.
         """
-        for bs in reversed(self.sizes):
-            batch = self._static_batch(bs)
-            self.forward(batch)  # warm-up: compiles the Triton kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.forward(batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+        for context in reversed(self.contexts):
+            for bs in reversed(self.sizes):
+                batch = self._static_batch(bs, context)
+                self.forward(batch)  # warm-up: compiles the Triton kernels outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.forward(batch)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[context, bs] = graph
+                self.outputs[context, bs] = out
         torch.cuda.synchronize(self.device)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -111,20 +141,29 @@ class DecodeCudaGraphs:
         """Replay the graph for ``batch`` (see :meth:`can_run`); returns logits [B, vocab] (a fresh copy)."""
         B = batch.num_seqs
         bs = next(s for s in self.sizes if s >= B)
-        width = batch.block_tables.shape[1]
+        context = pick_context(self.contexts, batch.seq_lens_cpu)
+        # a row of at most `context` tokens uses only its table's first `width` entries
+        width = min(batch.block_tables.shape[1], math.ceil(context / self.block_size))
         self.input_ids[:B].copy_(batch.input_ids)
         self.positions[:B].copy_(batch.positions)
         self.seq_lens[:B].copy_(batch.seq_lens)
         self.slot_mapping[:B].copy_(batch.slot_mapping)
-        self.block_tables[:B, :width].copy_(batch.block_tables)
+        self.block_tables[:B, :width].copy_(batch.block_tables[:, :width])
         if bs > B:  # padding rows: one token of context in block 0, nothing stored
             self.seq_lens[B:bs].fill_(1)
             self.slot_mapping[B:bs].fill_(-1)
             self.block_tables[B:bs].zero_()
             self.input_ids[B:bs].zero_()
             self.positions[B:bs].zero_()
-        self.graphs[bs].replay()
-        return self.outputs[bs][:B].clone()
+        self.graphs[context, bs].replay()
+        return self.outputs[context, bs][:B].clone()
+
+
+def pick_context(contexts: Sequence[int], seq_lens: Sequence[int]) -> int:
+    """The shortest context bucket holding every sequence of the step (``contexts`` ascending, the last one
+    ``max_model_len``, which holds every sequence the engine admits)."""
+    longest = max(seq_lens, default=0)
+    return next((c for c in contexts if c >= longest), contexts[-1])
 
 
 def maybe_capture_decode_graphs(model, kv_caches, device: torch.device | str, *, enforce_eager: bool,
