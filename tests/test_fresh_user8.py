@@ -1,0 +1,36 @@
+"""A demanding new user's reports on the sampling penalties and min_p (presence / frequency / repetition
+penalty, min_p): each test reproduces what the user saw, against vLLM's documented semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atomtool.serve.engine.sampler import Sampler
+from atomtool.serve.engine.sequence import Sequence
+from atomtool.serve.sampling_params import SamplingParams
+
+
+def seq_with(prompt: list[int], output: list[int], **kw) -> Sequence:
+    """A Sequence whose prompt is ``prompt`` and that has generated ``output`` so far."""
+    s = Sequence("r", prompt, SamplingParams(**kw).validate())
+    for t in output:
+        s.append_token(t)
+    return s
+
+
+NAN_XFAIL = pytest.mark.xfail(strict=True, reason="tiny repetition_penalty / temperature < 1 -> inf -> NaN -> id 0")
+
+
+@pytest.mark.parametrize("extra", [pytest.param({}, marks=NAN_XFAIL), {"top_k": 3}, {"top_p": 0.9},
+                                   pytest.param({"min_p": 0.1}, marks=NAN_XFAIL)])
+def test_tiny_repetition_penalty_with_temperature_samples_the_favoured_token(extra):
+    # `atomtool generate DEMO --repetition-penalty 1e-38 --temperature 0.1` printed token_ids [0, 0, 0, ...]
+    # (<pad>, a token the model gives ~1e-7): a valid penalty (> 0, finite) divides the positive logit of the
+    # seen token 2 to the float32 maximum (clamped), then / temperature made it inf and the softmax NaN, and
+    # argmax over NaN returned id 0. The seen token with the positive logit is by far the most likely one.
+    logits = torch.tensor([[-1.0, 0.5, 4.0, 0.2, -3.0, 1.0]])
+    for temperature in (0.1, 0.5, 0.99):
+        for seed in range(3):
+            s = seq_with([2, 4], [], temperature=temperature, seed=seed, repetition_penalty=1e-38, **extra)
+            assert Sampler()(logits, [s])[0][0] == 2
