@@ -253,7 +253,9 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
         rows = kinds[kind]
         idx = _host_list(rows, device)
         temps = _host_list([temperature[r] for r in rows], device, torch.float32)
-        x = logits.index_select(0, idx) / temps.unsqueeze(1)
+        # a penalised logit may sit at the float32 maximum (apply_penalties clamps there): a temperature below 1
+        # would make it inf and the softmax NaN, so it is clamped again (-inf, a masked token, stays -inf)
+        x = (logits.index_select(0, idx) / temps.unsqueeze(1)).clamp_(max=torch.finfo(logits.dtype).max)
         if min_p is not None and any(min_p[r] > 0.0 for r in rows):
             x = apply_min_p(x, _host_list([min_p[r] for r in rows], device, torch.float32))
         return idx, x
