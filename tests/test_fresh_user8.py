@@ -30,3 +30,16 @@ def test_tiny_repetition_penalty_with_temperature_samples_the_favoured_token(ext
         for seed in range(3):
             s = seq_with([2, 4], [], temperature=temperature, seed=seed, repetition_penalty=1e-38, **extra)
             assert Sampler()(logits, [s])[0][0] == 2
+
+
+@pytest.mark.xfail(strict=True, reason="a repetition_penalty above the float32 maximum is inf on the device: 0 * inf = NaN")
+@pytest.mark.parametrize("penalty", [1e39, 1e300])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_huge_repetition_penalty_keeps_a_zero_logit_zero(penalty, temperature):
+    # repetition_penalty=1e300 passes validation (> 0 and finite) but becomes inf in float32: a seen token whose
+    # logit is exactly 0 (padded vocabulary rows of the LM head give exactly 0) became 0 * inf = NaN, and the
+    # sampler picked it (greedy: the NaN token 1; sampled: id 0). 0 multiplied by any penalty is 0, so the
+    # clearly most likely token 2 (never seen) must be picked.
+    logits = torch.tensor([[-1.0, 0.0, 9.0, 0.2, -3.0, 1.0]])
+    s = seq_with([1, 4], [], temperature=temperature, seed=0, repetition_penalty=penalty)
+    assert Sampler()(logits, [s])[0][0] == 2
