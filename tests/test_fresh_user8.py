@@ -32,7 +32,6 @@ def test_tiny_repetition_penalty_with_temperature_samples_the_favoured_token(ext
             assert Sampler()(logits, [s])[0][0] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="a repetition_penalty above the float32 maximum is inf on the device: 0 * inf = NaN")
 @pytest.mark.parametrize("penalty", [1e39, 1e300])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_huge_repetition_penalty_keeps_a_zero_logit_zero(penalty, temperature):

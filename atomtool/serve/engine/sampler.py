@@ -195,8 +195,9 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[torch.Tensor | None],
             rows = torch.repeat_interleave(_host_list(rep_rows, device), _host_list(lengths, device),
                                            output_size=sum(lengths))
             seen.view(-1)[rows * vocab + torch.cat(ids)] = True
-        rep = _host_list(list(repetition), device, logits.dtype).unsqueeze(1)
         fmax = torch.finfo(logits.dtype).max
+        # a penalty above the float32 maximum (valid: finite as a Python float) would be inf, and 0 * inf NaN
+        rep = _host_list([min(r, fmax) for r in repetition], device, logits.dtype).unsqueeze(1)
         penalised = torch.where(x > 0, x / rep, x * rep).clamp_(-fmax, fmax)
         x = torch.where(seen & (x > float("-inf")), penalised, x)
     if any(f != 0.0 for f in frequency):
