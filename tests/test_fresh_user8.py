@@ -47,7 +47,6 @@ def test_huge_repetition_penalty_keeps_a_zero_logit_zero(penalty, temperature):
     assert Sampler()(logits, [s])[0][0] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="README still lists penalties among the parameters refused with a 400")
 def test_readme_does_not_say_penalties_are_refused():
     # README (serve): "Parameters the engine cannot honour yet (penalties, `logit_bias`, ...) get a 400 error"
     # while the same section documents presence/frequency/repetition_penalty as supported, and the server
