@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomtool.serve.engine.sampler import Sampler
+from atomtool.serve.engine.sampler import Sampler, apply_penalties
 from atomtool.serve.engine.sequence import Sequence
 from atomtool.serve.sampling_params import SamplingParams
 
@@ -55,3 +55,12 @@ def test_readme_does_not_say_penalties_are_refused():
     refused = re.search(r"Parameters the engine cannot honour yet \(([^)]*)\)", text)
     assert refused is not None
     assert "penalt" not in refused.group(1)
+
+
+def test_output_counts_ignore_out_of_range_ids_and_empty_rows():
+    # the per-step count of output ids (built with numpy: it runs over every output so far, every step): ids
+    # outside [0, V) are ignored, an empty output counts nothing, and each row counts only its own ids
+    logits = torch.zeros(3, 5)
+    out = apply_penalties(logits, [None] * 3, [[4, 4, -1, 7], [], [0, 4, 5]], [1.0] * 3, [1.0] * 3, [0.5] * 3)
+    want = torch.tensor([[0.0, 0.0, 0.0, 0.0, -2.5], [0.0] * 5, [-1.5, 0.0, 0.0, 0.0, -1.5]])
+    assert torch.equal(out, want)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from atomtool.serve.engine.sequence import Sequence
@@ -48,7 +49,7 @@ from atomtool.serve.sampling_params import SamplingParams
 MAX_TOPK_CANDIDATES = 1024
 
 
-def _host_list(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def _host_list(values: list | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """A small per-row parameter list as a tensor on ``device`` without a stream sync.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronises the stream (it would
@@ -180,9 +181,13 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[torch.Tensor | None],
     """
     num_rows, vocab = logits.shape
     device = logits.device
-    flat = [r * vocab + t for r, ids in enumerate(output_ids) for t in ids if 0 <= t < vocab]
+    # numpy, not a per-id Python loop: this runs every step over every output so far (a 32k-token output:
+    # ~1 ms of host time instead of ~12)
+    rows_ids = [np.asarray(ids, dtype=np.int64) for ids in output_ids]
+    flat = np.concatenate([np.empty(0, np.int64)] + [a[(a >= 0) & (a < vocab)] + r * vocab
+                                                      for r, a in enumerate(rows_ids)])
     counts = torch.zeros(num_rows * vocab, dtype=logits.dtype, device=device)
-    if flat:  # float counts: sums of ones are exact (< 2**24) in any order, so CUDA's atomics are deterministic
+    if len(flat):  # float counts: sums of ones are exact (< 2**24) in any order, so CUDA's atomics are deterministic
         counts.index_add_(0, _host_list(flat, device), torch.ones(len(flat), dtype=logits.dtype, device=device))
     counts = counts.view(num_rows, vocab)
     x = logits
