@@ -165,7 +165,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[torch.Tensor | None],
     - ``repetition[r]`` (1.0: off) on every token seen in ``prompt_ids[r]`` or ``output_ids[r]``: a positive
       logit is divided by it, any other multiplied by it (transformers' RepetitionPenaltyLogitsProcessor
       over the prompt + output ids; CTRL, Keskar et al. 2019). The result is clamped to the finite float32
-      range so that a tiny penalty cannot make the softmax NaN; ``-inf`` logits (masked tokens) stay ``-inf``.
+      range so that a tiny penalty cannot make the softmax NaN (a penalty above the float32 maximum counts as
+      that maximum, so a zero logit stays 0); ``-inf`` logits (masked tokens) stay ``-inf``.
     - then ``logit[v] -= frequency[r] * count[v] + presence[r] * (count[v] > 0)`` (OpenAI's documented
       formula; the prompt does not count).
 
