@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 from collections.abc import Sequence as Seq
@@ -59,7 +60,8 @@ class LLM:
         prompts: one prompt or a list (text, or token ids: a list / tuple of integers, numpy's included, or a
         1-d integer array / tensor). sampling_params: one for all, or one per prompt; None:
         :meth:`get_default_sampling_params` (the model's generation config defaults).
-        Returns the final :class:`RequestOutput` of each prompt, in input order.
+        Returns the final :class:`RequestOutput` of each prompt, in input order (cumulative: the whole output,
+        whatever ``output_kind`` the params ask for; the engine runs the requests as ``"final_only"``).
 
         Raises:
             InvalidRequestError: a bad prompt or sampling parameter (nothing is run then).
@@ -77,6 +79,9 @@ class LLM:
             raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         for p in params:
             p.validate()
+        # only the final outputs are returned, so the engine builds no per-step ones (vLLM's LLM does the same);
+        # copies, so the caller's SamplingParams are left as given
+        params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -33,6 +33,13 @@ class SamplingParams:
     probability is below ``min_p`` times the most likely token's (transformers' MinPLogitsWarper); it does
     not change greedy picks. Returned log-probs are always those of the raw logits.
 
+    output_kind (vLLM's ``RequestOutputKind``): what the engine returns for the request each step.
+    ``"cumulative"`` (default): after every step that produced a token, the whole state so far (all token
+    ids, all stable text, all log-probs). ``"delta"``: only what this step added (its token ids, the text
+    that became stable in it, its log-probs; ``RequestOutput.delta`` is True). ``"final_only"``: one output
+    when the request finishes or is aborted, equal to the cumulative one of that step. Cumulative outputs
+    copy the whole output every step (O(output length) per step); delta and final_only do not.
+
     Raises:
         InvalidRequestError: from :meth:`validate` for out-of-range or wrongly typed values.
     """
@@ -52,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    output_kind: str = "cumulative"
 
     def validate(self) -> SamplingParams:
         """Check every field's type and range (bools are not integers here; numpy scalars are numbers and are
@@ -110,7 +118,14 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, str) or self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+                      f"{self.output_kind!r}")
         return self
+
+
+#: RequestOutput kinds a request may ask for (vLLM's RequestOutputKind: CUMULATIVE, DELTA, FINAL_ONLY)
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 #: temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow float32 to inf

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import secrets
@@ -399,6 +400,33 @@ def _new_tail(text: str, sent: int, finished: bool) -> str:
     return delta
 
 
+class _StreamText:
+    """One request's streamed text: the chunk each output adds (:func:`_new_tail`), from a cumulative output
+    (its text past what was sent) or a delta one (its text after the part of earlier ones not sent yet: a
+    trailing U+FFFD waits, as for a cumulative output), so both give the same chunks."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters streamed so far
+        self.pending = ""  # delta outputs' text not streamed yet
+
+    def next(self, out: Any) -> str:
+        if getattr(out, "delta", False):
+            text = self.pending + out.text
+            chunk = _new_tail(text, 0, out.finished)
+            self.pending = text[len(chunk):]
+        else:
+            chunk = _new_tail(out.text, self.sent, out.finished)
+        self.sent += len(chunk)
+        return chunk
+
+
+def _num_output_tokens(out: Any) -> int:
+    """Tokens a request has generated so far (``RequestOutput.num_output_tokens``; an engine stand-in's
+    output without it is cumulative: its ``token_ids``)."""
+    n = getattr(out, "num_output_tokens", -1)
+    return n if n >= 0 else len(out.token_ids)
+
+
 def _delta_logprobs(out: Any) -> list[dict]:
     """The log-prob entries of ``out.new_token_ids`` whether the engine reports them whole or per step."""
     lps = out.logprobs
@@ -494,11 +522,11 @@ class _TextOffsets:
         return offsets
 
 
-def _kept_at_stop(offsets: list[int], text: str, already: int = 0) -> int:
+def _kept_at_stop(offsets: list[int], text_len: int, already: int = 0) -> int:
     """How many of a completion's next log-prob entries (their ``text_offset`` s, in order) a stop-string cut
-    keeps: those of the tokens that start inside the final ``text``, and at least one entry in all
-    (``already`` entries were kept before these)."""
-    return max(1, already + sum(o < len(text) for o in offsets)) - already
+    keeps: those of the tokens that start inside the final text (``text_len`` characters), and at least one
+    entry in all (``already`` entries were kept before these)."""
+    return max(1, already + sum(o < text_len for o in offsets)) - already
 
 
 class _StreamedLogProbs:
@@ -521,8 +549,8 @@ class _StreamedLogProbs:
             n = 0
             while n < len(self.pending) and self.pending[n][1] < self.text_len:
                 n += 1
-        elif isinstance(out.stop_reason, str):
-            n = _kept_at_stop([o for _, o in self.pending], out.text, self.released)
+        elif isinstance(out.stop_reason, str):  # the whole text has been streamed: text_len is its length
+            n = _kept_at_stop([o for _, o in self.pending], self.text_len, self.released)
         else:
             n = len(self.pending)
         send, self.pending = self.pending[:n], self.pending[n:]
@@ -630,7 +658,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if out.finished and limit is not None:
             logger.warning("request %s stopped at the context limit (max_model_len %d): prompt %d + output %d "
                            "tokens; finish_reason 'length'", out.request_id, limit, len(out.prompt_token_ids),
-                           len(out.token_ids))
+                           _num_output_tokens(out))
 
     async_engine.on_output = on_output
     token_text = _TokenText(tokenizer)
@@ -735,7 +763,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
                     "min_tokens": req.min_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
                     "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-                    "repetition_penalty": req.repetition_penalty, "min_p": req.min_p}
+                    "repetition_penalty": req.repetition_penalty, "min_p": req.min_p,
+                    # each output adds this step's part only (not O(output length) per step); the server joins
+                    # them (collect) or streams them (_StreamText). Not final_only: metrics time every token
+                    "output_kind": "delta"}
         return defaults.sampling_params(explicit)
 
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]]) -> RequestGroup:
@@ -795,13 +826,23 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return ChatChoiceLogProbs(content=content)
 
     async def collect(group: RequestGroup) -> tuple[dict[str, Any], dict[str, list[dict]]]:
+        """Every choice's final output (cumulative: a delta request's outputs joined) and log-prob entries."""
         finals: dict[str, Any] = {}
         lps: dict[str, list[dict]] = {rid: [] for rid in group.request_ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in group.request_ids}  # delta outputs' text pieces
+        ids: dict[str, list[int]] = {rid: [] for rid in group.request_ids}  # delta outputs' token ids
         try:
             async for out in group:
-                lps[out.request_id].extend(_delta_logprobs(out))
+                rid = out.request_id
+                lps[rid].extend(_delta_logprobs(out))
+                if getattr(out, "delta", False):
+                    texts[rid].append(out.text)
+                    ids[rid].extend(out.token_ids)
+                    if out.finished:
+                        out = dataclasses.replace(out, token_ids=ids[rid], text="".join(texts[rid]), delta=False,
+                                                  logprobs=lps[rid] if out.logprobs is not None else None)
                 if out.finished:
-                    finals[out.request_id] = out
+                    finals[rid] = out
         except EngineError as exc:
             abort_group(group, "error")
             raise APIError(500, str(exc), type="server_error") from exc
@@ -812,7 +853,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     def usage_of(finals: dict[str, Any], n: int) -> UsageInfo:
         prompt = sum(len(out.prompt_token_ids) for rid, out in finals.items() if choice_index(rid) % n == 0)
-        completion = sum(len(out.token_ids) for out in finals.values())
+        completion = sum(_num_output_tokens(out) for out in finals.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def usage_chunk_builder(req: Any, chunk_cls: Any, response_id: str, created: int) -> Any:
@@ -841,13 +882,12 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     async def stream_events(group: RequestGroup, make_chunks: Any, usage_chunk: Any) -> AsyncIterator[str]:
         """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``."""
-        sent: dict[str, int] = {rid: 0 for rid in group.request_ids}
+        texts: dict[str, _StreamText] = {rid: _StreamText() for rid in group.request_ids}
         finals: dict[str, Any] = {}
         try:
             try:
                 async for out in group:
-                    delta = _new_tail(out.text, sent[out.request_id], out.finished)
-                    sent[out.request_id] += len(delta)
+                    delta = texts[out.request_id].next(out)
                     if out.finished:
                         finals[out.request_id] = out
                     for chunk in make_chunks(out, delta):
@@ -929,7 +969,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             if want_lp:
                 offsets = _TextOffsets(tokenizer, out.prompt_token_ids).next([e["token_id"] for e in entries])
                 if isinstance(out.stop_reason, str):  # a stop string cut the text: tokens starting past it go
-                    keep = _kept_at_stop(offsets, out.text)
+                    keep = _kept_at_stop(offsets, len(out.text))
                     entries, offsets = entries[:keep], offsets[:keep]
                 lp = completion_logprobs(entries, offsets)
             return CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason, logprobs=lp)

@@ -128,3 +128,10 @@ class IncrementalDetokenizer:
         if final or self.stopped:
             return self._text
         return self._text[:len(self._text) - self._hold]
+
+    def text_since(self, start: int, final: bool = False) -> str:
+        """``text(final)[start:]`` without copying the first ``start`` characters: the stable text after
+        what a caller already has (the stable text only ever grows, so a caller that adds the length of each
+        returned piece to ``start`` gets every character once, in order). O(length of the piece)."""
+        end = len(self._text) if final or self.stopped else len(self._text) - self._hold
+        return self._text[start:end]

@@ -198,12 +198,15 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks; returns its final output (``"abort"``) or None if unknown."""
+        """Stop a request now and free its KV blocks; returns its final output (``"abort"``, of the request's
+        ``output_kind``: a delta one carries the text still held back and no tokens) or None if unknown."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
+        if seq.params.output_kind == "delta":
+            seq.new_token_ids = []  # every token already went out with the output of its step
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -211,7 +214,9 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for each request that produced a token or finished."""
+        """Run one scheduling step; returns an output for each request that produced a token or finished,
+        except the unfinished ones of ``output_kind="final_only"`` requests (see :class:`RequestOutput` for
+        what each kind's output holds)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -235,7 +240,8 @@ class LLMEngine:
                 seq.logprobs.append(entry)
             self.num_generated_tokens += 1
             self._check_stop(seq, token)
-            outputs.append(self._output(seq))
+            if seq.finish_reason is not None or seq.params.output_kind != "final_only":
+                outputs.append(self._output(seq))
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -268,14 +274,28 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The request's output after this step, of its ``output_kind``: cumulative copies (O(output length))
+        for "cumulative" / "final_only", this step's part only (O(new tokens + new text)) for "delta"."""
         finished = seq.finish_reason is not None
+        if seq.params.output_kind == "delta":
+            new = seq.new_token_ids  # a fresh list every step (step() replaces it), so it is not copied
+            text = seq.detok.text_since(seq.num_text_sent, final=finished) if seq.detok is not None else ""
+            seq.num_text_sent += len(text)
+            lps = seq.logprobs
+            if lps is not None:
+                lps = lps[len(lps) - len(new):] if new else []
+            return RequestOutput(
+                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=new,
+                new_token_ids=list(new), text=text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                context_limit=seq.context_limit, logprobs=lps, finished=finished,
+                num_cached_tokens=seq.num_cached_tokens, delta=True, num_output_tokens=seq.num_output_tokens)
         text = seq.detok.text(final=finished) if seq.detok is not None else ""
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), new_token_ids=list(seq.new_token_ids), text=text,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, context_limit=seq.context_limit,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None, finished=finished,
-            num_cached_tokens=seq.num_cached_tokens)
+            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens)
 
     # -- introspection -----------------------------------------------------------------------------
     def num_free_blocks(self) -> int:

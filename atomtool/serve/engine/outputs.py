@@ -22,6 +22,17 @@ class RequestOutput:
     logprobs: None unless requested; else one dict per generated token:
     ``{"token_id": int, "logprob": float, "top": {token_id: logprob, ...}}`` (raw model log-probabilities,
     ``top`` holds the requested number of most likely tokens, ties broken by lower id).
+
+    What the fields hold depends on the request's ``SamplingParams.output_kind`` (vLLM's RequestOutputKind):
+    ``"cumulative"`` (default) and ``"final_only"`` outputs are as above (``delta`` False); a final_only
+    request gets only its last output (finished or aborted). A ``"delta"`` request's outputs have ``delta``
+    True and hold only what this step added: ``token_ids`` and ``new_token_ids`` are this step's ids,
+    ``text`` is the text that became stable in this step (held-back text, e.g. a possible stop-string
+    prefix, arrives in the step that resolves it; the last output carries whatever was still held back),
+    ``logprobs`` this step's entries. Joining a delta request's ``token_ids`` / ``text`` / ``logprobs`` over
+    all its outputs gives exactly its cumulative final ``token_ids`` / ``text`` / ``logprobs``.
+    num_output_tokens: generated tokens so far, whatever the kind (filled from ``token_ids`` when not
+    given for a cumulative output).
     """
 
     request_id: str
@@ -35,6 +46,12 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     context_limit: int | None = None
+    delta: bool = False
+    num_output_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0 and not self.delta:
+            self.num_output_tokens = len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -51,6 +51,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.detok = None  # IncrementalDetokenizer, set by the engine
         self.new_token_ids: list[int] = []
+        self.num_text_sent = 0  # characters of stable text already returned (output_kind "delta")
 
     @property
     def num_tokens(self) -> int:
