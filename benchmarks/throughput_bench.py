@@ -94,7 +94,9 @@ def run_ours(path: Path, work, device: torch.device, *, max_model_len: int, enfo
     ntok: dict[str, int] = {}
     t0 = time.perf_counter()
     for i, (ids, n) in enumerate(work):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.6))
+        # delta outputs, as the server streams them: a step builds only its new tokens' output
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.6,
+                                                       output_kind="delta"))
     steps = 0
     while engine.has_unfinished():
         outs = engine.step()
@@ -104,7 +106,7 @@ def run_ours(path: Path, work, device: torch.device, *, max_model_len: int, enfo
             first.setdefault(o.request_id, now)
             if o.finished:
                 done[o.request_id] = now
-                ntok[o.request_id] = len(o.token_ids)
+                ntok[o.request_id] = o.num_output_tokens
     C.sync(device)
     wall = time.perf_counter() - t0
     out_tokens = sum(ntok.values())
