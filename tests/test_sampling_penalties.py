@@ -391,3 +391,21 @@ def hf_prompt_ids(path, text: str) -> list[int]:
     from transformers import AutoTokenizer
 
     return list(AutoTokenizer.from_pretrained(str(path)).encode(text))
+
+
+def test_penalty_index_reaches_the_device_as_a_python_list(monkeypatch):
+    """_host_list's pinned CUDA copy needs a Python list: torch.tensor(ndarray, pin_memory=True) raises on a GPU
+    ("Can't pin tensor constructed from numpy"; the numpy-built output-id index did, on the H200)."""
+    from atomtool.serve.engine import sampler as S
+
+    real = S._host_list
+
+    def only_lists(values, *args, **kwargs):
+        assert isinstance(values, list), type(values)
+        return real(values, *args, **kwargs)
+
+    monkeypatch.setattr(S, "_host_list", only_lists)
+    logits = torch.randn(3, 50)
+    out = S.apply_penalties(logits, [torch.tensor([1, 2]), None, None], [[3, 3, 4], [5], []],
+                            [1.3, 1.0, 1.0], [0.5, 0.2, 0.0], [0.1, 0.0, 0.0])
+    assert out.shape == logits.shape and torch.equal(out[2], logits[2])

@@ -49,11 +49,13 @@ from atomtool.serve.sampling_params import SamplingParams
 MAX_TOPK_CANDIDATES = 1024
 
 
-def _host_list(values: list | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def _host_list(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """A small per-row parameter list as a tensor on ``device`` without a stream sync.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronises the stream (it would
     wait for the forward pass, once per call); a pinned copy with ``non_blocking=True`` is queued instead.
+    ``values`` must be a Python list: ``torch.tensor(ndarray, pin_memory=True)`` raises on CUDA ("Can't pin
+    tensor constructed from numpy"; seen on the H200).
     """
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype)
@@ -189,7 +191,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[torch.Tensor | None],
                                                       for r, a in enumerate(rows_ids)])
     counts = torch.zeros(num_rows * vocab, dtype=logits.dtype, device=device)
     if len(flat):  # float counts: sums of ones are exact (< 2**24) in any order, so CUDA's atomics are deterministic
-        counts.index_add_(0, _host_list(flat, device), torch.ones(len(flat), dtype=logits.dtype, device=device))
+        counts.index_add_(0, _host_list(flat.tolist(), device),
+                          torch.ones(len(flat), dtype=logits.dtype, device=device))
     counts = counts.view(num_rows, vocab)
     x = logits
     rep_rows = [r for r in range(num_rows) if repetition[r] != 1.0]
