@@ -198,7 +198,7 @@ def run_model(name: str, args, device: torch.device, ceil: dict) -> list[dict]:
             if graphed:
                 runner.run(batch)  # loads the static inputs
                 gsize = next(s for s in runner.graphs.sizes if s >= B)
-                gctx = pick_context(runner.graphs.contexts, batch.seq_lens_cpu)
+                gctx = pick_context(runner.graphs.contexts, batch.seq_lens_cpu, gsize)
                 gpu = C.time_gpu(runner.graphs.graphs[gctx, gsize].replay, device, warmup=1, iters=iters * 2)
             else:
                 gpu = C.time_gpu(lambda batch=batch: runner.run(batch), device, warmup=1, iters=iters)

@@ -5,6 +5,7 @@ buckets' logits bit for bit)."""
 from __future__ import annotations
 
 from atomtool.serve.engine.cuda_graphs import (
+    SHORT_CONTEXT_MAX_BATCH,
     SHORT_CONTEXT_WIDTH,
     context_buckets,
     pick_context,
@@ -37,8 +38,15 @@ def test_buckets_only_when_the_model_is_longer():
 
 def test_a_step_replays_the_shortest_bucket_holding_its_longest_sequence():
     contexts = [8176, 163840]
-    assert pick_context(contexts, [1]) == 8176
-    assert pick_context(contexts, [4096, 8176]) == 8176
-    assert pick_context(contexts, [12, 8177]) == 163840
-    assert pick_context(contexts, [163840]) == 163840
-    assert pick_context([512], [100]) == 512
+    assert pick_context(contexts, [1], 1) == 8176
+    assert pick_context(contexts, [4096, 8176], 2) == 8176
+    assert pick_context(contexts, [12, 8177], 2) == 163840
+    assert pick_context(contexts, [163840], 1) == 163840
+    assert pick_context([512], [100], 1) == 512
+
+
+def test_large_batches_use_the_full_width_graph_only():
+    contexts = [8176, 163840]
+    assert pick_context(contexts, [100] * SHORT_CONTEXT_MAX_BATCH, SHORT_CONTEXT_MAX_BATCH) == 8176
+    # 33 sequences replay the 48-row graph, which exists in the full-width bucket only
+    assert pick_context(contexts, [100] * 33, 48) == 163840

@@ -176,8 +176,8 @@ def test_cuda_graph_context_buckets_change_no_bit(family, monkeypatch):
     picked: list[int] = []
     real_pick = cuda_graphs.pick_context
 
-    def spy(contexts, seq_lens):
-        picked.append(real_pick(contexts, seq_lens))
+    def spy(contexts, seq_lens, batch_size):
+        picked.append(real_pick(contexts, seq_lens, batch_size))
         return picked[-1]
 
     monkeypatch.setattr(cuda_graphs, "pick_context", spy)

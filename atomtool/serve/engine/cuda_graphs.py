@@ -14,14 +14,15 @@ sequence claiming the bucket's full context, so the captured path is the long-co
 indexer + sparse MLA, which is exact for short contexts too (the indexer then selects every position).
 ``enforce_eager`` (``--enforce-eager``) turns graphs off; so does any device other than CUDA.
 
-Context buckets: when ``max_model_len`` is long, each batch size is captured twice, once with block tables
-as wide as ``max_model_len`` and once with tables only :func:`short_context` tokens wide, and a step whose
-longest sequence fits the short one replays that graph. Kernels choose their form from the table width (a
+Context buckets: when ``max_model_len`` is long, each batch size up to :data:`SHORT_CONTEXT_MAX_BATCH` is
+captured twice, once with block tables as wide as ``max_model_len`` and once with tables only
+:func:`short_context` tokens wide, and a step whose longest sequence fits the short one replays that graph. Kernels choose their form from the table width (a
 host-side shape): the DSA top-k selects rows narrower than ``SHORT_CONTEXT_WIDTH`` in one program instead
 of its multi-program split mode, and grids sized by the width launch fewer idle programs. Every kernel's
 result depends on each row's own length only (the split-KV chunking, the exact top-k), so the two graphs
-give the same bits. H200, DeepSeek-V3.2 shape, batch 1 at 4k with a 32k-wide table: 3.175 ms per step
-with the wide table, 3.08 ms narrow (docs/PERFORMANCE.md, issue 7 step 48).
+give the same bits. H200, DeepSeek-V3.2 shape, 32k-wide pool, at 4k: batch 1 3.19 -> 3.135 ms per step,
+batch 8 8.16 -> 8.12 ms, batch 64 even (29.67 / 29.70 ms), hence the batch limit, which also bounds the
+extra capture time (docs/PERFORMANCE.md, issue 7 step 48).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 #: block tables narrower than this many tokens make the short-context graphs: the Triton top-k's
 #: ``SPLIT_MIN_WIDTH`` (the width from which it selects a row with several programs), kept equal by a test
 SHORT_CONTEXT_WIDTH = 8192
+#: largest batch size captured in the short-context bucket too (larger batches: the full-width graph only)
+SHORT_CONTEXT_MAX_BATCH = 32
 
 
 def short_context(max_model_len: int, block_size: int) -> int | None:
@@ -119,6 +122,8 @@ class DecodeCudaGraphs:
         """
         for context in reversed(self.contexts):
             for bs in reversed(self.sizes):
+                if context != self.contexts[-1] and bs > SHORT_CONTEXT_MAX_BATCH:
+                    continue
                 batch = self._static_batch(bs, context)
                 self.forward(batch)  # warm-up: compiles the Triton kernels outside the capture
                 torch.cuda.synchronize(self.device)
@@ -141,7 +146,7 @@ class DecodeCudaGraphs:
         """Replay the graph for ``batch`` (see :meth:`can_run`); returns logits [B, vocab] (a fresh copy)."""
         B = batch.num_seqs
         bs = next(s for s in self.sizes if s >= B)
-        context = pick_context(self.contexts, batch.seq_lens_cpu)
+        context = pick_context(self.contexts, batch.seq_lens_cpu, bs)
         # a row of at most `context` tokens uses only its table's first `width` entries
         width = min(batch.block_tables.shape[1], math.ceil(context / self.block_size))
         self.input_ids[:B].copy_(batch.input_ids)
@@ -159,9 +164,12 @@ class DecodeCudaGraphs:
         return self.outputs[context, bs][:B].clone()
 
 
-def pick_context(contexts: Sequence[int], seq_lens: Sequence[int]) -> int:
+def pick_context(contexts: Sequence[int], seq_lens: Sequence[int], batch_size: int) -> int:
     """The shortest context bucket holding every sequence of the step (``contexts`` ascending, the last one
-    ``max_model_len``, which holds every sequence the engine admits)."""
+    ``max_model_len``, which holds every sequence the engine admits); the full one for a captured
+    ``batch_size`` above :data:`SHORT_CONTEXT_MAX_BATCH` (only it was captured there)."""
+    if batch_size > SHORT_CONTEXT_MAX_BATCH:
+        return contexts[-1]
     longest = max(seq_lens, default=0)
     return next((c for c in contexts if c >= longest), contexts[-1])
 
