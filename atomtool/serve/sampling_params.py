@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from atomtool.errors import InvalidRequestError
@@ -40,6 +42,15 @@ class SamplingParams:
     when the request finishes or is aborted, equal to the cumulative one of that step. Cumulative outputs
     copy the whole output every step (O(output length) per step); delta and final_only do not.
 
+    ``logit_bias`` (OpenAI's parameter; vLLM's ``logit_bias``): token id -> bias in [-100, 100], added to that
+    token's raw logit before anything else in sampling (so it moves greedy picks too: +100 all but forces a
+    token, -100 all but bans it); keys may be ints or decimal strings (OpenAI's wire format, JSON object keys
+    are strings), at most :data:`MAX_LOGIT_BIAS_ENTRIES` of them. ``allowed_token_ids`` (vLLM's extra): only
+    these ids may be picked (every other logit becomes ``-inf``, EOS included unless listed); non-empty.
+    Both are checked against the model's vocabulary by :meth:`check_vocab` when the engine takes the request.
+    The sampler applies them first, then the ``min_tokens`` EOS/stop ban, then the penalties, then
+    temperature, min-p, top-k and top-p (vLLM's v1 sampler order).
+
     Raises:
         InvalidRequestError: from :meth:`validate` for out-of-range or wrongly typed values.
     """
@@ -60,6 +71,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     output_kind: str = "cumulative"
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def validate(self) -> SamplingParams:
         """Check every field's type and range (bools are not integers here; numpy scalars are numbers and are
@@ -121,15 +134,98 @@ class SamplingParams:
         if not isinstance(self.output_kind, str) or self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
                       f"{self.output_kind!r}")
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+                raise bad("allowed_token_ids", f"allowed_token_ids must be a list of token ids, got {_short(ids)}")
+            ids = list(ids)
+            if not ids:
+                raise bad("allowed_token_ids", "allowed_token_ids must not be empty (no token could be generated)")
+            wrong = [t for t in ids if not _is_int(t) or not 0 <= t < 2**63]
+            if wrong:
+                raise bad("allowed_token_ids", f"allowed_token_ids must be non-negative integer token ids, got "
+                          f"{', '.join(_short(t) for t in wrong[:10])}")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
         return self
+
+    def check_vocab(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        """Checks that need the model: every ``logit_bias`` key and ``allowed_token_ids`` entry is in
+        ``[0, vocab_size)`` (vLLM validates both against the vocabulary), and ``allowed_token_ids`` leaves a
+        token to pick while ``min_tokens`` bans EOS (``eos_token_ids`` unless ``ignore_eos``) and
+        ``stop_token_ids``. Call after :meth:`validate`; the engine does, in ``add_request``.
+
+        Raises:
+            InvalidRequestError: ``param`` ``logit_bias`` or ``allowed_token_ids``.
+        """
+        for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            outside = [t for t in ids if not 0 <= t < vocab_size]
+            if outside:
+                raise InvalidRequestError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
+                                          f"{outside[:10]}", param=name)
+        if self.allowed_token_ids is not None and self.min_tokens > 0:
+            banned = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+            if set(self.allowed_token_ids) <= banned:
+                raise InvalidRequestError(
+                    f"allowed_token_ids {self.allowed_token_ids[:10]} only allows tokens that end generation (EOS "
+                    f"or stop_token_ids), which min_tokens = {self.min_tokens} bans for the first "
+                    f"{self.min_tokens} tokens: no token could be generated", param="allowed_token_ids")
 
 
 #: RequestOutput kinds a request may ask for (vLLM's RequestOutputKind: CUMULATIVE, DELTA, FINAL_ONLY)
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
+#: most ``logit_bias`` entries one request may send: a bound on the per-step host work of building the bias
+#: (OpenAI refuses large objects as well). vLLM has no bound; ``allowed_token_ids`` has none here either (its
+#: ids are deduplicated and must be in the vocabulary).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+#: largest |bias| (OpenAI: "values between -100 and 100")
+MAX_LOGIT_BIAS = 100.0
+
+
+def _checked_logit_bias(bias) -> dict[int, float] | None:
+    """``logit_bias`` as ``{token id: float bias}`` (None for None or an empty mapping); keys may be ints or
+    decimal strings ("50256", OpenAI's JSON form). Raises InvalidRequestError (param ``logit_bias``)."""
+    def bad(message: str) -> InvalidRequestError:
+        return InvalidRequestError(message, param="logit_bias")
+
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise bad(f"logit_bias must be an object mapping token ids to biases, got {_short(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if _is_int(key) and 0 <= key < 2**63:
+            tid = int(key)
+        elif isinstance(key, str) and re.fullmatch(r"[0-9]{1,18}", key):  # int() of 5000 digits would raise
+            tid = int(key)
+        else:
+            shown = repr(key) if isinstance(key, str) and len(key) <= 40 else f"{type(key).__name__} {_short(key)}"
+            raise bad(f"logit_bias keys must be token ids (non-negative integers, as strings in JSON), got {shown}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias values must be numbers in [-100, 100], got {_short(value)} for token {tid}")
+        if tid in out:
+            raise bad(f"logit_bias names token {tid} twice ({key!r} is a second spelling of it)")
+        out[tid] = float(value)
+    return out or None
+
+
 #: temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow float32 to inf
 SAMPLING_EPS = 1e-5
+
+
+def _short(v) -> str:
+    """``repr(v)`` cut to 40 characters (a key or value sent by a client can be arbitrarily long; the repr of
+    an int with more than 4300 digits raises, so such ints are described instead)."""
+    if isinstance(v, int) and abs(v) >= 10**40:
+        return "a very large integer"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _is_int(v) -> bool:

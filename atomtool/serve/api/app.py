@@ -764,6 +764,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     "min_tokens": req.min_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
                     "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                     "repetition_penalty": req.repetition_penalty, "min_p": req.min_p,
+                    "logit_bias": req.logit_bias, "allowed_token_ids": req.allowed_token_ids,
                     # each output adds this step's part only (not O(output length) per step); the server joins
                     # them (collect) or streams them (_StreamText). Not final_only: metrics time every token
                     "output_kind": "delta"}

@@ -2,7 +2,7 @@
 
 Follows OpenAI's public API reference for ``/v1/completions`` and ``/v1/chat/completions`` and vLLM's
 OpenAI-compatible server for the extra sampling parameters (``ignore_eos``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``) and request-level chat template options. Unknown
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``) and request-level chat template options. Unknown
 request fields are rejected, as OpenAI does ("Unrecognized request argument supplied: foo"), so a typo such as ``max_token`` is a 400
 instead of a silent default; every field the official ``openai`` client can send for these endpoints is
 declared (tests/test_server_protocol.py checks this against ``openai.types``). Parameters we accept but
@@ -125,6 +125,8 @@ class _SamplingFields(OpenAIModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI; torch rejects more
     presence_penalty: float | None = None  # [-2, 2], checked by SamplingParams (400 with param)
     frequency_penalty: float | None = None  # [-2, 2]
+    # token id (a string key, as JSON objects have) -> bias in [-100, 100]; checked by SamplingParams, the ids
+    # against the vocabulary by the engine (400 with param logit_bias)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # end-user id: accepted and ignored (bookkeeping only, as in vLLM)
     # vLLM extra sampling parameters
@@ -135,6 +137,7 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # a stop string that ends generation stays in the text
     repetition_penalty: float | None = None  # > 0; unset: the generation config's, else 1.0 (off)
+    allowed_token_ids: list[int] | None = None  # only these ids may be generated (EOS only if listed)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -453,11 +456,9 @@ class ModelList(BaseModel):
 def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     """The first accepted-but-unsupported parameter set to a non-default value, as (param, message).
 
-    The engine has no logit bias, suffix or echo yet, and the server does not parse tool calls out of generated text (so it cannot force one); refusing them is
+    The engine has no suffix or echo yet, and the server does not parse tool calls out of generated text (so it cannot force one); refusing them is
     clearer than ignoring them (a client would silently get other behaviour).
     """
-    if req.logit_bias:
-        return "logit_bias", "logit_bias is not supported by this server yet"
     if isinstance(req, CompletionRequest):
         if req.echo:
             return "echo", "echo is not supported by this server yet"

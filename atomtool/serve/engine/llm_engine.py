@@ -170,9 +170,11 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, prompt longer
-                than ``max_model_len``, or invalid sampling parameters.
+                than ``max_model_len``, or invalid sampling parameters (``logit_bias`` / ``allowed_token_ids``
+                ids outside the vocabulary included).
         """
         params = (params or SamplingParams()).validate()
+        params.check_vocab(self.vocab_size, self.eos_token_ids)  # logit_bias / allowed_token_ids ids in range
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):

@@ -1,10 +1,17 @@
-"""Token selection: penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds, log-probabilities
+"""Token selection: logit bias, allowed tokens, penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds, log-probabilities
 — batched.
 
 One decode step samples every row of the batch with a handful of batched tensor ops and a single
 device->host transfer (issue 7: the former per-row loop sorted the whole vocabulary and synchronised twice
 per row).
 
+- Order (vLLM's v1 sampler): logit bias and the allowed-token mask, then the ``min_tokens`` EOS/stop ban,
+  then the penalties, then greedy or temperature / min-p / top-k / top-p. All of these act on a copy: the
+  raw logits stay for the log-probs.
+- ``logit_bias`` (OpenAI) and ``allowed_token_ids`` (vLLM), first, for greedy rows too
+  (:func:`apply_logit_bias`, :func:`apply_allowed_token_ids`): one gather + scatter of the biased entries
+  over the flattened [R, V] logits, and one boolean keep-mask (``-inf`` outside each asking row's allowed
+  ids; EOS is only allowed when listed). Only the rows that ask are written; nothing is built when none asks.
 - Penalties (vLLM's ``apply_penalties``, OpenAI's presence/frequency formula), on the raw logits of the rows
   that ask for one, before temperature and for greedy rows too (:func:`apply_penalties`): one [R, V] count
   of each row's output tokens (one ``index_add_`` over the flattened rows' ids), then ``repetition_penalty``
@@ -29,8 +36,9 @@ per row).
   share the batch; unseeded rows share one draw from the global generator.
 - Drawing, vocabulary-sort rows: these already hold the sorted cumulative mass for top-p, so they invert
   it with one uniform per row (batched ``searchsorted``), a seeded row's uniform from its own generator.
-- Log-probabilities: one ``log_softmax`` over the raw logits of the rows that ask (before penalties, masks,
-  temperature and min-p: vLLM's default ``logprobs_mode``), the sampled token's value and the top ``n``
+- Log-probabilities: one ``log_softmax`` over the raw logits of the rows that ask (before logit bias, the
+  allowed-token and min_tokens masks, penalties, temperature and min-p: vLLM's default ``raw_logprobs``
+  ``logprobs_mode``), the sampled token's value and the top ``n``
   (:func:`exact_topk`, ties lower id first).
 """
 
@@ -151,6 +159,56 @@ def _sample_sorted_vocab(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Ten
     target = u.unsqueeze(1) * cdf.gather(1, last)
     pick = torch.minimum(torch.searchsorted(cdf, target, right=True), last)
     return ids.gather(1, pick).squeeze(1)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: list[dict[int, float] | None]) -> torch.Tensor:
+    """``logits[r, t] + bias[r][t]`` for every entry of each row's bias (OpenAI's ``logit_bias``, vLLM's
+    LogitBiasLogitsProcessor); a new tensor.
+
+    One gather and one scatter over the flattened logits at the biased positions (the index goes to the device
+    as a Python list, see :func:`_host_list`); ids outside ``[0, V)`` are ignored (the engine refuses them).
+
+    Args:
+        logits: [R, V] float32 (not modified). bias: per row ``{token id: bias}`` or None (no bias).
+
+    Returns:
+        [R, V] float32; a row without a bias equals its input bit for bit.
+    """
+    num_rows, vocab = logits.shape
+    flat_ids: list[int] = []
+    values: list[float] = []
+    for r, row in enumerate(bias):
+        for t, v in (row or {}).items():
+            if 0 <= t < vocab:
+                flat_ids.append(r * vocab + t)
+                values.append(v)
+    x = logits.clone()
+    if flat_ids:
+        idx = _host_list(flat_ids, logits.device)
+        flat = x.view(-1)
+        flat[idx] = flat.index_select(0, idx) + _host_list(values, logits.device, logits.dtype)
+    return x
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> torch.Tensor:
+    """Only each row's allowed ids keep their logit, the others become ``-inf`` (vLLM's
+    ``allowed_token_ids``); a new tensor.
+
+    Args:
+        logits: [R, V] float32 (not modified). allowed: per row an int64 tensor of ids in ``[0, V)`` on
+            ``logits.device`` (non-empty), or None (every token allowed).
+
+    Returns:
+        [R, V] float32; a row with None equals its input bit for bit.
+    """
+    num_rows, _ = logits.shape
+    rows = [r for r, ids in enumerate(allowed) if ids is not None]
+    keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+    if rows:
+        keep[_host_list(rows, logits.device)] = False
+        for r in rows:  # one small kernel per asking row; the id tensors stay on the device across steps
+            keep[r].index_fill_(0, allowed[r], True)
+    return torch.where(keep, logits, float("-inf"))
 
 
 def has_penalty(p: SamplingParams) -> bool:
@@ -321,6 +379,8 @@ class Sampler:
     def __init__(self) -> None:
         #: a penalised sequence's prompt ids on the device, built once (a prompt can be long; it never changes)
         self._prompt_ids: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
+        #: a sequence's ``allowed_token_ids`` on the device, built once (the list can be vocabulary-sized)
+        self._allowed_ids: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
 
     def _prompt_tensor(self, seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
         """``seq``'s prompt ids in ``[0, vocab)`` as int64 on ``device`` (cached for the sequence's life)."""
@@ -332,13 +392,24 @@ class Sampler:
             self._prompt_ids[seq] = ids
         return ids
 
+    def _allowed_tensor(self, seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+        """``seq``'s ``allowed_token_ids`` in ``[0, vocab)`` as int64 on ``device`` (cached for its life)."""
+        ids = self._allowed_ids.get(seq)
+        if ids is None or ids.device != device:
+            t = torch.tensor([i for i in seq.params.allowed_token_ids if 0 <= i < vocab], dtype=torch.long)
+            ids = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+            self._allowed_ids[seq] = ids
+        return ids
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None]]:
         """logits: [B, V] float32, row b for ``seqs[b]``. Returns ``(token_id, logprob entry or None)`` each.
 
-        Before ``min_tokens`` outputs, EOS and ``stop_token_ids`` are masked out (vLLM semantics); then the
-        rows that ask for one get their penalties (:func:`apply_penalties`; prompt and output so far from
-        ``seq``), then :func:`sample_rows` (min-p included). Log-probs are those of the raw logits (before
-        masking, penalties, temperature and min-p): ``{"token_id", "logprob", "top"}``.
+        First the rows that ask get their ``logit_bias`` added and everything outside their
+        ``allowed_token_ids`` masked (:func:`apply_logit_bias`, :func:`apply_allowed_token_ids`); before
+        ``min_tokens`` outputs, EOS and ``stop_token_ids`` are masked out (vLLM semantics); then the rows that
+        ask for one get their penalties (:func:`apply_penalties`; prompt and output so far from ``seq``), then
+        :func:`sample_rows` (min-p included). Log-probs are those of the raw logits (before bias, masking,
+        penalties, temperature and min-p): ``{"token_id", "logprob", "top"}``.
         """
         num_rows, vocab = logits.shape
         device = logits.device
@@ -354,11 +425,17 @@ class Sampler:
             if p.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=device)
                 seq.generator.manual_seed(p.seed)
-        x = logits
-        if ban_rows:
-            x = logits.clone()
-            x[_host_list(ban_rows, device), _host_list(ban_cols, device)] = float("-inf")
         params = [s.params for s in seqs]
+        x = logits
+        if any(p.logit_bias for p in params):
+            x = apply_logit_bias(x, [p.logit_bias for p in params])
+        if any(p.allowed_token_ids is not None for p in params):
+            x = apply_allowed_token_ids(x, [None if p.allowed_token_ids is None
+                                            else self._allowed_tensor(seqs[b], vocab, device)
+                                            for b, p in enumerate(params)])
+        if ban_rows:
+            x = x.clone() if x is logits else x  # never write into ``logits``: it stays raw for the log-probs
+            x[_host_list(ban_rows, device), _host_list(ban_cols, device)] = float("-inf")
         pen_rows = [b for b, p in enumerate(params) if has_penalty(p)]
         if pen_rows:
             idx = _host_list(pen_rows, device)
