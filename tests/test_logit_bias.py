@@ -400,3 +400,13 @@ def test_openai_client_round_trip(served):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="m", prompt=PROMPT, max_tokens=3, logit_bias={str(engine.vocab_size): 1})
     assert "logit_bias has token ids outside the vocabulary" in str(info.value)
+
+
+def test_readme_documents_logit_bias_and_no_longer_lists_it_as_refused():
+    import re
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
+    refused = re.search(r"Parameters the engine cannot honour yet \(([^)]*)\)", text)
+    assert refused is not None and "logit_bias" not in refused.group(1)
+    assert "`logit_bias` (token id" in text and "`allowed_token_ids` (only these ids" in text
