@@ -1,19 +1,20 @@
-"""Token selection: logit bias, allowed tokens, penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds, log-probabilities
-— batched.
+"""Token selection: logit bias, allowed tokens, penalties, greedy, temperature, min-p, top-k, top-p,
+per-request seeds, log-probabilities — batched.
 
 One decode step samples every row of the batch with a handful of batched tensor ops and a single
 device->host transfer (issue 7: the former per-row loop sorted the whole vocabulary and synchronised twice
 per row).
 
-- Order (vLLM's v1 sampler): logit bias and the allowed-token mask, then the ``min_tokens`` EOS/stop ban,
-  then the penalties, then greedy or temperature / min-p / top-k / top-p. All of these act on a copy: the
-  raw logits stay for the log-probs.
+- Order (vLLM's v1 sampler: allowed-token mask, then its non-argmax-invariant processors min_tokens and
+  logit bias, then penalties): logit bias and the allowed-token mask, then the ``min_tokens`` EOS/stop ban
+  (a ban and a finite bias commute: ``-inf`` plus a bias stays ``-inf``), then the penalties, then greedy or
+  temperature / min-p / top-k / top-p. All of these act on a copy: the raw logits stay for the log-probs.
 - ``logit_bias`` (OpenAI) and ``allowed_token_ids`` (vLLM), first, for greedy rows too
   (:func:`apply_logit_bias`, :func:`apply_allowed_token_ids`): one gather + scatter of the biased entries
   over the flattened [R, V] logits, and one boolean keep-mask (``-inf`` outside each asking row's allowed
   ids; EOS is only allowed when listed). Only the rows that ask are written; nothing is built when none asks.
-- Penalties (vLLM's ``apply_penalties``, OpenAI's presence/frequency formula), on the raw logits of the rows
-  that ask for one, before temperature and for greedy rows too (:func:`apply_penalties`): one [R, V] count
+- Penalties (vLLM's ``apply_penalties``, OpenAI's presence/frequency formula), on the (biased, masked)
+  logits of the rows that ask for one, before temperature and for greedy rows too (:func:`apply_penalties`): one [R, V] count
   of each row's output tokens (one ``index_add_`` over the flattened rows' ids), then ``repetition_penalty``
   divides the positive and multiplies the non-positive logits of the tokens seen in the prompt or the output
   (a row's prompt ids are kept on the device across steps), and ``frequency_penalty * count +
