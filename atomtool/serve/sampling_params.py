@@ -25,6 +25,12 @@ class SamplingParams:
     string that ends generation stays at the end of the text (the text after it is still dropped); stop
     tokens (EOS, stop_token_ids) are unaffected, they are never in the text.
 
+    prompt_logprobs (vLLM's field of that name): number of top log-probs to return for every prompt token
+    (None: none; 0..20). The engine then computes the logits of every prompt position during prefill and
+    returns ``RequestOutput.prompt_logprobs`` (None for the first token, which nothing predicts). Such a
+    request does not read the prefix cache (a cached position has no hidden state to take logits from; vLLM
+    skips the cache for these requests too); it still fills it for others.
+
     Penalties and min_p follow vLLM (and OpenAI for presence/frequency). ``repetition_penalty`` (1.0: off;
     > 1 discourages repeats) divides the positive raw logits and multiplies the non-positive ones of every
     token seen in the prompt or the output so far (transformers' RepetitionPenaltyLogitsProcessor over
@@ -73,6 +79,7 @@ class SamplingParams:
     output_kind: str = "cumulative"
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> SamplingParams:
         """Check every field's type and range (bools are not integers here; numpy scalars are numbers and are
@@ -112,6 +119,11 @@ class SamplingParams:
             if not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20:
                 raise bad("logprobs", f"logprobs must be between 0 and 20, got {self.logprobs!r}")
             self.logprobs = int(self.logprobs)
+        if self.prompt_logprobs is not None:
+            if not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20:
+                raise bad("prompt_logprobs",
+                          f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
+            self.prompt_logprobs = int(self.prompt_logprobs)
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"min_tokens must be in [0, max_tokens] (max_tokens = {self.max_tokens}), got "
                       f"{self.min_tokens!r}")

@@ -58,10 +58,12 @@ class BlockManager:
         """Attach cached blocks to a sequence that holds none; returns the number of cached tokens.
 
         At most ``num_tokens - 1`` tokens are matched, so the last token is always computed (its logits are
-        needed). Sets ``seq.num_computed_tokens``.
+        needed). Sets ``seq.num_computed_tokens``. A sequence still computing prompt log-probs
+        (``seq.needs_prompt_logprobs``) matches nothing: positions served from the cache have no hidden state
+        to take logits from (vLLM skips the cache for such requests too); its blocks are still registered.
         """
         assert not seq.block_table
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0
         bs = self.block_size
         parent = None

@@ -26,6 +26,7 @@ from atomtool.serve.engine.kv_cache import (
 )
 from atomtool.serve.engine.model_runner import ModelRunner
 from atomtool.serve.engine.outputs import RequestOutput
+from atomtool.serve.engine.prompt_logprobs import plan_prompt_logprobs
 from atomtool.serve.engine.sampler import Sampler
 from atomtool.serve.engine.scheduler import Scheduler
 from atomtool.serve.engine.sequence import Sequence
@@ -130,6 +131,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
+        #: requests whose prompt log-probs are not all computed: a step plans them only while this is non-empty
+        self._prompt_logprobs_pending: set[str] = set()
 
     @classmethod
     def from_model(cls, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
@@ -197,6 +200,8 @@ class LLMEngine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                include_stop_str=params.include_stop_str_in_output)
         self.requests[request_id] = seq
+        if seq.needs_prompt_logprobs:
+            self._prompt_logprobs_pending.add(request_id)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -205,6 +210,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
+        self._prompt_logprobs_pending.discard(request_id)
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
         if seq.params.output_kind == "delta":
@@ -223,7 +229,15 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = self.runner.prepare(sched)
-        logits = self.runner.run(batch)
+        plan = plan_prompt_logprobs(sched) if self._prompt_logprobs_pending else None
+        if plan is None:
+            logits = self.runner.run(batch)
+        else:
+            logits, prompt_entries = self.runner.run_with_prompt_logprobs(batch, plan)
+            for seq, entries in zip(plan.seqs, prompt_entries, strict=True):
+                seq.prompt_logprobs.extend(entries)
+                if not seq.needs_prompt_logprobs:
+                    self._prompt_logprobs_pending.discard(seq.request_id)
         rows, to_sample = [], []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
             seq.num_computed_tokens += n
@@ -279,7 +293,14 @@ class LLMEngine:
         """The request's output after this step, of its ``output_kind``: cumulative copies (O(output length))
         for "cumulative" / "final_only", this step's part only (O(new tokens + new text)) for "delta"."""
         finished = seq.finish_reason is not None
+        # prompt log-probs go out once complete (from the first output on): cumulative / final_only outputs
+        # carry the list itself (complete, never changed again), a delta request only its first output
+        prompt_lps = None if seq.needs_prompt_logprobs else seq.prompt_logprobs
         if seq.params.output_kind == "delta":
+            if seq.prompt_logprobs_sent:
+                prompt_lps = None
+            elif prompt_lps is not None:
+                seq.prompt_logprobs_sent = True
             new = seq.new_token_ids  # a fresh list every step (step() replaces it), so it is not copied
             text = seq.detok.text_since(seq.num_text_sent, final=finished) if seq.detok is not None else ""
             seq.num_text_sent += len(text)
@@ -290,14 +311,16 @@ class LLMEngine:
                 request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=new,
                 new_token_ids=list(new), text=text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 context_limit=seq.context_limit, logprobs=lps, finished=finished,
-                num_cached_tokens=seq.num_cached_tokens, delta=True, num_output_tokens=seq.num_output_tokens)
+                num_cached_tokens=seq.num_cached_tokens, delta=True, num_output_tokens=seq.num_output_tokens,
+                prompt_logprobs=prompt_lps)
         text = seq.detok.text(final=finished) if seq.detok is not None else ""
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), new_token_ids=list(seq.new_token_ids), text=text,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, context_limit=seq.context_limit,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None, finished=finished,
-            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens)
+            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens,
+            prompt_logprobs=prompt_lps)
 
     # -- introspection -----------------------------------------------------------------------------
     def num_free_blocks(self) -> int:

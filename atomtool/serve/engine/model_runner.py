@@ -15,6 +15,7 @@ import torch
 from atomtool.serve.engine.batch import ForwardBatch
 from atomtool.serve.engine.block_table_buffer import BlockTableBuffer
 from atomtool.serve.engine.kv_cache import KVCachePool
+from atomtool.serve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from atomtool.serve.engine.scheduler import SchedulerOutput
 from atomtool.serve.models.base import CausalLM
 
@@ -104,3 +105,13 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self._forward_logits(batch)
+
+    @torch.inference_mode()
+    def run_with_prompt_logprobs(self, batch: ForwardBatch,
+                                 plan: PromptLogprobsPlan) -> tuple[torch.Tensor, list[list[dict]]]:
+        """Forward the batch eagerly (never a CUDA graph: it needs hidden states past the last tokens); returns
+        the logits of :meth:`run` (computed the same way, from the same rows) and the prompt log-prob entries
+        of ``plan`` (:func:`~atomtool.serve.engine.prompt_logprobs.compute_prompt_logprobs`)."""
+        hidden = self.model(batch, self.kv_pool.caches)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return logits, compute_prompt_logprobs(hidden, plan, self.model.compute_logits)

@@ -23,6 +23,13 @@ class RequestOutput:
     ``{"token_id": int, "logprob": float, "top": {token_id: logprob, ...}}`` (raw model log-probabilities,
     ``top`` holds the requested number of most likely tokens, ties broken by lower id).
 
+    prompt_logprobs: None unless requested (``SamplingParams.prompt_logprobs``); else one item per prompt token:
+    None for the first (nothing predicts it), then ``{"token_id", "logprob", "top"}`` as in ``logprobs``, the
+    log-probability of that prompt token given the tokens before it (vLLM's ``prompt_logprobs``). They are
+    complete when the prompt's prefill is, i.e. from the request's first output: cumulative outputs carry them
+    every time (the same list, not a copy), a delta request's only in its first output (later ones: None), a
+    final_only request's in its one output. An output made before the prefill finished (an abort) has None.
+
     What the fields hold depends on the request's ``SamplingParams.output_kind`` (vLLM's RequestOutputKind):
     ``"cumulative"`` (default) and ``"final_only"`` outputs are as above (``delta`` False); a final_only
     request gets only its last output (finished or aborted). A ``"delta"`` request's outputs have ``delta``
@@ -48,6 +55,7 @@ class RequestOutput:
     context_limit: int | None = None
     delta: bool = False
     num_output_tokens: int = -1
+    prompt_logprobs: list[dict | None] | None = None
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0 and not self.delta:

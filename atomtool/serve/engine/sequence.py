@@ -26,6 +26,9 @@ class Sequence:
     block_table: physical KV block ids, one per ``block_size`` tokens. generator: per-request RNG
     (``params.seed``), so sampling does not depend on the other requests in the batch. context_limit:
     the engine's max_model_len when prompt + output filled it (finish_reason ``"length"``), else None.
+    prompt_logprobs: None unless ``params.prompt_logprobs`` is set; else the entries computed so far, one per
+    prompt token from the first (None: nothing predicts it), filled chunk by chunk during prefill
+    (:mod:`atomtool.serve.engine.prompt_logprobs`); complete once it holds ``num_prompt_tokens`` entries.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -47,6 +50,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.context_limit: int | None = None  # max_model_len, when reaching it ended the request ("length")
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False  # a delta output already carried them (they go out once)
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.detok = None  # IncrementalDetokenizer, set by the engine
@@ -64,6 +69,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """The request asks for prompt log-probs and some prompt positions are not computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
