@@ -17,7 +17,11 @@ response, 500s included, is counted in ``atomtool:http_requests_total``.
 
 Requests become one engine request per choice (``n`` x prompts, ids ``<response id>-<choice index>``)
 submitted through :class:`~atomtool.serve.api.async_engine.AsyncEngine`; every error is OpenAI's JSON
-error body. Text deltas are ``text[len(previous):]`` of the engine's stable incremental text, and a
+error body. Completions' ``echo`` puts the prompt (as sent; token ids decoded) before the generated text and,
+with ``logprobs``, the prompt's log-probs (the engine's ``prompt_logprobs``) before the generated ones;
+``max_tokens`` 0 is allowed with ``echo`` only (the prompt alone: a one-token engine request whose token is
+dropped, vLLM's "echo without generation"); a stream's first chunk of each choice carries the prompt part.
+Text deltas are ``text[len(previous):]`` of the engine's stable incremental text, and a
 trailing U+FFFD (an incomplete UTF-8 character) is held back until the request finishes, so no
 streamed piece ever splits a multi-byte character and the pieces concatenate to the final text.
 """
@@ -72,6 +76,7 @@ from atomtool.serve.api.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
     UsageInfo,
     tool_definition_problem,
     tool_message_problem,
@@ -427,6 +432,33 @@ def _num_output_tokens(out: Any) -> int:
     return n if n >= 0 else len(out.token_ids)
 
 
+def _prompt_only(out: Any) -> Any:
+    """An echo request with ``max_tokens`` 0 runs as a one-token request (vLLM's "echo without generation"):
+    its output with that token dropped (no token ids, text or log-probs; 0 output tokens for usage) and
+    finish_reason ``"length"`` (max_tokens 0 reached; ``"abort"`` stays)."""
+    reason = None
+    if out.finished:
+        reason = "abort" if out.finish_reason == "abort" else "length"
+    return dataclasses.replace(out, token_ids=[], new_token_ids=[], text="", num_output_tokens=0,
+                               logprobs=[] if out.logprobs is not None else None, finish_reason=reason,
+                               stop_reason=None, context_limit=None)
+
+
+def _shift_offsets(lp: Any, by: int) -> Any:
+    """``lp`` (CompletionLogProbs) with every text_offset moved ``by`` characters (in place; returned)."""
+    lp.text_offset = [o + by for o in lp.text_offset]
+    return lp
+
+
+def _join_logprobs(first: Any, second: Any) -> Any:
+    """Two CompletionLogProbs one after the other (``second`` may be None)."""
+    if second is None:
+        return first
+    return type(first)(tokens=first.tokens + second.tokens, token_logprobs=first.token_logprobs
+                       + second.token_logprobs, top_logprobs=first.top_logprobs + second.top_logprobs,
+                       text_offset=first.text_offset + second.text_offset)
+
+
 def _delta_logprobs(out: Any) -> list[dict]:
     """The log-prob entries of ``out.new_token_ids`` whether the engine reports them whole or per step."""
     lps = out.logprobs
@@ -736,11 +768,13 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
         ``clamp``: ``max_tokens`` is a server default the client did not send (completions' 16), so it is
         cut to the room left instead of failing the request over a parameter the client never set.
+        ``max_tokens`` 0 (an echo request scoring its prompt, nothing generated): the prompt may fill the
+        context.
         """
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         what = "messages" if prompt_param == "messages" else "prompt"
-        if prompt_len >= max_model_len:
+        if prompt_len > max_model_len or (prompt_len == max_model_len and max_tokens != 0):
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                            f"your request has {prompt_len} input tokens. Please reduce the length of the "
                            f"input {what}.", param=prompt_param, code="context_length_exceeded")
@@ -755,7 +789,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                            "completion.", param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int, *,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         # choice i samples with seed + i (README), wrapped into the int64 range the client's seed came from
         seed = ((req.seed + choice + 2**63) % 2**64) - 2**63 if req.seed is not None else None
         explicit = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -768,6 +803,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     # each output adds this step's part only (not O(output length) per step); the server joins
                     # them (collect) or streams them (_StreamText). Not final_only: metrics time every token
                     "output_kind": "delta"}
+        explicit["prompt_logprobs"] = prompt_logprobs
         return defaults.sampling_params(explicit)
 
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]]) -> RequestGroup:
@@ -815,6 +851,35 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             lp.text_offset.append(offset)
         return lp
 
+    def echo_logprobs(ids: list[int], entries: list[dict | None], offsets: list[int], top_n: int
+                      ) -> CompletionLogProbs:
+        """The legacy log-probs of an echoed prompt: one entry per prompt token (``entries``: the engine's
+        prompt log-probs, None where there is none: the first token gets null token_logprob and top_logprobs,
+        as in OpenAI's and vLLM's echo), tops cut to the request's ``logprobs``."""
+        lp = CompletionLogProbs()
+        for t, e, offset in zip(ids, entries, offsets, strict=True):
+            tok = token_text(t)
+            lp.tokens.append(tok)
+            lp.text_offset.append(offset)
+            if e is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(float(e["logprob"]))
+            top = {token_text(i): float(v) for i, v in list((e.get("top") or {}).items())[:top_n]}
+            top.setdefault(tok, float(e["logprob"]))
+            lp.top_logprobs.append(top)
+        return lp
+
+    def prompt_logprob_dict(entry: dict, top_n: int) -> dict[str, PromptLogprob]:
+        """One prompt position in vLLM's ``prompt_logprobs`` format: the top ``top_n`` tokens (rank 1..) and
+        the prompt token (its rank when among them, else None)."""
+        out = {str(i): PromptLogprob(logprob=float(v), rank=r + 1, decoded_token=token_text(i))
+               for r, (i, v) in enumerate(list((entry.get("top") or {}).items())[:top_n])}
+        t = entry["token_id"]
+        out.setdefault(str(t), PromptLogprob(logprob=float(entry["logprob"]), decoded_token=token_text(t)))
+        return out
+
     def chat_logprobs(entries: list[dict], top_n: int) -> ChatChoiceLogProbs:
         content = []
         for e in entries:
@@ -826,22 +891,29 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                                bytes=list(token_text.raw_bytes(t))) for t, v in tops]))
         return ChatChoiceLogProbs(content=content)
 
-    async def collect(group: RequestGroup) -> tuple[dict[str, Any], dict[str, list[dict]]]:
-        """Every choice's final output (cumulative: a delta request's outputs joined) and log-prob entries."""
+    async def collect(group: RequestGroup, view: Any = None) -> tuple[dict[str, Any], dict[str, list[dict]]]:
+        """Every choice's final output (cumulative: a delta request's outputs joined, its prompt log-probs kept)
+        and log-prob entries. ``view``: applied to each engine output first (:func:`_prompt_only`)."""
         finals: dict[str, Any] = {}
         lps: dict[str, list[dict]] = {rid: [] for rid in group.request_ids}
         texts: dict[str, list[str]] = {rid: [] for rid in group.request_ids}  # delta outputs' text pieces
         ids: dict[str, list[int]] = {rid: [] for rid in group.request_ids}  # delta outputs' token ids
+        prompt_lps: dict[str, list] = {}  # delta requests' prompt log-probs (only their first output has them)
         try:
             async for out in group:
+                if view is not None:
+                    out = view(out)
                 rid = out.request_id
                 lps[rid].extend(_delta_logprobs(out))
+                if getattr(out, "prompt_logprobs", None) is not None:
+                    prompt_lps[rid] = out.prompt_logprobs
                 if getattr(out, "delta", False):
                     texts[rid].append(out.text)
                     ids[rid].extend(out.token_ids)
                     if out.finished:
                         out = dataclasses.replace(out, token_ids=ids[rid], text="".join(texts[rid]), delta=False,
-                                                  logprobs=lps[rid] if out.logprobs is not None else None)
+                                                  logprobs=lps[rid] if out.logprobs is not None else None,
+                                                  prompt_logprobs=prompt_lps.get(rid))
                 if out.finished:
                     finals[rid] = out
         except EngineError as exc:
@@ -870,24 +942,28 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return usage
 
     async def final_response(raw: Request, group: RequestGroup, response_cls: Any, response_id: str,
-                             created: int, n: int, make_choice: Any) -> Response:
+                             created: int, n: int, make_choice: Any, view: Any = None) -> Response:
         """Non-streaming body shared by both endpoints: wait for every choice (cancelled if the client
         disconnects), then ``response_cls`` with ``make_choice(index, final output, log-prob entries)`` for
-        each choice in index order and the usage of all of them."""
-        finals, lps = await _unless_disconnected(raw, collect(group))
+        each choice in index order and the usage of all of them. ``view``: see :func:`collect`."""
+        finals, lps = await _unless_disconnected(raw, collect(group, view))
         choices = [make_choice(choice_index(rid), out, lps[rid])
                    for rid, out in sorted(finals.items(), key=lambda kv: choice_index(kv[0]))]
         body = response_cls(id=response_id, created=created, model=served_model_name, choices=choices,
                             usage=usage_of(finals, n))
         return Response(body.model_dump_json(), media_type="application/json")
 
-    async def stream_events(group: RequestGroup, make_chunks: Any, usage_chunk: Any) -> AsyncIterator[str]:
-        """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``."""
+    async def stream_events(group: RequestGroup, make_chunks: Any, usage_chunk: Any,
+                            view: Any = None) -> AsyncIterator[str]:
+        """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``. ``view``: see
+        :func:`collect`."""
         texts: dict[str, _StreamText] = {rid: _StreamText() for rid in group.request_ids}
         finals: dict[str, Any] = {}
         try:
             try:
                 async for out in group:
+                    if view is not None:
+                        out = view(out)
                     delta = texts[out.request_id].next(out)
                     if out.finished:
                         finals[out.request_id] = out
@@ -932,21 +1008,65 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         check_request(req)
-        prompts, lengths = await run_blocking(completion_prompts, req.prompt)
-        per_prompt = []
         sent_max = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+        # max_tokens 0 with echo scores the prompt (lm-evaluation-harness' loglikelihood requests): served as a
+        # one-token request whose token is dropped (vLLM's "echo without generation")
+        prompt_only = sent_max and req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo: the prompt alone is "
+                           "returned, with its log-probs when logprobs is set)", param="max_tokens")
+        if prompt_only and req.min_tokens > 0:
+            raise APIError(400, f"min_tokens must be in [0, max_tokens] (max_tokens = 0), got {req.min_tokens}",
+                           param="min_tokens")
+        prompts, lengths, prompt_texts = await run_blocking(completion_prompts, req.prompt)
+        # engine prompt log-probs: echo with logprobs covers the prompt tokens; vLLM's prompt_logprobs asks directly
+        wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        engine_prompt_lps = max(wanted) if wanted else None
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= 20:
+            engine_prompt_lps = req.prompt_logprobs  # SamplingParams refuses it, naming prompt_logprobs
+        per_prompt = []
         # null or unset: the generation config's max_new_tokens, else OpenAI's default
         requested = req.max_tokens if sent_max else defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
         for n_tok in lengths:
             max_tokens = check_length(n_tok, requested, "prompt", clamp=not sent_max)
-            per_prompt.append([sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
+            per_prompt.append([sampling_params(req, max(max_tokens, 1), None if prompt_only else req.logprobs, i,
+                                               prompt_logprobs=engine_prompt_lps) for i in range(req.n)])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         group = await submit(response_id, prompts, per_prompt)
         want_lp = req.logprobs is not None
+        view = _prompt_only if prompt_only else None
+
+        echo_parts: dict[str, tuple[str, CompletionLogProbs | None]] = {}
+
+        def echoed(out: Any) -> tuple[str, CompletionLogProbs | None]:
+            """The prompt part of an echo choice: its text (the prompt as sent, or the decoded token ids) and,
+            with logprobs, its log-probs (offsets from 0). Built from the choice's first output (the one that
+            carries the prompt log-probs) and kept for its later ones."""
+            if out.request_id not in echo_parts:
+                echo_parts[out.request_id] = echo_part(out)
+            return echo_parts[out.request_id]
+
+        def echo_part(out: Any) -> tuple[str, CompletionLogProbs | None]:
+            p = choice_index(out.request_id) // req.n
+            ids = out.prompt_token_ids
+            text = prompt_texts[p]
+            if text is None:
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+            if not want_lp:
+                return text, None
+            offsets = _TextOffsets(tokenizer, []).next(ids)
+            return text, echo_logprobs(ids, getattr(out, "prompt_logprobs", None) or [None] * len(ids),
+                                       offsets, req.logprobs)
+
+        def vllm_prompt_logprobs(out: Any) -> list[dict[str, PromptLogprob] | None] | None:
+            if req.prompt_logprobs is None or getattr(out, "prompt_logprobs", None) is None:
+                return None
+            return [None if e is None else prompt_logprob_dict(e, req.prompt_logprobs) for e in out.prompt_logprobs]
 
         if req.stream:
             trackers: dict[str, _StreamedLogProbs] = {}
+            started: set[str] = set()  # choices whose first chunk (the echoed prompt) went out
 
             def make_chunks(out: Any, delta: str) -> list[CompletionResponse]:
                 lp = None
@@ -955,15 +1075,27 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     if tracker is None:
                         tracker = trackers[out.request_id] = _StreamedLogProbs(tokenizer, out.prompt_token_ids)
                     lp = completion_logprobs(*tracker.next(out, _delta_logprobs(out), delta))
-                if not delta and not (lp and lp.tokens) and not out.finished:
+                first = out.request_id not in started
+                started.add(out.request_id)
+                prompt_lps = vllm_prompt_logprobs(out) if first else None
+                if req.echo:
+                    prefix, prefix_lp = echoed(out)
+                    if lp is not None:
+                        _shift_offsets(lp, len(prefix))
+                    if first:  # vLLM's stream: the first chunk carries the prompt and the first generated text
+                        delta = prefix + delta
+                        if prefix_lp is not None:
+                            lp = _join_logprobs(prefix_lp, lp)
+                if not delta and not (lp and lp.tokens) and not out.finished and prompt_lps is None:
                     return []
                 choice = CompletionChoice(index=choice_index(out.request_id), text=delta, logprobs=lp,
-                                          finish_reason=out.finish_reason if out.finished else None)
+                                          finish_reason=out.finish_reason if out.finished else None,
+                                          prompt_logprobs=prompt_lps)
                 return [CompletionResponse(id=response_id, created=created, model=served_model_name,
                                            choices=[choice])]
 
             usage = usage_chunk_builder(req, CompletionResponse, response_id, created)
-            return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
+            return _EngineStream(stream_events(group, make_chunks, usage, view), lambda: close_group(group))
 
         def make_choice(index: int, out: Any, entries: list[dict]) -> CompletionChoice:
             lp = None
@@ -973,12 +1105,21 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     keep = _kept_at_stop(offsets, len(out.text))
                     entries, offsets = entries[:keep], offsets[:keep]
                 lp = completion_logprobs(entries, offsets)
-            return CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason, logprobs=lp)
+            text = out.text
+            if req.echo:
+                prefix, prefix_lp = echoed(out)
+                text = prefix + text
+                if lp is not None:
+                    lp = _join_logprobs(prefix_lp, _shift_offsets(lp, len(prefix)))
+            return CompletionChoice(index=index, text=text, finish_reason=out.finish_reason, logprobs=lp,
+                                    prompt_logprobs=vllm_prompt_logprobs(out))
 
-        return await final_response(raw, group, CompletionResponse, response_id, created, req.n, make_choice)
+        return await final_response(raw, group, CompletionResponse, response_id, created, req.n, make_choice,
+                                    view)
 
-    def completion_prompts(prompt: Any) -> tuple[list[list[int]], list[int]]:
-        """Normalise ``prompt`` to a list of engine prompts (token-id lists) and their lengths.
+    def completion_prompts(prompt: Any) -> tuple[list[list[int]], list[int], list[str | None]]:
+        """Normalise ``prompt`` to a list of engine prompts (token-id lists), their lengths and their text
+        (None for a prompt sent as token ids).
 
         Strings are tokenized here (blocking: called in a worker thread) with the engine's own encoding
         (``tokenizer.encode``, special tokens added), so the engine thread does not tokenize them again."""
@@ -998,7 +1139,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                "prompt.", param="prompt", code="context_length_exceeded")
         ids = [list(tokenizer.encode(item)) if isinstance(item, str) else list(item) for item in items]
         # ids outside the vocabulary: the engine's add_request rejects them
-        return ids, [len(x) for x in ids]
+        return ids, [len(x) for x in ids], [item if isinstance(item, str) else None for item in items]
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:

@@ -166,15 +166,21 @@ class CompletionRequest(_SamplingFields):
                          "token-id lists")
     # OpenAI's legacy default is 16; when the client leaves it out the server clamps it to the room left in
     # the context instead of failing (see app.check_length); explicit values are checked, never clamped.
-    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    # 0 only with echo (a prompt-scoring request: the prompt alone is returned, as vLLM does); refused otherwise
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM extra: top log-probs of every prompt token, returned as the choice's ``prompt_logprobs`` (0..20,
+    # checked by SamplingParams: a 400 naming prompt_logprobs)
+    prompt_logprobs: int | None = None
 
 
 class CompletionLogProbs(BaseModel):
-    """The legacy completions log-prob format (parallel lists, one entry per generated token)."""
+    """The legacy completions log-prob format (parallel lists, one entry per generated token; with ``echo``
+    the prompt's tokens come first, the first of them with ``null`` token_logprob and top_logprobs, as in
+    OpenAI's and vLLM's responses)."""
 
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -182,11 +188,32 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One candidate of a prompt position in vLLM's ``prompt_logprobs`` format (vLLM's ``Logprob``): rank is
+    its 1-based place among the position's most likely tokens (None for a prompt token outside them)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
+    """One choice of a completions response. ``prompt_logprobs`` (vLLM's extra, only when the request sent
+    ``prompt_logprobs``; left out of the JSON otherwise): per prompt token None (the first) or
+    ``{token id: PromptLogprob}`` holding that token and the top ``prompt_logprobs`` tokens."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unrequested(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 class CompletionResponse(BaseModel):
@@ -456,12 +483,10 @@ class ModelList(BaseModel):
 def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     """The first accepted-but-unsupported parameter set to a non-default value, as (param, message).
 
-    The engine has no suffix or echo yet, and the server does not parse tool calls out of generated text (so it cannot force one); refusing them is
+    The engine has no suffix yet, and the server does not parse tool calls out of generated text (so it cannot force one); refusing them is
     clearer than ignoring them (a client would silently get other behaviour).
     """
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            return "echo", "echo is not supported by this server yet"
         if req.suffix:
             return "suffix", "suffix is not supported by this server"
         if req.best_of is not None and req.best_of != req.n:
