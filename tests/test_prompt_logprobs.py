@@ -136,16 +136,19 @@ def test_prefix_cache_is_not_read_and_results_are_identical(llama):
     assert again[0].num_cached_tokens > 0  # without prompt_logprobs the cache is read as before
 
 
-def test_batch_with_other_requests(model):
+@pytest.mark.parametrize("budget", [9, 4])
+def test_batch_with_other_requests(model, budget):
     """A prompt-logprobs request prefilled (in chunks) next to other prefills and decodes: its entries equal
     the oracle's, and the others' outputs (tokens, log-probs, text) are bit for bit those of the same batch
-    without prompt log-probs."""
+    without prompt log-probs. Budget 4 beside 3 decodes: the prompt goes one token per step, in batches
+    where every sequence has one query token (shaped like a decode batch, which a CUDA graph would replay)."""
     ckpt, hf = model
     others = {f"o{i}": ([3 + i, 50, 51 + i, 9, 70 - i, 11][: 3 + i], SamplingParams(
-        max_tokens=6, temperature=0.8, seed=i, logprobs=2, ignore_eos=True)) for i in range(3)}
+        max_tokens=30, temperature=0.8, seed=i, logprobs=2, ignore_eos=True)) for i in range(3)}
 
     def all_outputs(with_prompt_lps: bool):
-        engine = LLMEngine.from_model(ckpt, **ENGINE_KW, max_num_batched_tokens=9, enable_prefix_caching=False)
+        engine = LLMEngine.from_model(ckpt, **ENGINE_KW, max_num_batched_tokens=budget,
+                                      enable_prefix_caching=False)
         got = {rid: [] for rid in [*others, "long"]}
         for rid, (ids, p) in others.items():
             engine.add_request(rid, ids, p)
