@@ -61,7 +61,8 @@ class LLM:
         1-d integer array / tensor). sampling_params: one for all, or one per prompt; None:
         :meth:`get_default_sampling_params` (the model's generation config defaults).
         Returns the final :class:`RequestOutput` of each prompt, in input order (cumulative: the whole output,
-        whatever ``output_kind`` the params ask for; the engine runs the requests as ``"final_only"``).
+        whatever ``output_kind`` the params ask for; the engine runs the requests as ``"final_only"``), with
+        ``prompt_logprobs`` when the params ask for them (``SamplingParams.prompt_logprobs``).
 
         Raises:
             InvalidRequestError: a bad prompt or sampling parameter (nothing is run then).
