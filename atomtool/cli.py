@@ -80,6 +80,19 @@ _GEN_CONFIG_HELP = ("auto: the model's generation_config.json gives the default 
                     "min_p, repetition_penalty and max tokens (max_new_tokens) of requests that do not set them, as vLLM's "
                     "--generation-config auto does (do_sample is ignored, as there); none: ignore the file.")
 
+def _tool_parser_enum() -> type[Enum]:
+    """The registered tool-call parser names as a typer choice (a bad name exits 2 listing them)."""
+    from atomtool.serve.api.tool_parsers import TOOL_PARSERS
+
+    return Enum("ToolCallParser", {name: name for name in TOOL_PARSERS}, type=str)
+
+
+ToolCallParser = _tool_parser_enum()
+_TOOL_PARSER_HELP = ("Parse the tool calls the model writes into OpenAI's message.tool_calls (streaming: tool-call "
+                     "deltas) and finish_reason 'tool_calls', for chat requests that send tools (vLLM's flag): "
+                     "hermes (Qwen2.5/Qwen3, Hermes), glm45/glm47 (GLM-4.5 to 4.7, GLM-5), deepseek_v31, "
+                     "deepseek_v32. Default: none, the text is returned as content.")
+
 _DTYPE_HELP = ("Activation / float-weight dtype. auto: float32 on CPU; on GPU the checkpoint's float16, "
                "else bfloat16.")
 _DEVICE_HELP = "Where to run: auto = CUDA/ROCm GPU when available, else CPU."
@@ -277,6 +290,12 @@ def serve_cmd(
         help="Largest request body in bytes; bigger ones get HTTP 413. Default 16777216 (16 MiB).")] = None,
     generation_config: Annotated[GenerationConfigMode, typer.Option(help=_GEN_CONFIG_HELP)] = (
         GenerationConfigMode.auto),
+    tool_call_parser: Annotated[ToolCallParser | None, typer.Option(  # type: ignore[valid-type]
+        help=_TOOL_PARSER_HELP)] = None,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        "--enable-auto-tool-choice",
+        help="Accepted for vLLM command lines (tool_choice 'auto' is served either way); requires "
+             "--tool-call-parser, as in vLLM.")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     import os
@@ -293,7 +312,9 @@ def serve_cmd(
         device=device.value, enforce_eager=enforce_eager, chat_template=chat_template,
         tensor_parallel_size=tensor_parallel_size, max_request_bytes=max_request_bytes,
         fp8_activations=fp8_activations.value, trust_request_chat_template=trust_request_chat_template,
-        enable_prefix_caching=enable_prefix_caching, generation_config=generation_config.value))
+        enable_prefix_caching=enable_prefix_caching, generation_config=generation_config.value,
+        tool_call_parser=tool_call_parser.value if tool_call_parser is not None else None,
+        enable_auto_tool_choice=enable_auto_tool_choice))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

@@ -8,7 +8,7 @@
 - a tokenizer with named templates gets its ``tool_use`` one when tools are sent;
 - every malformed tool input is a 400 with OpenAI's error body naming the field (never a 500, never
   dropped; a fuzz test feeds arbitrary JSON in their place), a tool result must answer an earlier call, and
-  a forced ``tool_choice`` is refused (no output tool-call parsing).
+  a forced ``tool_choice`` is refused (it needs guided decoding).
 
 Runs on :class:`tests.test_server_support.ScriptedEngine` with a byte-level tokenizer, so the prompt the
 engine received decodes back to exactly the rendered text.
@@ -263,7 +263,7 @@ def test_malformed_tools_are_400(served, tools, message):
 
 @pytest.mark.parametrize("tool_choice, message", [
     ("required", "tool_choice 'required' is not supported: forced tool calls are not supported by this server "
-                 "(it does not parse tool calls out of the generated text); use 'auto' or 'none'"),
+                 "(forcing a call needs guided decoding, which it does not have); use 'auto' or 'none'"),
     ({"type": "function", "function": {"name": "get_weather"}},
      "tool_choice of type 'function' is not supported: forced tool calls are not supported"),
     ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}},

@@ -83,6 +83,8 @@ from atomtool.serve.api.protocol import (
     unsupported_fields,
 )
 from atomtool.serve.api.strict_json import BodyNotJSON, StrictJSONRoute, surrogate_problem
+from atomtool.serve.api.tool_parsers import get_tool_parser
+from atomtool.serve.api.tool_parsers.openai_output import ToolCallOutput
 from atomtool.serve.generation_defaults import GenerationDefaults
 from atomtool.serve.sampling_params import SamplingParams
 
@@ -652,7 +654,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                chat_template: str | None = None, *, model_root: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                trust_request_chat_template: bool = False,
-               generation_defaults: GenerationDefaults | None = None) -> FastAPI:
+               generation_defaults: GenerationDefaults | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an :class:`LLMEngine`) as ``served_model_name``.
 
     Args:
@@ -672,13 +675,21 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             min_p, repetition_penalty and max_tokens of requests that do not send them (vLLM's
             ``--generation-config auto``); a default max_tokens is cut to the room left in the context. None:
             OpenAI's defaults.
+        tool_call_parser: a :data:`~atomtool.serve.api.tool_parsers.TOOL_PARSERS` name (vLLM's
+            ``--tool-call-parser``): chat requests with ``tools`` (and ``tool_choice`` not ``"none"``) get the
+            calls the model writes as ``message.tool_calls`` / tool-call deltas, finish_reason
+            ``"tool_calls"``. None: the generated text is always ``content``.
 
     Raises:
-        ConfigError: ``chat_template`` looks like a path that does not exist.
+        ConfigError: ``chat_template`` looks like a path that does not exist, or ``tool_call_parser`` is not
+            a registered parser.
     """
     template = load_chat_template(chat_template)
     defaults = generation_defaults or GenerationDefaults()
     tokenizer = engine.tokenizer
+    tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    if tool_parser is not None:
+        ToolCallOutput.warn_if_tags_skipped(tool_parser, tokenizer)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.snapshot, served_model_name)
 
@@ -1170,6 +1181,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         group = await submit(response_id, [prompt_ids], [params])
+        tool_out = ToolCallOutput.for_request(tool_parser, req)  # None: the text is content, as without a parser
 
         if req.stream:
             started: set[str] = set()
@@ -1183,6 +1195,13 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                                       choices=[ChatStreamChoice(index=idx, delta=DeltaMessage(
                                                           role="assistant", content=""))]))
                 lp = chat_logprobs(_delta_logprobs(out), top_n) if top_n is not None else None
+                if tool_out is not None:
+                    for delta_msg, reason, with_lp in tool_out.stream_deltas(out, delta, lp):
+                        chunks.append(ChatCompletionChunk(
+                            id=response_id, created=created, model=served_model_name,
+                            choices=[ChatStreamChoice(index=idx, delta=delta_msg, logprobs=lp if with_lp else None,
+                                                      finish_reason=reason)]))
+                    return chunks
                 if delta or out.finished or (lp is not None and lp.content):
                     chunks.append(ChatCompletionChunk(
                         id=response_id, created=created, model=served_model_name,
@@ -1195,8 +1214,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
         def make_choice(index: int, out: Any, entries: list[dict]) -> ChatCompletionChoice:
-            return ChatCompletionChoice(index=index, message=ChatResponseMessage(content=out.text),
-                                        finish_reason=out.finish_reason,
+            message, reason = (ChatResponseMessage(content=out.text), out.finish_reason) if tool_out is None \
+                else tool_out.message(out)
+            return ChatCompletionChoice(index=index, message=message, finish_reason=reason,
                                         logprobs=chat_logprobs(entries, top_n) if top_n is not None else None)
 
         return await final_response(raw, group, ChatCompletionResponse, response_id, created, req.n, make_choice)

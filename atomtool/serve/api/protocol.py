@@ -11,10 +11,12 @@ cannot honour are rejected with a 400 by :func:`unsupported_fields` rather than 
 Tool calling follows OpenAI's chat format on the input side, as vLLM and SGLang do: the request's ``tools``
 (function tools), assistant messages' ``tool_calls`` and ``tool`` messages' ``tool_call_id`` are validated
 here (:class:`ToolDefinition`, :class:`ToolCall`, :func:`tool_message_problem`) and handed to the chat
-template by :mod:`atomtool.serve.api.chat`. Generated text is not parsed back into ``tool_calls``, so a
-forced call (``tool_choice`` ``"required"`` or a named tool) is refused with a 400; ``"none"`` and
-``"auto"`` are accepted (with ``"auto"`` a tool call is whatever text the model writes); any other value
-than ``"none"`` without ``tools`` is a 400, as in vLLM.
+template by :mod:`atomtool.serve.api.chat`. On the output side, ``atomtool serve --tool-call-parser NAME``
+parses the calls the model writes into ``message.tool_calls`` (:mod:`atomtool.serve.api.tool_parsers`);
+without it a call is whatever text the model writes, returned as ``content``. A forced call
+(``tool_choice`` ``"required"`` or a named tool) needs guided decoding, which the engine does not have, so it
+is refused with a 400; ``"none"`` and ``"auto"`` are accepted; any other value than ``"none"`` without
+``tools`` is a 400, as in vLLM.
 
 Types are strict, as OpenAI's and vLLM's servers are: a boolean or a string is not an integer
 (``"max_tokens": true`` or ``"5"`` is a 400, so is a token-id prompt ``[true, false]``), a string is not a
@@ -38,7 +40,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: Roles whose messages must carry ``content`` (OpenAI marks it Required for them).
 CONTENT_REQUIRED_ROLES = ("system", "developer", "user", "tool")
-#: ``tool_choice`` values that do not force a tool call (the only ones served: no output tool-call parsing).
+#: ``tool_choice`` values that do not force a tool call (the only ones served: forcing one needs guided decoding).
 TOOL_CHOICES_SERVED = ("none", "auto")
 #: What a function tool's name may be (OpenAI's FunctionDefinition.name: "a-z, A-Z, 0-9, or contain
 #: underscores and dashes, with a maximum length of 64").
@@ -417,8 +419,19 @@ class ChatChoiceLogProbs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """A non-streaming choice's ``message``. ``tool_calls`` (OpenAI's ``{"id", "type": "function", "function":
+    {"name", "arguments"}}`` entries, from ``--tool-call-parser``) is left out of the JSON when None."""
+
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatCompletionChoice(BaseModel):
@@ -443,6 +456,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's streaming tool-call deltas (--tool-call-parser)
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: Any) -> dict[str, Any]:
@@ -483,7 +497,7 @@ class ModelList(BaseModel):
 def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     """The first accepted-but-unsupported parameter set to a non-default value, as (param, message).
 
-    The engine has no suffix yet, and the server does not parse tool calls out of generated text (so it cannot force one); refusing them is
+    The engine has no suffix yet, and no guided decoding (so it cannot force a tool call); refusing them is
     clearer than ignoring them (a client would silently get other behaviour).
     """
     if isinstance(req, CompletionRequest):
@@ -498,8 +512,8 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
             choice = req.tool_choice
             what = repr(choice) if isinstance(choice, str) else f"of type {choice.get('type')!r}"
             return "tool_choice", (f"tool_choice {what} is not supported: forced tool calls are not supported "
-                                   "by this server (it does not parse tool calls out of the generated text); "
-                                   "use 'auto' or 'none'")
+                                   "by this server (forcing a call needs guided decoding, which it does not "
+                                   "have); use 'auto' or 'none'")
         if req.response_format and req.response_format.get("type", "text") != "text":
             return "response_format", "only response_format {'type': 'text'} is supported"
         if req.top_logprobs is not None and not req.logprobs:

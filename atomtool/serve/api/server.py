@@ -140,7 +140,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               device: str = "auto", enforce_eager: bool = False, chat_template: str | None = None,
               tensor_parallel_size: int = 1, max_request_bytes: int | None = None,
               fp8_activations: str = "auto", trust_request_chat_template: bool = False,
-              enable_prefix_caching: bool = True, generation_config: str = "auto") -> int:
+              enable_prefix_caching: bool = True, generation_config: str = "auto",
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
@@ -155,6 +156,11 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     ``--enable-prefix-caching``, on by default as there). ``generation_config``: ``auto`` takes the default
     sampling parameters of requests that leave them unset from the model's generation_config.json (vLLM's
     ``--generation-config auto``; :mod:`atomtool.serve.generation_defaults`), ``none`` ignores the file.
+    ``tool_call_parser``: parse the tool calls a chat response writes into OpenAI's ``tool_calls`` with that
+    :data:`~atomtool.serve.api.tool_parsers.TOOL_PARSERS` format (vLLM's ``--tool-call-parser``); None: the
+    text stays ``content``. ``enable_auto_tool_choice``: vLLM's flag, accepted so vLLM command lines work;
+    it changes nothing here (``tool_choice`` ``"auto"`` is served either way) but, as in vLLM, needs
+    ``tool_call_parser``.
 
     Raises:
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
@@ -174,6 +180,13 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     from atomtool.serve.generation_defaults import load_generation_defaults
 
     load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise AtomtoolError("--enable-auto-tool-choice requires --tool-call-parser (the format the model writes "
+                            "its tool calls in)")
+    if tool_call_parser is not None:
+        from atomtool.serve.api.tool_parsers import get_tool_parser
+
+        get_tool_parser(tool_call_parser)  # an unknown name fails before the model loads
     if model is None:
         try:
             from atomtool.serve.demo import demo_model_path
@@ -198,7 +211,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model,
                      max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES,
                      trust_request_chat_template=trust_request_chat_template,
-                     generation_defaults=generation_defaults)
+                     generation_defaults=generation_defaults, tool_call_parser=tool_call_parser)
     server = _uvicorn_server(app, sock, "info")
     bound_host, bound_port = sock.getsockname()[:2]
     if engine.max_model_len_note:
