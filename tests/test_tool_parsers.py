@@ -202,9 +202,6 @@ def test_stream_gives_the_non_streaming_result_for_every_split(name, text):
         contents, _, calls = run_stream(name, pieces)
         assert "".join(contents) == want_content, pieces
         assert calls == calls_of(want), pieces
-        if want.tool_calls:  # markup never leaks into content
-            tag = get_tool_parser(name).stream_class.start_tag
-            assert all(tag[:2] not in c or c in want_content for c in contents)
 
 
 def test_text_that_may_be_a_tag_is_held_back_then_sent():
@@ -345,18 +342,37 @@ def test_server_cut_by_max_tokens_stays_length(hermes_server):
     assert calls_from(r.choices[0].message) == WANT[:1]
 
 
-@pytest.mark.parametrize("kw", [{"tools": None}, {"tool_choice": "none"}])
-def test_server_without_tools_or_with_tool_choice_none_returns_the_text(hermes_server, kw):
-    kw = {k: v for k, v in kw.items() if v is not None} if kw.get("tools", 1) is not None else {}
+@pytest.mark.parametrize("extra", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_server_without_tools_or_with_tool_choice_none_returns_the_text(hermes_server, extra):
     engine, client = hermes_server
     engine.script = engine.tokenizer.encode(TWO_CALLS + STOP, add_special_tokens=False)
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": len(engine.script), "stop": [STOP], **kw}
-    if "tool_choice" in kw:
-        body["tools"] = TOOLS
-    r = client.chat.completions.create(**body)
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=len(engine.script), stop=[STOP],
+                                       **extra)
     assert r.choices[0].message.content == TWO_CALLS
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_server_streaming_several_choices_and_logprobs(hermes_server):
+    final, chunks = ask(*hermes_server, TWO_CALLS, stream=True, n=2, logprobs=True)
+    assert [calls_from(c.message) for c in final.choices] == [WANT, WANT]
+    assert [c.finish_reason for c in final.choices] == ["tool_calls", "tool_calls"]
+    for i in (0, 1):  # every generated token's log-prob is streamed once, tool-call text included
+        n = sum(len(c.choices[0].logprobs.content) for c in chunks
+                if c.choices and c.choices[0].index == i and c.choices[0].logprobs)
+        assert n == len((TWO_CALLS + STOP).encode())
+
+
+def test_special_token_tags_are_warned_about(caplog):
+    t = byte_level_tokenizer()
+    t.add_special_tokens({"additional_special_tokens": [TC]})
+    with caplog.at_level("WARNING", logger="atomtool.serve"):
+        create_app(ScriptedEngine(t, [0]), "m", tool_call_parser="hermes")
+    assert "--tool-call-parser hermes: '<tool_call>' is a special token of this tokenizer" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="atomtool.serve"):
+        create_app(ScriptedEngine(byte_level_tokenizer(), [0]), "m", tool_call_parser="hermes")
+    assert "special token" not in caplog.text
 
 
 def test_server_without_a_parser_is_unchanged(tok):

@@ -117,6 +117,7 @@ class TaggedToolCallStream:
         self._new_id = new_id
         self._buf = ""  # text not yet handled: a possible partial start tag, or an open region's body
         self._in_call = False
+        self._scanned = 0  # how much of an open region's body is known not to hold the end tag
         self._pending_ws = ""  # whitespace-only content held back (see the class doc)
         self._content_sent = False  # content with a non-whitespace character went out
         self._finished = False
@@ -144,10 +145,11 @@ class TaggedToolCallStream:
                     return out
                 self._content(out, self._buf[:i])
                 self._buf = self._buf[i + len(self.start_tag):]
-                self._in_call = True
+                self._in_call, self._scanned = True, 0
             else:
-                j = self._buf.find(self.end_tag)
+                j = self._buf.find(self.end_tag, self._scanned)  # not from 0: a long call stays linear
                 if j < 0:
+                    self._scanned = max(0, len(self._buf) - len(self.end_tag) + 1)
                     return out
                 body = self._buf[:j]
                 self._buf = self._buf[j + len(self.end_tag):]
