@@ -15,6 +15,8 @@ import random
 
 import openai
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from typer.testing import CliRunner
 
@@ -435,3 +437,58 @@ def test_cli_parser_reaches_run_serve(monkeypatch):
     r = CliRunner().invoke(app, ["serve", "--tool-call-parser", "glm47", "--enable-auto-tool-choice"])
     assert r.exit_code == 0, r.output
     assert seen["tool_call_parser"] == "glm47" and seen["enable_auto_tool_choice"] is True
+
+
+# ------------------------------------------------------------------------------------------ template round trip
+# Assistant tool calls rendered by chat-template fragments written from each format's rendering rule (GLM: a
+# string value as is, any other value ``tojson``; DSML: ``string="true"`` and the text for a string, JSON
+# otherwise) must parse back to the same calls: what a model trained on these templates writes is read right.
+GLM_CALLS = ("{% for m in messages %}{% for tc in m.tool_calls %}{{ '<tool_call>' + tc.function.name }}{{ SEP }}"
+             "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>{{ SEP }}<arg_value>"
+             "{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>{{ SEP }}{% endfor %}"
+             "</tool_call>{% endfor %}{% endfor %}")
+DSML_CALLS = ("{% set D = '｜DSML｜' %}{% for m in messages %}<{{ D }}function_calls>{% for tc in m.tool_calls %}\n"
+              "<{{ D }}invoke name=\"{{ tc.function.name }}\">\n{% for k, v in tc.function.arguments.items() %}"
+              "<{{ D }}parameter name=\"{{ k }}\" string=\"{{ 'true' if v is string else 'false' }}\">"
+              "{{ v if v is string else v | tojson(ensure_ascii=False) }}</{{ D }}parameter>\n{% endfor %}"
+              "</{{ D }}invoke>{% endfor %}\n</{{ D }}function_calls>{% endfor %}")
+
+_keys = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12).filter(lambda t: "</" not in t)
+_json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | _text,
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(_keys, c, max_size=3), max_leaves=6)
+_args = st.dictionaries(_keys, _text | _json, max_size=4)
+
+
+def render_calls(template: str, calls: list[tuple[str, dict]], **kw) -> str:
+    tok = byte_level_tokenizer()
+    messages = [{"role": "assistant", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]}]
+    return tok.apply_chat_template(messages, chat_template=template, tokenize=False, **kw)
+
+
+def schema_of(calls: list[tuple[str, dict]]) -> list[dict]:
+    """Tools whose schema types each string-valued argument ``string`` (as a real tool list would)."""
+    return [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
+        k: {"type": "string" if isinstance(v, str) else "object"} for k, v in a.items()}}}} for n, a in calls]
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from(["get_weather", "f", "run_code"]), _args), min_size=1, max_size=3),
+       newline=st.booleans())
+def test_glm_template_rendering_parses_back(calls, newline):
+    names = [n for n, _ in calls]
+    assume(len(set(names)) == len(names))  # the schema is per function name
+    text = render_calls(GLM_CALLS.replace("{{ SEP }}", "{{ '\\n' }}" if newline else ""), calls)
+    got = get_tool_parser("glm45").extract(text, schema_of(calls))
+    assert calls_of(got) == calls and got.content is None
+    _, _, streamed = run_stream("glm47", list(text), schema_of(calls))
+    assert streamed == calls
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from(["get_weather", "f"]), _args), min_size=1, max_size=3))
+def test_dsml_template_rendering_parses_back(calls):
+    text = render_calls(DSML_CALLS, calls)
+    got = get_tool_parser("deepseek_v32").extract(text)
+    assert calls_of(got) == calls and got.content is None
