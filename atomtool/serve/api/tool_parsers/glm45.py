@@ -18,8 +18,10 @@ the first ``<arg_key>`` right after the name with no newline, and may write a ca
 are accepted here, so ``glm47`` names the same parser.
 
 Checked against GLM-4.6's chat template (as mirrored in llama.cpp's models/templates/GLM-4.6.jinja) and vLLM's
-``glm45``/``glm47`` parsers. GLM-5's own chat template was not available to check; vLLM serves GLM-5.1 with
-``glm47``.
+``glm45``/``glm47`` parsers. GLM-5's chat template from zai-org was not available to check; vLLM's recipes
+serve GLM-5/5.1 with ``glm47``, and a GLM-5 template copy in a third-party repository writes the GLM-4.7 form
+(``'<tool_call>' ~ name`` then ``<arg_key>`` pairs with no newlines, strings as is, other values ``tojson``),
+which this parser reads (tests/test_tool_parsers.py renders both forms and parses them back).
 """
 
 from __future__ import annotations
