@@ -49,13 +49,19 @@ class ToolCallOutput:
 
     @staticmethod
     def warn_if_tags_skipped(parser: ToolParser, tokenizer: Any) -> None:
-        """Log a warning when the parser's start tag is one of the tokenizer's special tokens: the detokenizer
-        drops special tokens from the text (``skip_special_tokens``), so such calls could not be seen."""
-        specials = set(getattr(tokenizer, "all_special_tokens", None) or ())
+        """Log a warning when the parser's start tag does not survive detokenization: the engine's text leaves
+        special tokens out (``skip_special_tokens``, as vLLM's default), so calls whose tag is (or holds) a
+        special token could not be seen. Checked the way the text is made: the tag encoded, then decoded
+        without special tokens."""
         tag = parser.stream_class.start_tag
-        if tag in specials:
-            logger.warning("--tool-call-parser %s: %r is a special token of this tokenizer, which the generated "
-                           "text leaves out, so tool calls cannot be parsed", parser.name, tag)
+        try:
+            ids = tokenizer.encode(tag, add_special_tokens=False)
+            kept = tokenizer.decode(ids, skip_special_tokens=True)
+        except Exception:  # a tokenizer that cannot say: nothing to warn about
+            return
+        if kept != tag:
+            logger.warning("--tool-call-parser %s: this tokenizer's decoded text leaves special tokens out and "
+                           "%r becomes %r there, so tool calls cannot be parsed", parser.name, tag, kept)
 
     def message(self, out: Any) -> tuple[ChatResponseMessage, str | None]:
         """A finished choice (a ``RequestOutput`` with the whole ``text``) as its ``message`` and finish_reason."""
