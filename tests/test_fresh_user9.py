@@ -42,7 +42,6 @@ def oracle(hf, ids: list[int]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ prompt log-probs
-@pytest.mark.xfail(strict=True, reason="a prompt token outside the top prompt_logprobs gets rank null")
 @pytest.mark.parametrize("k", [0, 2])
 def test_prompt_logprobs_rank_of_the_prompt_token_is_its_vocabulary_rank(server, llama, k):
     # `{"prompt": ids, "prompt_logprobs": 0}` (the cheapest way to score a prompt, what vLLM users send) gave

@@ -884,11 +884,12 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     def prompt_logprob_dict(entry: dict, top_n: int) -> dict[str, PromptLogprob]:
         """One prompt position in vLLM's ``prompt_logprobs`` format: the top ``top_n`` tokens (rank 1..) and
-        the prompt token (its rank when among them, else None)."""
+        the prompt token (with its rank in the vocabulary, as vLLM's, also when it is not among them)."""
         out = {str(i): PromptLogprob(logprob=float(v), rank=r + 1, decoded_token=token_text(i))
                for r, (i, v) in enumerate(list((entry.get("top") or {}).items())[:top_n])}
         t = entry["token_id"]
-        out.setdefault(str(t), PromptLogprob(logprob=float(entry["logprob"]), decoded_token=token_text(t)))
+        out.setdefault(str(t), PromptLogprob(logprob=float(entry["logprob"]), rank=entry.get("rank"),
+                                             decoded_token=token_text(t)))
         return out
 
     def chat_logprobs(entries: list[dict], top_n: int) -> ChatChoiceLogProbs:

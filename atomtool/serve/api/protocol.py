@@ -192,7 +192,7 @@ class CompletionLogProbs(BaseModel):
 
 class PromptLogprob(BaseModel):
     """One candidate of a prompt position in vLLM's ``prompt_logprobs`` format (vLLM's ``Logprob``): rank is
-    its 1-based place among the position's most likely tokens (None for a prompt token outside them)."""
+    its 1-based place in the vocabulary by log-prob (ties: lower id first), the prompt token's too."""
 
     logprob: float
     rank: int | None = None

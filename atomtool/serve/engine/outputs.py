@@ -24,8 +24,10 @@ class RequestOutput:
     ``top`` holds the requested number of most likely tokens, ties broken by lower id).
 
     prompt_logprobs: None unless requested (``SamplingParams.prompt_logprobs``); else one item per prompt token:
-    None for the first (nothing predicts it), then ``{"token_id", "logprob", "top"}`` as in ``logprobs``, the
-    log-probability of that prompt token given the tokens before it (vLLM's ``prompt_logprobs``). They are
+    None for the first (nothing predicts it), then ``{"token_id", "logprob", "top", "rank"}``: as in
+    ``logprobs``, the log-probability of that prompt token given the tokens before it (vLLM's
+    ``prompt_logprobs``), and ``rank`` its 1-based place in the vocabulary (ties: lower id first; vLLM's
+    ``Logprob.rank``). They are
     complete when the prompt's prefill is, i.e. from the request's first output: cumulative outputs carry them
     every time (the same list, not a copy), a delta request's only in its first output (later ones: None), a
     final_only request's in its one output. An output made before the prefill finished (an abort) has None.

@@ -7,7 +7,9 @@ which the sampler handles). Only the positions of requests that ask are projecte
 slices of :data:`ROWS_PER_SLICE` rows (a long prompt's ``[P, vocab]`` float32 logits would not fit at
 once); the step's ordinary last-token logits are computed exactly as without them. Entries have the shape of
 the sampler's generated-token entries: ``{"token_id": int, "logprob": float, "top": {id: logprob}}`` (raw
-model log-probs, ``top`` the ``prompt_logprobs`` most likely tokens, ties broken by lower id).
+model log-probs, ``top`` the ``prompt_logprobs`` most likely tokens, ties broken by lower id), plus ``"rank"``:
+the prompt token's 1-based place in the whole vocabulary in that same order (vLLM's ``Logprob.rank``, which
+its prompt log-probs always carry, also for a token outside the top ones).
 """
 
 from __future__ import annotations
@@ -89,18 +91,24 @@ def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan,
         vocab = lp.shape[-1]
         n_top = [min(n, vocab) for n in plan.num_top[start:stop]]
         n_max = max(n_top)
-        parts = [lp.gather(1, targets.unsqueeze(1)).squeeze(1).double()]
+        chosen_lp = lp.gather(1, targets.unsqueeze(1))
+        # rank: the tokens before the prompt token in the top-k order (higher log-prob, or equal and lower id)
+        ids = torch.arange(lp.shape[-1], device=device)
+        before = (lp > chosen_lp) | ((lp == chosen_lp) & (ids < targets.unsqueeze(1)))
+        parts = [chosen_lp.squeeze(1).double(), before.sum(dim=1).double() + 1]
         if n_max > 0:
             k = torch.tensor([max(n, 1) for n in n_top], dtype=torch.long).to(device)
             top_vals, top_ids = exact_topk(lp, k, n_max)
             parts += [top_ids.double().flatten(), top_vals.double().flatten()]
         host = torch.cat(parts).tolist()  # token ids < 2**53 are exact in float64
         m = stop - start
-        chosen, top_ids_h, top_vals_h = host[:m], host[m:m + m * n_max], host[m + m * n_max:]
+        chosen, ranks = host[:m], host[m:2 * m]
+        top_ids_h, top_vals_h = host[2 * m:2 * m + m * n_max], host[2 * m + m * n_max:]
         for r in range(m):
             row = slice(r * n_max, r * n_max + n_top[r])
             top = dict(zip((int(i) for i in top_ids_h[row]), top_vals_h[row], strict=True))
-            flat.append({"token_id": plan.targets[start + r], "logprob": chosen[r], "top": top})
+            flat.append({"token_id": plan.targets[start + r], "logprob": chosen[r], "top": top,
+                         "rank": int(ranks[r])})
     out, i = [], 0
     for c in plan.counts:
         out.append(flat[i:i + c])
