@@ -206,15 +206,15 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (``"abort"``, of the request's
-        ``output_kind``: a delta one carries the text still held back and no tokens) or None if unknown."""
+        ``output_kind``, with no ``new_token_ids``: a delta one carries the text still held back and no tokens)
+        or None if unknown."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
         self._prompt_logprobs_pending.discard(request_id)
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
-        if seq.params.output_kind == "delta":
-            seq.new_token_ids = []  # every token already went out with the output of its step
+        seq.new_token_ids = []  # an abort generates nothing: every token already went out with its step's output
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
