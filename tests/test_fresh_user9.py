@@ -88,3 +88,44 @@ def test_abort_output_generates_no_new_tokens(llama, kind):
     assert final.new_token_ids == []
     if kind == "cumulative":
         assert streamed + final.new_token_ids == final.token_ids
+
+
+def lm_eval_parse_logprobs(response: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-evaluation-harness' ``LocalCompletionsAPI.parse_logprobs`` (local-completions loglikelihood): per
+    choice in index order, the sum of ``token_logprobs[ctxlen:-1]`` and whether every one of those equals the
+    largest value of its ``top_logprobs`` (exact float equality, as lm-eval compares)."""
+    res = []
+    for choice, ctxlen in zip(sorted(response["choices"], key=lambda c: c["index"]), ctxlens, strict=True):
+        tokens_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        is_greedy = all(tok == max(top.values()) for tok, top in zip(tokens_logprobs, top_logprobs, strict=True))
+        res.append((sum(tokens_logprobs), is_greedy))
+    return res
+
+
+def test_lm_eval_batched_loglikelihood_with_a_greedy_continuation(server, llama):
+    # What lm-eval sends for a batch of loglikelihood(context, continuation) requests: token-id prompts, echo,
+    # logprobs 1, max_tokens 1, temperature 0, seed 1234. The continuation that is transformers' own greedy
+    # path must come back is_greedy True (its log-prob equal, bit for bit, to the top one), another one not.
+    url, _ = server
+    hf = llama[1]
+    ctx = PROMPT[:8]
+    greedy = list(ctx)
+    for _ in range(4):
+        lp = oracle(hf, greedy)[-1]
+        top2 = torch.topk(lp, 2).values
+        assert top2[0] - top2[1] > 1e-3  # a clear argmax: the engine's float rounding cannot flip it
+        greedy.append(int(lp.argmax()))
+    other = ctx + [PROMPT[9], PROMPT[3], PROMPT[12]]
+    prompts, ctxlens = [greedy, other], [len(ctx), len(ctx)]
+    body = {"model": NAME, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    got = lm_eval_parse_logprobs(resp.json(), ctxlens)
+    for (total, is_greedy), ids in zip(got, prompts, strict=True):
+        lp = oracle(hf, ids)
+        want = sum(lp[j - 1, ids[j]].item() for j in range(len(ctx), len(ids)))
+        assert total == pytest.approx(want, abs=1e-4)
+        assert is_greedy == all(lp[j - 1].argmax().item() == ids[j] for j in range(len(ctx), len(ids)))
+    assert [g for _, g in got] == [True, False]
