@@ -69,6 +69,30 @@ def test_prompt_logprobs_rank_of_the_prompt_token_is_its_vocabulary_rank(server,
         assert outside  # the case reported: prompt tokens outside the top k
 
 
+def test_prompt_logprobs_rank_in_the_engine_with_chunked_prefill_and_row_slices(llama, monkeypatch):
+    """The same in ``RequestOutput.prompt_logprobs`` (entries' ``rank``), for two requests asking different
+    k in one batch, prefilled in chunks of 5 tokens, their rows projected 3 at a time (slices cut through
+    both requests)."""
+    import atomtool.serve.engine.prompt_logprobs as plp_mod
+
+    monkeypatch.setattr(plp_mod, "ROWS_PER_SLICE", 3)
+    ckpt, hf = llama
+    engine = LLMEngine.from_model(ckpt, **{**ENGINE_KW, "max_num_batched_tokens": 5})
+    prompts = {"k0": (PROMPT, 0), "k3": (PROMPT[3:] + PROMPT[:2], 3)}
+    for rid, (ids, k) in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=1, prompt_logprobs=k))
+    got = {}
+    while engine.has_unfinished():
+        got.update({o.request_id: o.prompt_logprobs for o in engine.step() if o.finished})
+    for rid, (ids, k) in prompts.items():
+        lp = oracle(hf, ids)
+        assert got[rid][0] is None and len(got[rid]) == len(ids)
+        for i in range(1, len(ids)):
+            e = got[rid][i]
+            assert e["token_id"] == ids[i] and len(e["top"]) == k
+            assert e["rank"] == int((lp[i - 1] > lp[i - 1, ids[i]]).sum()) + 1
+
+
 # ------------------------------------------------------------------------------------------ output kinds
 @pytest.mark.parametrize("kind", ["cumulative", "final_only"])
 def test_abort_output_generates_no_new_tokens(llama, kind):
