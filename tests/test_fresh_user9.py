@@ -93,6 +93,27 @@ def test_prompt_logprobs_rank_in_the_engine_with_chunked_prefill_and_row_slices(
             assert e["rank"] == int((lp[i - 1] > lp[i - 1, ids[i]]).sum()) + 1
 
 
+@pytest.mark.xfail(strict=True, reason="a prompt-scoring request filling the context logs a context-limit warning")
+def test_scoring_a_prompt_that_fills_the_context_logs_no_context_limit_warning(server, caplog):
+    # lm-eval's rolling loglikelihood scores windows as long as the context with echo and max_tokens 0 (the
+    # README's prompt-scoring request). Each such request logged "request ... stopped at the context limit
+    # (max_model_len 64): prompt 64 + output 1 tokens; finish_reason 'length'", while the client asked for no
+    # output and got none (completion_tokens 0): the one-token engine request behind it is not what the
+    # client sees. An ordinary request that does run into the context limit still logs it.
+    url, engine = server
+    ids = (PROMPT * 5)[:engine.max_model_len]
+    with caplog.at_level("WARNING", logger="atomtool.serve"):
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 0, "echo": True,
+                                                      "logprobs": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
+        # no max_tokens: OpenAI's default 16 is cut to the 2 tokens left in the context
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": ids[:-2], "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    warned = [m.getMessage() for m in caplog.records if "context limit" in m.getMessage()]
+    assert len(warned) == 1 and f"prompt {len(ids) - 2} + output 2 tokens" in warned[0], warned
+
+
 # ------------------------------------------------------------------------------------------ output kinds
 @pytest.mark.parametrize("kind", ["cumulative", "final_only"])
 def test_abort_output_generates_no_new_tokens(llama, kind):
