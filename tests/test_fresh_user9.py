@@ -93,7 +93,6 @@ def test_prompt_logprobs_rank_in_the_engine_with_chunked_prefill_and_row_slices(
             assert e["rank"] == int((lp[i - 1] > lp[i - 1, ids[i]]).sum()) + 1
 
 
-@pytest.mark.xfail(strict=True, reason="a prompt-scoring request filling the context logs a context-limit warning")
 def test_scoring_a_prompt_that_fills_the_context_logs_no_context_limit_warning(server, caplog):
     # lm-eval's rolling loglikelihood scores windows as long as the context with echo and max_tokens 0 (the
     # README's prompt-scoring request). Each such request logged "request ... stopped at the context limit

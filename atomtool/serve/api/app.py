@@ -693,12 +693,19 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.snapshot, served_model_name)
 
+    #: engine requests behind echo requests with max_tokens 0: their one engine token is not the client's output
+    scoring_ids: set[str] = set()
+
     def on_output(out: Any) -> None:
         """Metrics, and a log line when the context limit (not max_tokens) ended a request: OpenAI's API (and
-        vLLM) report "length" for both; a client can tell them apart from usage vs /v1/models' max_model_len."""
+        vLLM) report "length" for both; a client can tell them apart from usage vs /v1/models' max_model_len.
+        A prompt-scoring request (echo, max_tokens 0) asked for no output, so nothing stopped it there."""
         metrics.observe(out)
         limit = getattr(out, "context_limit", None)
-        if out.finished and limit is not None:
+        scoring = out.finished and out.request_id in scoring_ids
+        if out.finished:
+            scoring_ids.discard(out.request_id)
+        if out.finished and limit is not None and not scoring:
             logger.warning("request %s stopped at the context limit (max_model_len %d): prompt %d + output %d "
                            "tokens; finish_reason 'length'", out.request_id, limit, len(out.prompt_token_ids),
                            _num_output_tokens(out))
@@ -817,7 +824,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         explicit["prompt_logprobs"] = prompt_logprobs
         return defaults.sampling_params(explicit)
 
-    async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]]) -> RequestGroup:
+    async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]], *,
+                     scoring: bool = False) -> RequestGroup:
+        """Add one engine request per prompt and choice. ``scoring``: they serve echo with max_tokens 0
+        (see ``scoring_ids``)."""
         reqs = []
         for p, (prompt, params_list) in enumerate(zip(prompts, per_prompt, strict=True)):
             for i, params in enumerate(params_list):
@@ -825,15 +835,19 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         now = time.monotonic()
         for rid, _, _ in reqs:
             metrics.arrived(rid, now)
+            if scoring:
+                scoring_ids.add(rid)
         try:
             return await async_engine.submit(reqs)
         except InvalidRequestError:
             for rid, _, _ in reqs:
                 metrics.forget(rid)
+                scoring_ids.discard(rid)
             raise
         except Exception as exc:  # the engine failed to take the request: an error for this request only
             for rid, _, _ in reqs:
                 metrics.ended_early(rid, "error")
+                scoring_ids.discard(rid)
             status = 503 if isinstance(exc, EngineError) else 500
             message = str(exc) if isinstance(exc, AtomtoolError) else f"{type(exc).__name__}: {exc}"
             raise APIError(status, message, type="server_error") from exc
@@ -848,6 +862,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     def abort_group(group: RequestGroup, reason: str) -> None:
         for rid in list(group.unfinished):
             metrics.ended_early(rid, reason)
+            scoring_ids.discard(rid)
         group.abort()
 
     def completion_logprobs(entries: list[dict], offsets: list[int]) -> CompletionLogProbs:
@@ -1045,7 +1060,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                                prompt_logprobs=engine_prompt_lps) for i in range(req.n)])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        group = await submit(response_id, prompts, per_prompt)
+        group = await submit(response_id, prompts, per_prompt, scoring=prompt_only)
         want_lp = req.logprobs is not None
         view = _prompt_only if prompt_only else None
 
