@@ -1,6 +1,12 @@
 """A demanding new user's reports on prompt log-probs (completions ``echo`` / vLLM's ``prompt_logprobs``), and
 on request output kinds through the engine: each test reproduces what the user saw, against vLLM's documented
 behaviour. Oracle: transformers' own forward pass of a tiny random checkpoint (save_pretrained), float32.
+
+Defects found (each fixed; the tests below failed first): vLLM's ``prompt_logprobs`` said ``rank: null`` for a
+prompt token outside the top k (vLLM always gives its vocabulary rank); an echo request with max_tokens 0 that
+fills the context logged "stopped at the context limit ... output 1 tokens"; an engine abort's cumulative /
+final_only output repeated the last step's ``new_token_ids``. Also pinned: lm-eval's local-completions
+loglikelihood parse over a batch of token-id prompts (``is_greedy`` by exact float equality).
 """
 
 from __future__ import annotations
