@@ -113,6 +113,49 @@ def test_detokenizer_holds_back_possible_stop_prefix_until_resolved(bpe):
     assert d.text() == "the enough"
 
 
+def test_detokenizer_backend_decode_equals_tokenizer_decode(bpe):
+    """The Rust decode the detokenizer calls directly gives what ``tokenizer.decode`` gives on every window
+    (special ids, skipped or kept, partial characters); tokenizers whose wrapper changes the text keep it."""
+    import random
+
+    from atomtool.serve.demo import demo_model_path
+    from atomtool.serve.engine.detokenizer import _backend_decode, decoder_for
+    from atomtool.serve.engine.llm_engine import load_tokenizer
+
+    demo = load_tokenizer(demo_model_path())
+    rng = random.Random(0)
+    for tok in (bpe, demo):
+        fast = _backend_decode(tok)
+        assert fast is not None and decoder_for(tok) is decoder_for(tok)
+        ids = tok.encode("naïve café — 東京 🙂 <s> done") + [tok.eos_token_id, 0, 1]
+        for _ in range(300):
+            i = rng.randrange(len(ids))
+            window = ids[i:i + rng.randrange(1, 8)]
+            for skip in (True, False):
+                assert fast(window, skip) == tok.decode(window, skip_special_tokens=skip), (window, skip)
+    # clean_up_tokenization_spaces changes the text of a non-BPE tokenizer: the wrapper stays
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    wl = Tokenizer(models.WordLevel({"a": 0, ".": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=wl, clean_up_tokenization_spaces=True)
+    assert _backend_decode(cleaned) is None
+    assert decoder_for(cleaned)([0, 1], True) == cleaned.decode([0, 1], skip_special_tokens=True) == "a."
+
+    class Shouting(PreTrainedTokenizerFast):  # a model's tokenizer class with its own decode
+        def _decode(self, token_ids, **kw):
+            return super()._decode(token_ids, **kw).upper()
+
+    loud = Shouting(tokenizer_object=bpe.backend_tokenizer, bos_token="<s>", eos_token="</s>")
+    assert _backend_decode(loud) is None
+    ids = bpe.encode("hello there")
+    assert decoder_for(loud)(ids, True) == "HELLO THERE"
+    d = IncrementalDetokenizer(loud, [], None)
+    d.add(ids)
+    d.flush()
+    assert d.text(final=True) == "HELLO THERE"
+
+
 # -- through the engine ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,54 @@ of streamed deltas equals the final text.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 _CONTEXT = 5  # tokens of left context used to decode a new token (word-boundary spaces, byte merges)
 
 _SKIPPED_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> frozenset of ids
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (ids, skip) -> text
+
+
+def _backend_decode(tokenizer) -> Callable[[list[int], bool], str] | None:
+    """The Rust ``tokenizers.Tokenizer.decode`` of a transformers fast tokenizer when calling it gives exactly
+    what ``tokenizer.decode(ids, skip_special_tokens=skip)`` gives on a list of ints; None otherwise.
+
+    Why: transformers' ``decode`` wraps the one Rust call in argument normalisation (``to_py_obj`` walks the
+    list) and keyword handling that cost about 8x the decode itself on the short windows the detokenizer
+    decodes, twice per generated token (docs/PERFORMANCE.md, "Host cost of detokenization"). The wrapper adds
+    nothing for a list of ints unless the tokenizer class overrides ``decode`` / ``_decode`` or asks for
+    ``clean_up_tokenization_spaces`` (then the wrapper is used, as before)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its own decode
+        return None
+    cls = type(tokenizer)
+    if not (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+
+
+def decoder_for(tokenizer) -> Callable[[list[int], bool], str]:
+    """``(ids, skip_special_tokens) -> text``, equal to ``tokenizer.decode(ids, skip_special_tokens=...)`` for a
+    list of int ids: the backend's own decode where that is the same (:func:`_backend_decode`), else the
+    tokenizer's. Chosen once per tokenizer (weak-keyed cache; a tokenizer that cannot be weakly referenced is
+    not cached)."""
+    try:
+        return _DECODERS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    fn = _backend_decode(tokenizer) or (lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))
+    try:
+        _DECODERS[tokenizer] = fn
+    except TypeError:
+        pass
+    return fn
 
 
 def skipped_special_ids(tokenizer) -> frozenset[int]:
@@ -51,6 +95,7 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.skip = skip_special_tokens
+        self._decode_ids = decoder_for(tokenizer)
         self.include_stop_str = include_stop_str
         # ids the decoded text skips: left out of the decode window, so a run of them (EOS after EOS under
         # ignore_eos) costs no decoding instead of re-decoding a window that grows with every one of them
@@ -60,7 +105,7 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+        return self._decode_ids(ids, self.skip)
 
     def _append(self, delta: str, check_stop: bool = True) -> str | None:
         if self.stopped or not delta:
