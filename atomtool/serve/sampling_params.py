@@ -2,13 +2,90 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from atomtool.errors import InvalidRequestError
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON Schema (a dict, or its JSON text); the output is one JSON value it accepts.
+    - ``json_object``: True; the output is one JSON object (OpenAI's ``response_format`` ``json_object``).
+    - ``regex``: the output matches this regular expression (whole output).
+    - ``choice``: a non-empty list of strings; the output is exactly one of them.
+    - ``grammar``: an EBNF grammar (GBNF / xgrammar dialect, start rule ``root``).
+
+    The engine compiles it with xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured
+    Generation Engine for Large Language Models") and masks, at every step, the tokens that cannot continue
+    a valid output; once the output is complete only EOS may follow, and the request stops with
+    ``finish_reason`` "stop" (a ``max_tokens`` cut before that is "length", the output then incomplete).
+
+    Raises:
+        InvalidRequestError: from :meth:`validate` (``param="structured_outputs"``): none or several set, or a
+            value of the wrong type; the engine raises it too for a schema / regex / grammar xgrammar refuses.
+    """
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> StructuredOutputsParams:
+        """Check that exactly one constraint is set, with the right type; returns self."""
+        def bad(message: str) -> InvalidRequestError:
+            return InvalidRequestError(message, param="structured_outputs")
+
+        names = [f.name for f in fields(self)]
+        given = [n for n in names if getattr(self, n) not in (None, False)]
+        if len(given) != 1:
+            raise bad(f"structured outputs need exactly one of {', '.join(names)}; got "
+                      f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as exc:
+                    raise bad(f"the json schema is not valid JSON: {exc}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (Mapping, bool)):
+                raise bad(f"the json schema must be a JSON object, got {_short(self.json)}")
+        if self.json_object not in (None, True, False):
+            raise bad(f"json_object must be true or false, got {_short(self.json_object)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(f"{name} must be a non-empty string, got {_short(value)}")
+        if self.choice is not None:
+            if (isinstance(self.choice, (str, bytes, Mapping)) or not isinstance(self.choice, Iterable)
+                    or not (choices := list(self.choice))):
+                raise bad(f"choice must be a non-empty list of strings, got {_short(self.choice)}")
+            if any(not isinstance(c, str) for c in choices):
+                raise bad(f"choice must be a list of strings, got {_short(choices)}")
+            self.choice = choices
+        return self
+
+    def key(self) -> tuple[str, str]:
+        """``(kind, text)``: which constraint and its canonical text (a compiled-grammar cache key)."""
+        if self.json is not None:
+            # key order is kept: a schema's property order is the order the output writes them in
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return "grammar", self.grammar or ""
 
 
 @dataclass
@@ -57,6 +134,10 @@ class SamplingParams:
     The sampler applies them first, then the ``min_tokens`` EOS/stop ban, then the penalties, then
     temperature, min-p, top-k and top-p (vLLM's v1 sampler order).
 
+    ``structured_outputs`` (:class:`StructuredOutputsParams`, or its dict form): constrain the output to a JSON
+    schema, any JSON object, a regex, one of several strings or a grammar; its mask is applied with the
+    allowed-token mask (log-probs stay the raw model's).
+
     Raises:
         InvalidRequestError: from :meth:`validate` for out-of-range or wrongly typed values.
     """
@@ -80,6 +161,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def validate(self) -> SamplingParams:
         """Check every field's type and range (bools are not integers here; numpy scalars are numbers and are
@@ -159,6 +241,17 @@ class SamplingParams:
                 raise bad("allowed_token_ids", f"allowed_token_ids must be non-negative integer token ids, got "
                           f"{', '.join(_short(t) for t in wrong[:10])}")
             self.allowed_token_ids = sorted({int(t) for t in ids})
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            if isinstance(so, Mapping):  # the JSON form (vLLM's extra body): {"json": {...}} etc.
+                unknown = sorted(set(so) - {f.name for f in fields(StructuredOutputsParams)})
+                if unknown:
+                    raise bad("structured_outputs", f"unknown structured_outputs field(s): {', '.join(unknown)}")
+                so = StructuredOutputsParams(**so)
+            if not isinstance(so, StructuredOutputsParams):
+                raise bad("structured_outputs", f"structured_outputs must be StructuredOutputsParams or a dict, "
+                          f"got {_short(so)}")
+            self.structured_outputs = so.validate()
         return self
 
     def check_vocab(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:

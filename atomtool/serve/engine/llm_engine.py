@@ -30,6 +30,7 @@ from atomtool.serve.engine.prompt_logprobs import plan_prompt_logprobs
 from atomtool.serve.engine.sampler import Sampler
 from atomtool.serve.engine.scheduler import Scheduler
 from atomtool.serve.engine.sequence import Sequence
+from atomtool.serve.engine.structured import GrammarBackend
 from atomtool.serve.models.base import CausalLM
 from atomtool.serve.sampling_params import SamplingParams
 
@@ -133,6 +134,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         #: requests whose prompt log-probs are not all computed: a step plans them only while this is non-empty
         self._prompt_logprobs_pending: set[str] = set()
+        self._grammars: GrammarBackend | None = None  # built on the first structured-outputs request
 
     @classmethod
     def from_model(cls, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
@@ -196,6 +198,8 @@ class LLMEngine:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens, more than max_model_len "
                                       f"{self.max_model_len}", param="prompt")
         seq = Sequence(request_id, ids, params, self.eos_token_ids)
+        if params.structured_outputs is not None:
+            seq.grammar = self._grammar_backend().matcher(params.structured_outputs, list(self.eos_token_ids))
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                include_stop_str=params.include_stop_str_in_output)
@@ -203,6 +207,15 @@ class LLMEngine:
         if seq.needs_prompt_logprobs:
             self._prompt_logprobs_pending.add(request_id)
         self.scheduler.add(seq)
+
+    def _grammar_backend(self) -> GrammarBackend:
+        """The engine's structured-outputs compiler (built once; needs the tokenizer and xgrammar)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer; this engine has none",
+                                          param="structured_outputs")
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (``"abort"``, of the request's
@@ -267,14 +280,20 @@ class LLMEngine:
         may_stop = seq.num_output_tokens > p.min_tokens
         eos = may_stop and not p.ignore_eos and token in seq.eos_token_ids
         stop_id = may_stop and token in p.stop_token_ids
+        # structured outputs: the grammar ends the request once it accepted a stop token (the output is complete;
+        # ignore_eos cannot go on past that) or if it refuses the token (only when every token was masked, e.g.
+        # min_tokens banning the EOS a complete output needs); that token is then a stop token
+        grammar_end = seq.grammar is not None and (not seq.grammar.accept(token) or seq.grammar.is_terminated)
         # a stop token's id is kept in token_ids but its text is not (vLLM; stop strings are cut the same way)
-        hit = (seq.detok.add([token], check_stop=may_stop) if seq.detok is not None and not (eos or stop_id)
-               else None)
+        hit = (seq.detok.add([token], check_stop=may_stop)
+               if seq.detok is not None and not (eos or stop_id or grammar_end) else None)
         reason = stop_reason = None
         if eos:
             reason = "stop"
         elif stop_id:
             reason, stop_reason = "stop", token
+        elif grammar_end:
+            reason = "stop"
         elif hit is not None:
             reason, stop_reason = "stop", hit
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:

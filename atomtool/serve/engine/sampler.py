@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from atomtool.serve.engine.sequence import Sequence
+from atomtool.serve.engine.structured import apply_token_bitmask, fill_bitmasks
 from atomtool.serve.sampling_params import SamplingParams
 
 #: Rows whose top_k is at most this take the ``torch.topk`` candidate path; larger k (or top-p alone)
@@ -406,7 +407,8 @@ class Sampler:
         """logits: [B, V] float32, row b for ``seqs[b]``. Returns ``(token_id, logprob entry or None)`` each.
 
         First the rows that ask get their ``logit_bias`` added and everything outside their
-        ``allowed_token_ids`` masked (:func:`apply_logit_bias`, :func:`apply_allowed_token_ids`); before
+        ``allowed_token_ids`` masked (:func:`apply_logit_bias`, :func:`apply_allowed_token_ids`), and the rows
+        with a grammar (structured outputs, ``seq.grammar``) everything it does not allow; before
         ``min_tokens`` outputs, EOS and ``stop_token_ids`` are masked out (vLLM semantics); then the rows that
         ask for one get their penalties (:func:`apply_penalties`; prompt and output so far from ``seq``), then
         :func:`sample_rows` (min-p included). Log-probs are those of the raw logits (before bias, masking,
@@ -434,6 +436,9 @@ class Sampler:
             x = apply_allowed_token_ids(x, [None if p.allowed_token_ids is None
                                             else self._allowed_tensor(seqs[b], vocab, device)
                                             for b, p in enumerate(params)])
+        grammar_rows = [b for b, s in enumerate(seqs) if s.grammar is not None]
+        if grammar_rows:  # structured outputs: only tokens that continue a valid output
+            x = apply_token_bitmask(x, grammar_rows, fill_bitmasks([seqs[b].grammar for b in grammar_rows]))
         if ban_rows:
             x = x.clone() if x is logits else x  # never write into ``logits``: it stays raw for the log-probs
             x[_host_list(ban_rows, device), _host_list(ban_cols, device)] = float("-inf")

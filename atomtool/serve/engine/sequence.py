@@ -55,6 +55,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.detok = None  # IncrementalDetokenizer, set by the engine
+        self.grammar = None  # structured.GrammarMatcher of a structured-outputs request, set by the engine
         self.new_token_ids: list[int] = []
         self.num_text_sent = 0  # characters of stable text already returned (output_kind "delta")
 

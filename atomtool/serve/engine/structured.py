@@ -1,0 +1,146 @@
+"""Structured outputs: grammar-constrained decoding with xgrammar.
+
+A request's :class:`~atomtool.serve.sampling_params.StructuredOutputsParams` is compiled once per distinct
+constraint (:class:`GrammarBackend`, cached) into an xgrammar ``CompiledGrammar``; each sequence gets its own
+``GrammarMatcher`` (its position in the grammar). Every step the sampler asks the matchers of the rows that
+have one for their next-token bitmask and masks the other tokens to ``-inf`` (:func:`apply_token_bitmask`),
+and the engine advances each matcher with the sampled token. Follows vLLM's xgrammar backend and XGrammar
+(Dong et al. 2024, arXiv:2411.15100). xgrammar is imported only when a request asks for a constraint, so the
+engine runs without it otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from atomtool.errors import InvalidRequestError
+from atomtool.serve.sampling_params import StructuredOutputsParams
+
+#: how to install the library when it is missing
+INSTALL_HINT = "pip install 'xgrammar>=0.2.9' (or: pip install 'atomtool[serve]')"
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise InvalidRequestError(f"structured outputs need the xgrammar library, which is not installed ({exc}); "
+                                  f"{INSTALL_HINT}", param="structured_outputs") from None
+    return xgrammar
+
+
+class GrammarBackend:
+    """Compiles constraints for one tokenizer / vocabulary and makes per-sequence matchers.
+
+    Args:
+        tokenizer: the model's transformers tokenizer (xgrammar reads its vocabulary and decoder type).
+        vocab_size: the model's logits width (may exceed the tokenizer's size: padded rows are never allowed).
+
+    Raises:
+        InvalidRequestError: (``param="structured_outputs"``) xgrammar is not installed.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        # xgrammar's vocabulary must cover every id the tokenizer has, and the logits' width
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=max(vocab_size, len(tokenizer)))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._compiled: dict[tuple[str, str], Any] = {}
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The xgrammar ``CompiledGrammar`` of ``params`` (cached by constraint).
+
+        Raises:
+            InvalidRequestError: (``param="structured_outputs"``) xgrammar refuses the schema, regex or grammar.
+        """
+        key = params.key()
+        if key in self._compiled:
+            return self._compiled[key]
+        kind, text = key
+        try:
+            if kind == "json":  # any_whitespace off: a small model otherwise tends to emit whitespace forever
+                compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":  # OpenAI's json_object: one JSON object (the builtin JSON grammar would
+                # also allow arrays and scalars)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(text)
+            elif kind == "choice":
+                # one EBNF alternative per choice; json.dumps writes each as a quoted, escaped string literal
+                compiled = self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+            else:
+                compiled = self.compiler.compile_grammar(text)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types, message first
+            detail = " ".join(str(exc).split())[:500]
+            raise InvalidRequestError(f"cannot compile the {kind.replace('_', ' ')} constraint: {detail}",
+                                      param="structured_outputs") from None
+        self._compiled[key] = compiled
+        return compiled
+
+    def matcher(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> GrammarMatcher:
+        """A fresh matcher at the start of ``params``' grammar; ``stop_token_ids`` (the request's EOS ids)
+        are the tokens that may end a complete output."""
+        xgr = _xgrammar()
+        compiled = self.compile(params)
+        stops = [t for t in stop_token_ids if 0 <= t < self.vocab_size]
+        return GrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None), self.info.vocab_size)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar (a thin wrapper over xgrammar's ``GrammarMatcher``).
+
+    Args:
+        matcher: the xgrammar matcher. bitmask_vocab: its vocabulary size (bits per bitmask row).
+    """
+
+    def __init__(self, matcher: Any, bitmask_vocab: int) -> None:
+        self._m = matcher
+        self.bitmask_vocab = bitmask_vocab
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, bit ``t % 32`` of word ``t // 32``)."""
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False if the grammar does not allow it (the state is unchanged)."""
+        return bool(self._m.accept_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The output is complete and a stop token was accepted: nothing may follow."""
+        return bool(self._m.is_terminated())
+
+
+def fill_bitmasks(matchers: list[GrammarMatcher]) -> torch.Tensor:
+    """int32 [R, ceil(V / 32)] host bitmask of the rows' allowed next tokens (R = len(matchers) >= 1)."""
+    vocab = matchers[0].bitmask_vocab
+    bitmask = torch.zeros(len(matchers), (vocab + 31) // 32, dtype=torch.int32)
+    for r, m in enumerate(matchers):
+        m.fill_bitmask(bitmask, r)
+    return bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token outside ``bitmask`` set to ``-inf`` in ``rows``; a new tensor.
+
+    Our own few torch ops rather than xgrammar's ``apply_token_bitmask_inplace``: they run on any device
+    with nothing compiled at run time (xgrammar's GPU path compiles a kernel on first use).
+
+    Args:
+        logits: [B, V] float (not modified). rows: the R rows to mask. bitmask: int32 [R, W] (host or
+            device), ``32 * W >= V``; bit ``t % 32`` of word ``t // 32`` set = token t allowed.
+    """
+    device = logits.device
+    vocab = logits.shape[1]
+    bits = bitmask.to(device, non_blocking=True) if device.type == "cuda" else bitmask
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    keep = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    idx = torch.tensor(rows, dtype=torch.long)
+    idx = idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
+    masked = torch.where(keep, logits.index_select(0, idx), float("-inf"))
+    return logits.index_copy(0, idx, masked)

@@ -1,0 +1,158 @@
+"""Structured outputs (vLLM's ``StructuredOutputsParams``; OpenAI's ``response_format``): the engine masks every
+token that cannot continue a valid output, so whatever the model would say, the text is valid.
+
+Oracles: the constraint itself, checked by an independent validator on the output (``json.loads`` plus a
+hand check of the schema; ``re.fullmatch``; membership in the choices), on the demo model (trained to recite
+the Zen of Python, so unconstrained it never writes JSON: the constraint is what makes the output valid). Also
+the unconstrained request for the same prompt (it must differ: the mask acted) and the engine's own invariants
+(finish_reason "stop" once the output is complete; "length" when max_tokens cuts it first).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from atomtool.errors import InvalidRequestError
+from atomtool.serve.demo import DEMO_PROMPT, demo_model_path
+from atomtool.serve.llm import LLM
+from atomtool.serve.sampling_params import SamplingParams, StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory=1 << 22, max_model_len=512)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(demo_model_path()), **ENGINE_KW)
+
+
+def gen(llm, so=None, **kw):
+    params = SamplingParams(max_tokens=kw.pop("max_tokens", 120), temperature=kw.pop("temperature", 0),
+                            structured_outputs=so, **kw)
+    return llm.generate([DEMO_PROMPT], params)[0]
+
+
+def check_schema(obj) -> None:
+    """SCHEMA checked by hand (not by the library that built the mask)."""
+    assert isinstance(obj, dict) and set(obj) == {"name", "age", "tags"}, obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
+    assert isinstance(obj["age"], int) and not isinstance(obj["age"], bool)
+    assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3 and set(obj["tags"]) <= {"a", "b"}
+
+
+def test_unconstrained_demo_output_is_not_json(llm):
+    out = gen(llm)
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_json_schema(llm, temperature):
+    out = gen(llm, StructuredOutputsParams(json=SCHEMA), temperature=temperature, seed=3, max_tokens=200)
+    assert out.finish_reason == "stop", out.text
+    check_schema(json.loads(out.text))
+
+
+def test_json_schema_as_text_and_dict_form(llm):
+    a = gen(llm, StructuredOutputsParams(json=json.dumps(SCHEMA)), max_tokens=200)
+    b = gen(llm, {"json": SCHEMA}, max_tokens=200)
+    assert a.text == b.text
+    check_schema(json.loads(a.text))
+
+
+def test_json_object(llm):
+    out = gen(llm, StructuredOutputsParams(json_object=True), max_tokens=200, temperature=1.0, seed=0)
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+    else:  # cut by max_tokens: a prefix of a JSON object
+        assert out.finish_reason == "length" and out.text.lstrip().startswith("{")
+
+
+def test_regex(llm):
+    pattern = r"(Zen|Python) [0-9]{2,4}-[a-z]{1,6}"
+    for seed in range(3):
+        out = gen(llm, StructuredOutputsParams(regex=pattern), temperature=1.0, seed=seed, max_tokens=60)
+        assert out.finish_reason == "stop"
+        assert re.fullmatch(pattern, out.text), out.text
+
+
+def test_choice(llm):
+    choices = ["yes", "no", 'a "quoted" \\ ünïcode answer']
+    seen = set()
+    for seed in range(12):
+        out = gen(llm, StructuredOutputsParams(choice=choices), temperature=1.5, seed=seed)
+        assert out.finish_reason == "stop" and out.text in choices, out.text
+        seen.add(out.text)
+    assert len(seen) >= 2  # sampling picks among the choices, it does not always take the same one
+
+
+def test_grammar(llm):
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    out = gen(llm, StructuredOutputsParams(grammar=grammar), temperature=1.0, seed=1, max_tokens=40)
+    assert out.finish_reason == "stop"
+    assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", out.text), out.text
+
+
+def test_max_tokens_cut_gives_length_and_a_valid_prefix(llm):
+    out = gen(llm, StructuredOutputsParams(json=SCHEMA), max_tokens=3)
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert out.text.startswith("{")
+
+
+def test_ignore_eos_still_ends_a_complete_output(llm):
+    out = gen(llm, StructuredOutputsParams(choice=["yes", "no"]), ignore_eos=True, max_tokens=50)
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+    assert len(out.token_ids) < 50
+
+
+def test_batch_mixes_constrained_and_free_rows(llm):
+    free = SamplingParams(max_tokens=20, temperature=0)
+    params = [free, SamplingParams(max_tokens=200, temperature=0, structured_outputs={"json": SCHEMA}),
+              free, SamplingParams(max_tokens=20, temperature=0, structured_outputs={"choice": ["x", "y"]})]
+    outs = llm.generate([DEMO_PROMPT] * 4, params)
+    alone = gen(llm, max_tokens=20)
+    assert outs[0].text == outs[2].text == alone.text  # the mask touched only its own rows
+    check_schema(json.loads(outs[1].text))
+    assert outs[3].text in ("x", "y")
+
+
+def test_logprobs_stay_the_models(llm):
+    free = gen(llm, logprobs=3, max_tokens=1)
+    forced = gen(llm, StructuredOutputsParams(choice=["zzz"]), logprobs=3, max_tokens=1)
+    # the forced first token is not the model's favourite, and its reported top-3 are the model's own
+    assert forced.token_ids[0] != free.token_ids[0]
+    assert forced.logprobs[0]["top"] == free.logprobs[0]["top"]
+
+
+@pytest.mark.parametrize("so, message", [
+    (StructuredOutputsParams(), "exactly one of"),
+    (StructuredOutputsParams(json=SCHEMA, regex="a"), "got json, regex"),
+    (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+    (StructuredOutputsParams(json=[1, 2]), "must be a JSON object"),
+    (StructuredOutputsParams(choice=[]), "non-empty list"),
+    (StructuredOutputsParams(choice="yes"), "non-empty list"),
+    (StructuredOutputsParams(choice=["a", 1]), "list of strings"),
+    (StructuredOutputsParams(regex=""), "non-empty string"),
+    ({"jsn": {}}, "unknown structured_outputs field(s): jsn"),
+    ("json", "must be StructuredOutputsParams or a dict"),
+    (StructuredOutputsParams(regex="(unclosed"), "cannot compile the regex constraint"),
+    (StructuredOutputsParams(grammar="root ::= undefined_rule"), "cannot compile the grammar constraint"),
+    (StructuredOutputsParams(json={"type": "nonsense"}), "cannot compile the json constraint"),
+])
+def test_bad_constraints_are_refused_naming_the_field(llm, so, message):
+    with pytest.raises(InvalidRequestError) as ei:
+        gen(llm, so)
+    assert message in str(ei.value) and ei.value.param == "structured_outputs"
+    assert not llm.engine.has_unfinished()
