@@ -16,7 +16,8 @@ import re
 import pytest
 
 from atomtool.errors import InvalidRequestError
-from atomtool.serve.demo import DEMO_PROMPT, demo_model_path
+from atomtool.serve.demo import DEMO_CHAT_MESSAGE, DEMO_PROMPT, demo_model_path
+from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.llm import LLM
 from atomtool.serve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -156,3 +157,90 @@ def test_bad_constraints_are_refused_naming_the_field(llm, so, message):
         gen(llm, so)
     assert message in str(ei.value) and ei.value.param == "structured_outputs"
     assert not llm.engine.has_unfinished()
+
+
+# -- through the OpenAI-compatible server -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client():
+    import openai
+
+    from atomtool.serve.api.app import create_app
+    from atomtool.serve.api.server import ServerThread
+
+    engine = LLMEngine.from_model(str(demo_model_path()), **ENGINE_KW)
+    with ServerThread(create_app(engine, "m")) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+def chat(client, stream=False, **kw):
+    kw = dict(model="m", messages=[{"role": "user", "content": DEMO_CHAT_MESSAGE}], max_tokens=200,
+              temperature=0) | kw
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), finish[-1]
+    choice = client.chat.completions.create(**kw).choices[0]
+    return choice.message.content, choice.finish_reason
+
+
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+
+def test_chat_response_format_json_schema_streamed_and_not(client):
+    text, finish = chat(client, response_format=JSON_SCHEMA_FORMAT)
+    assert finish == "stop"
+    check_schema(json.loads(text))
+    assert chat(client, stream=True, response_format=JSON_SCHEMA_FORMAT) == (text, "stop")
+    free, _ = chat(client)
+    assert free != text
+
+
+def test_chat_response_format_json_object_and_text(client):
+    text, finish = chat(client, response_format={"type": "json_object"}, temperature=1.0, seed=2)
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert finish == "length" and text.startswith("{")
+    assert chat(client, response_format={"type": "text"}) == chat(client)
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": ["red", "green", "blue"]}},
+                                   {"guided_choice": ["red", "green", "blue"]}])
+def test_completions_choice_vllm_fields(client, extra):
+    out = client.completions.create(model="m", prompt=DEMO_PROMPT, max_tokens=10, temperature=1.0, seed=5, n=4,
+                                    extra_body=extra)
+    assert [c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in out.choices] == [True] * 4
+
+
+def test_completions_guided_regex_and_json(client):
+    out = client.completions.create(model="m", prompt=DEMO_PROMPT, max_tokens=30, temperature=0,
+                                    extra_body={"guided_regex": r"[A-Z][a-z]{2,5} [0-9]{3}"}).choices[0]
+    assert re.fullmatch(r"[A-Z][a-z]{2,5} [0-9]{3}", out.text) and out.finish_reason == "stop"
+    out = client.completions.create(model="m", prompt=DEMO_PROMPT, max_tokens=200, temperature=0,
+                                    extra_body={"guided_json": SCHEMA}).choices[0]
+    check_schema(json.loads(out.text))
+
+
+@pytest.mark.parametrize("kw, param, message", [
+    (dict(response_format={"type": "xml"}), "response_format", "response_format type 'xml' is not supported"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format",
+     "needs a 'json_schema' object with a 'schema'"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"}), "response_format",
+     "only one of guided_regex, response_format may constrain the output"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs",
+     "exactly one of"),
+    (dict(extra_body={"structured_outputs": {"jsn": {}}}), "structured_outputs", "unknown structured_outputs"),
+    (dict(extra_body={"guided_choice": []}), "guided_choice", "non-empty list"),
+    (dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex", "cannot compile the regex constraint"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+     "response_format", "cannot compile the json constraint"),
+])
+def test_bad_constraints_are_a_400_naming_the_field(client, kw, param, message):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, **kw)
+    assert info.value.status_code == 400 and message in info.value.message
+    assert info.value.body["param"] == param
+    assert chat(client, max_tokens=5)[1] == "length"  # the server still serves

@@ -78,6 +78,7 @@ from atomtool.serve.api.protocol import (
     ModelList,
     PromptLogprob,
     UsageInfo,
+    structured_outputs_of,
     tool_definition_problem,
     tool_message_problem,
     unsupported_fields,
@@ -772,6 +773,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         bad = unsupported_fields(req)
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0])
+        structured_outputs_of(req)  # the shape of response_format / structured_outputs / guided_* (a 400)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         n_stop = len(req.stop_list())
@@ -818,6 +820,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                     "repetition_penalty": req.repetition_penalty, "min_p": req.min_p,
                     "logit_bias": req.logit_bias, "allowed_token_ids": req.allowed_token_ids,
+                    "structured_outputs": structured_outputs_of(req)[0],
                     # each output adds this step's part only (not O(output length) per step); the server joins
                     # them (collect) or streams them (_StreamText). Not final_only: metrics time every token
                     "output_kind": "delta"}
@@ -825,9 +828,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return defaults.sampling_params(explicit)
 
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]], *,
-                     scoring: bool = False) -> RequestGroup:
+                     scoring: bool = False, constraint_field: str | None = None) -> RequestGroup:
         """Add one engine request per prompt and choice. ``scoring``: they serve echo with max_tokens 0
-        (see ``scoring_ids``)."""
+        (see ``scoring_ids``). ``constraint_field``: the request field the structured-outputs constraint came
+        from (``structured_outputs_of``), named in the 400 when the engine cannot compile it."""
         reqs = []
         for p, (prompt, params_list) in enumerate(zip(prompts, per_prompt, strict=True)):
             for i, params in enumerate(params_list):
@@ -839,10 +843,12 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 scoring_ids.add(rid)
         try:
             return await async_engine.submit(reqs)
-        except InvalidRequestError:
+        except InvalidRequestError as exc:
             for rid, _, _ in reqs:
                 metrics.forget(rid)
                 scoring_ids.discard(rid)
+            if exc.param == "structured_outputs" and constraint_field not in (None, exc.param):
+                raise InvalidRequestError(str(exc), param=constraint_field) from None
             raise
         except Exception as exc:  # the engine failed to take the request: an error for this request only
             for rid, _, _ in reqs:
@@ -1060,7 +1066,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                                prompt_logprobs=engine_prompt_lps) for i in range(req.n)])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        group = await submit(response_id, prompts, per_prompt, scoring=prompt_only)
+        group = await submit(response_id, prompts, per_prompt, scoring=prompt_only,
+                             constraint_field=structured_outputs_of(req)[1])
         want_lp = req.logprobs is not None
         view = _prompt_only if prompt_only else None
 
@@ -1196,7 +1203,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         params = [sampling_params(req, max_tokens, top_n, i) for i in range(req.n)]
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        group = await submit(response_id, [prompt_ids], [params])
+        group = await submit(response_id, [prompt_ids], [params], constraint_field=structured_outputs_of(req)[1])
         tool_out = ToolCallOutput.for_request(tool_parser, req)  # None: the text is content, as without a parser
 
         if req.stream:

@@ -2,7 +2,10 @@
 
 Follows OpenAI's public API reference for ``/v1/completions`` and ``/v1/chat/completions`` and vLLM's
 OpenAI-compatible server for the extra sampling parameters (``ignore_eos``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``) and request-level chat template options. Unknown
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``,
+``structured_outputs`` and the older ``guided_*`` names) and request-level chat template options; OpenAI's
+``response_format`` (``json_object`` / ``json_schema``) is served by the same structured outputs
+(:func:`structured_outputs_of`). Unknown
 request fields are rejected, as OpenAI does ("Unrecognized request argument supplied: foo"), so a typo such as ``max_token`` is a 400
 instead of a silent default; every field the official ``openai`` client can send for these endpoints is
 declared (tests/test_server_protocol.py checks this against ``openai.types``). Parameters we accept but
@@ -31,6 +34,9 @@ import time
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from atomtool.errors import InvalidRequestError
+from atomtool.serve.sampling_params import StructuredOutputsParams
 
 #: Completions' ``max_tokens`` default when the client does not send it (OpenAI's legacy default).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -140,6 +146,13 @@ class _SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False  # a stop string that ends generation stays in the text
     repetition_penalty: float | None = None  # > 0; unset: the generation config's, else 1.0 (off)
     allowed_token_ids: list[int] | None = None  # only these ids may be generated (EOS only if listed)
+    # structured outputs (vLLM's extra body): {"json": schema} | {"json_object": true} | {"regex": ...} |
+    # {"choice": [...]} | {"grammar": EBNF}; and vLLM's earlier names for the same (one of them per request)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -514,8 +527,6 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
             return "tool_choice", (f"tool_choice {what} is not supported: forced tool calls are not supported "
                                    "by this server (forcing a call needs guided decoding, which it does not "
                                    "have); use 'auto' or 'none'")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         if req.functions or req.function_call is not None:
@@ -530,6 +541,62 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
             if getattr(req, name) is not None:
                 return name, f"{name} is not supported by this server"
     return None
+
+
+#: the request fields that ask for structured outputs, with the StructuredOutputsParams field each one sets
+#: (``structured_outputs`` is the whole object; ``response_format`` is chat's, read by structured_outputs_of)
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the request field it came from, or ``(None, None)``.
+
+    Sources: vLLM's ``structured_outputs`` object and its ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar`` fields, and OpenAI's chat ``response_format``: ``{"type": "text"}``
+    (no constraint), ``{"type": "json_object"}`` (one JSON object) or ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}}`` (the schema; ``name`` and ``strict`` are not needed to
+    serve it: the output always follows the schema).
+
+    Raises:
+        InvalidRequestError: (``param`` = the field) several sources at once, an unknown ``response_format``
+            type, a ``json_schema`` without a ``schema`` object, or a constraint of the wrong shape.
+    """
+    given: list[tuple[str, dict[str, Any]]] = []
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, key in GUIDED_FIELDS.items():
+        if getattr(req, name) is not None:
+            given.append((name, {key: getattr(req, name)}))
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("response_format json_schema needs a 'json_schema' object with a "
+                                          "'schema' (the JSON Schema the output must follow)",
+                                          param="response_format")
+            given.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise InvalidRequestError(f"response_format type {kind!r} is not supported; use 'text', "
+                                      "'json_object' or 'json_schema'", param="response_format")
+    if len(given) > 1:
+        raise InvalidRequestError(f"only one of {', '.join(n for n, _ in given)} may constrain the output",
+                                  param=given[1][0])
+    if not given:
+        return None, None
+    field, spec = given[0]
+    try:
+        unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise InvalidRequestError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
+        return StructuredOutputsParams(**spec).validate(), field
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(str(exc), param=field) from None
 
 
 def tool_definition_problem(tools: list[ToolDefinition] | None) -> str | None:
