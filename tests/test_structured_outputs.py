@@ -16,10 +16,10 @@ import re
 import pytest
 
 from atomtool.errors import InvalidRequestError
+from atomtool.serve import SamplingParams, StructuredOutputsParams
 from atomtool.serve.demo import DEMO_CHAT_MESSAGE, DEMO_PROMPT, demo_model_path
 from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.llm import LLM
-from atomtool.serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
 
