@@ -223,9 +223,17 @@ def generate_cmd(
                                                             "finish_reason} instead of text.")] = False,
     generation_config: Annotated[GenerationConfigMode, typer.Option(help=_GEN_CONFIG_HELP)] = (
         GenerationConfigMode.auto),
+    json_schema: Annotated[str | None, typer.Option(
+        help="Structured output: the completion is a JSON value this JSON Schema accepts (the schema as JSON "
+             "text, or the path of a .json file holding it).", show_default=False)] = None,
+    regex: Annotated[str | None, typer.Option(
+        help="Structured output: the completion matches this regular expression.", show_default=False)] = None,
+    choice: Annotated[list[str] | None, typer.Option(
+        help="Structured output: the completion is exactly one of these strings; repeat for each.",
+        show_default=False)] = None,
 ) -> None:
     """Generate completions for one batch of prompts with the engine (offline, no server)."""
-    from atomtool.serve.commands import run_generate
+    from atomtool.serve.commands import run_generate, structured_outputs_option
 
     raise typer.Exit(run_generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -233,7 +241,8 @@ def generate_cmd(
                                   seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
                                   device=device.value, json_out=json_out,
                                   fp8_activations=fp8_activations.value,
-                                  generation_config=generation_config.value))
+                                  generation_config=generation_config.value,
+                                  structured_outputs=structured_outputs_option(json_schema, regex, choice)))
 
 
 @app.command("serve", short_help="Serve a model over an OpenAI-compatible HTTP API.")

@@ -244,3 +244,39 @@ def test_bad_constraints_are_a_400_naming_the_field(client, kw, param, message):
     assert info.value.status_code == 400 and message in info.value.message
     assert info.value.body["param"] == param
     assert chat(client, max_tokens=5)[1] == "length"  # the server still serves
+
+
+# -- atomtool generate -------------------------------------------------------------------------------------
+
+def run_cli(*args):
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+
+    return CliRunner().invoke(app, ["generate", str(demo_model_path()), "--prompt", DEMO_PROMPT, "--device", "cpu",
+                                    "--dtype", "float32", "--temperature", "0", *args])
+
+
+def test_generate_cli_json_schema_file_and_choice(tmp_path):
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(SCHEMA))
+    res = run_cli("--json-schema", str(path), "--max-tokens", "200", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)[0]
+    assert out["finish_reason"] == "stop"
+    check_schema(json.loads(out["text"]))
+    res = run_cli("--json-schema", json.dumps(SCHEMA), "--max-tokens", "200", "--json")
+    assert json.loads(res.stdout)[0]["text"] == out["text"]  # schema as text: same
+    res = run_cli("--choice", "left", "--choice", "right", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)[0]["text"] in ("left", "right")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--regex", "a+", "--choice", "a"], "only one of --regex, --choice may constrain the output"),
+    (["--json-schema", "no/such/schema.json"], "--json-schema no/such/schema.json: cannot read the schema file"),
+    (["--json-schema", "{not json"], "not valid JSON"),
+    (["--regex", "(unclosed"], "cannot compile the regex constraint"),
+])
+def test_generate_cli_bad_constraint_is_one_line_and_exit_1(args, message):
+    res = run_cli(*args)
+    assert res.exit_code == 1 and message in res.output and "Traceback" not in res.output, res.output

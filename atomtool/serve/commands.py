@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from atomtool.errors import InvalidRequestError
 from atomtool.inspect.report import human_bytes
 from atomtool.serve.generation_defaults import GenerationDefaults
+from atomtool.serve.sampling_params import StructuredOutputsParams
 
 
 def engine_summary(engine) -> str:
@@ -54,6 +56,35 @@ def check_prompt_text(prompts: list[str]) -> None:
 GENERATE_DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 
+def structured_outputs_option(json_schema: str | None, regex: str | None,
+                              choice: list[str] | None) -> StructuredOutputsParams | None:
+    """``atomtool generate``'s ``--json-schema`` (JSON text, or the path of a file holding it), ``--regex`` and
+    ``--choice`` as one constraint (None when none is given).
+
+    Raises:
+        InvalidRequestError: more than one given, an unreadable schema file, or a schema that is not JSON.
+    """
+    given = [n for n, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice)) if v]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequestError(f"only one of {', '.join(given)} may constrain the output")
+    if json_schema is None:
+        return StructuredOutputsParams(regex=regex, choice=list(choice) if choice else None).validate()
+    text = json_schema
+    if not json_schema.lstrip().startswith("{"):  # a path
+        try:
+            text = Path(json_schema).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"--json-schema {json_schema}: cannot read the schema file "
+                                      f"({exc.strerror or exc})") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"--json-schema {json_schema[:60]}: not valid JSON ({exc})") from None
+    return StructuredOutputsParams(json=schema).validate()
+
+
 def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                  min_p: float | None = None, repetition_penalty: float | None = None,
@@ -61,8 +92,11 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = Non
                  seed: int | None = None, ignore_eos: bool = False,
                  dtype: str = "auto", device: str = "auto", json_out: bool = False,
                  kv_cache_memory: int | None = None, fp8_activations: str = "auto",
-                 generation_config: str = "auto") -> int:
+                 generation_config: str = "auto", structured_outputs: StructuredOutputsParams | None = None) -> int:
     """Generate for every prompt (one continuous batch) and print the completions; returns the exit code.
+
+    ``structured_outputs``: constrain every completion (``--json-schema`` / ``--regex`` / ``--choice``, see
+    :func:`structured_outputs_option`).
 
     ``--json`` prints a list of ``{"prompt", "text", "token_ids", "finish_reason"}``, one per prompt in order.
     A completion cut by the context limit rather than ``max_tokens`` (both are finish_reason ``"length"``,
@@ -85,7 +119,8 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = Non
     check_prompt_text(list(prompts))
     explicit = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                 "ignore_eos": ignore_eos, "min_p": min_p, "repetition_penalty": repetition_penalty,
-                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty}
+                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                "structured_outputs": structured_outputs}
     GenerationDefaults().sampling_params(explicit, GENERATE_DEFAULTS)  # bad flags fail before the model loads
     llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, fp8_activations=fp8_activations,
               generation_config=generation_config)
