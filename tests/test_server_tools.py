@@ -262,10 +262,9 @@ def test_malformed_tools_are_400(served, tools, message):
 
 
 @pytest.mark.parametrize("tool_choice, message", [
-    ("required", "tool_choice 'required' is not supported: forced tool calls are not supported by this server "
-                 "(forcing a call needs guided decoding, which it does not have); use 'auto' or 'none'"),
-    ({"type": "function", "function": {"name": "get_weather"}},
-     "tool_choice of type 'function' is not supported: forced tool calls are not supported"),
+    ({"type": "function", "function": {"name": "get_time"}},
+     "tool_choice names function 'get_time', which is not in tools ('get_weather'"),
+    ({"type": "function", "function": "get_weather"}, "tool_choice {'type': 'function'} needs 'function': {'name': NAME}"),
     ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}},
      "tool_choice of type 'allowed_tools' is not supported"),
     ("sometimes", "tool_choice: must be 'none', 'auto', 'required' or an object naming a tool, got 'sometimes'"),
@@ -276,7 +275,7 @@ def test_malformed_tools_are_400(served, tools, message):
     ({"function": {"name": "get_weather"}}, "tool_choice: must be 'none', 'auto', 'required' or an object naming "
                                             "a tool, got an object without a 'type' string"),
 ])
-def test_forced_or_invalid_tool_choice_is_400(served, tool_choice, message):
+def test_invalid_tool_choice_is_400(served, tool_choice, message):
     err = error_of(chat(served[0], messages=CONVO, tools=TOOLS, tool_choice=tool_choice))
     assert message in err["message"], err["message"]
     assert err["param"] == "tool_choice"

@@ -55,6 +55,7 @@ from atomtool.serve.api.chat import (
     prompt_char_limit,
     render_chat,
 )
+from atomtool.serve.api.forced_tools import ForcedToolCalls, forced_choice_problem
 from atomtool.serve.api.metrics import ServerMetrics
 from atomtool.serve.api.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -87,7 +88,7 @@ from atomtool.serve.api.strict_json import BodyNotJSON, StrictJSONRoute, surroga
 from atomtool.serve.api.tool_parsers import get_tool_parser
 from atomtool.serve.api.tool_parsers.openai_output import ToolCallOutput
 from atomtool.serve.generation_defaults import GenerationDefaults
-from atomtool.serve.sampling_params import SamplingParams
+from atomtool.serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("atomtool.serve")
 
@@ -810,7 +811,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return max_tokens
 
     def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int, *,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's SamplingParams of one choice; ``structured``: the output constraint when the server
+        sets it (a forced tool call), else the request's own (``structured_outputs_of``)."""
         # choice i samples with seed + i (README), wrapped into the int64 range the client's seed came from
         seed = ((req.seed + choice + 2**63) % 2**64) - 2**63 if req.seed is not None else None
         explicit = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -820,7 +824,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                     "repetition_penalty": req.repetition_penalty, "min_p": req.min_p,
                     "logit_bias": req.logit_bias, "allowed_token_ids": req.allowed_token_ids,
-                    "structured_outputs": structured_outputs_of(req)[0],
+                    "structured_outputs": structured or structured_outputs_of(req)[0],
                     # each output adds this step's part only (not O(output length) per step); the server joins
                     # them (collect) or streams them (_StreamText). Not final_only: metrics time every token
                     "output_kind": "delta"}
@@ -1190,6 +1194,15 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         problem = tool_definition_problem(req.tools)
         if problem is not None:
             raise APIError(400, problem, param="tools")
+        problem = forced_choice_problem(req)
+        if problem is not None:
+            raise APIError(400, problem, param="tool_choice")
+        forced = ForcedToolCalls.for_request(req)  # None: tool_choice does not force a call
+        constraint_field = structured_outputs_of(req)[1]
+        if forced is not None and constraint_field is not None:
+            raise APIError(400, f"tool_choice {req.tool_choice!r} forces a tool call (its arguments are the "
+                           f"output's constraint); it cannot be combined with {constraint_field}",
+                           param=constraint_field)
         prompt_ids = await run_blocking(functools.partial(
             render_chat, tokenizer, req.messages, chat_template=req.chat_template or template,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
@@ -1200,11 +1213,15 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             requested = defaults.get("max_tokens")
         max_tokens = check_length(len(prompt_ids), requested, "messages", clamp=not sent_max)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = [sampling_params(req, max_tokens, top_n, i) for i in range(req.n)]
+        params = [sampling_params(req, max_tokens, top_n, i, structured=forced and forced.constraint)
+                  for i in range(req.n)]
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        group = await submit(response_id, [prompt_ids], [params], constraint_field=structured_outputs_of(req)[1])
-        tool_out = ToolCallOutput.for_request(tool_parser, req)  # None: the text is content, as without a parser
+        group = await submit(response_id, [prompt_ids], [params],
+                             constraint_field="tool_choice" if forced is not None else constraint_field)
+        # the text as tool calls: forced ones (any model, no parser needed) or those a --tool-call-parser finds;
+        # None: the text is content
+        tool_out = forced or ToolCallOutput.for_request(tool_parser, req)
 
         if req.stream:
             started: set[str] = set()

@@ -17,9 +17,8 @@ here (:class:`ToolDefinition`, :class:`ToolCall`, :func:`tool_message_problem`) 
 template by :mod:`atomtool.serve.api.chat`. On the output side, ``atomtool serve --tool-call-parser NAME``
 parses the calls the model writes into ``message.tool_calls`` (:mod:`atomtool.serve.api.tool_parsers`);
 without it a call is whatever text the model writes, returned as ``content``. A forced call
-(``tool_choice`` ``"required"`` or a named tool) needs guided decoding, which the engine does not have, so it
-is refused with a 400; ``"none"`` and ``"auto"`` are accepted; any other value than ``"none"`` without
-``tools`` is a 400, as in vLLM.
+(``tool_choice`` ``"required"`` or a named function) is served by structured outputs
+(:mod:`atomtool.serve.api.forced_tools`); any other value than ``"none"`` without ``tools`` is a 400, as in vLLM.
 
 Types are strict, as OpenAI's and vLLM's servers are: a boolean or a string is not an integer
 (``"max_tokens": true`` or ``"5"`` is a 400, so is a token-id prompt ``[true, false]``), a string is not a
@@ -46,8 +45,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: Roles whose messages must carry ``content`` (OpenAI marks it Required for them).
 CONTENT_REQUIRED_ROLES = ("system", "developer", "user", "tool")
-#: ``tool_choice`` values that do not force a tool call (the only ones served: forcing one needs guided decoding).
-TOOL_CHOICES_SERVED = ("none", "auto")
 #: What a function tool's name may be (OpenAI's FunctionDefinition.name: "a-z, A-Z, 0-9, or contain
 #: underscores and dashes, with a maximum length of 64").
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -510,8 +507,8 @@ class ModelList(BaseModel):
 def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     """The first accepted-but-unsupported parameter set to a non-default value, as (param, message).
 
-    The engine has no suffix yet, and no guided decoding (so it cannot force a tool call); refusing them is
-    clearer than ignoring them (a client would silently get other behaviour).
+    The engine has no suffix yet; refusing such fields is clearer than ignoring them (a client would silently
+    get other behaviour).
     """
     if isinstance(req, CompletionRequest):
         if req.suffix:
@@ -521,12 +518,6 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     if isinstance(req, ChatCompletionRequest):
         if req.tool_choice not in (None, "none") and not req.tools:  # as vLLM: "none" needs no tools
             return "tool_choice", "tool_choice is only allowed when tools are specified"
-        if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES_SERVED:
-            choice = req.tool_choice
-            what = repr(choice) if isinstance(choice, str) else f"of type {choice.get('type')!r}"
-            return "tool_choice", (f"tool_choice {what} is not supported: forced tool calls are not supported "
-                                   "by this server (forcing a call needs guided decoding, which it does not "
-                                   "have); use 'auto' or 'none'")
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         if req.functions or req.function_call is not None:
