@@ -18,6 +18,7 @@ text that may be the beginning of a start tag is held back until it is known not
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +64,8 @@ class ExtractedToolCalls:
 
 def strict_json(text: str) -> Any:
     """``json.loads`` that refuses ``NaN``/``Infinity`` (Python's json accepts them, JSON does not: they
-    would make the arguments text invalid JSON for the client).
+    would make the arguments text invalid JSON for the client), and numbers beyond a double's range
+    (``1e400``: Python reads it as ``inf``, which would be written back as ``Infinity``).
 
     Raises:
         ValueError: ``text`` is not strict JSON (json.JSONDecodeError is a ValueError).
@@ -71,7 +73,13 @@ def strict_json(text: str) -> Any:
     def refuse(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
-    return json.loads(text, parse_constant=refuse)
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number} is out of a double's range")
+        return value
+
+    return json.loads(text, parse_constant=refuse, parse_float=finite)
 
 
 def dump_arguments(arguments: dict[str, Any]) -> str:
