@@ -64,8 +64,10 @@ class ExtractedToolCalls:
 
 def strict_json(text: str) -> Any:
     """``json.loads`` that refuses ``NaN``/``Infinity`` (Python's json accepts them, JSON does not: they
-    would make the arguments text invalid JSON for the client), and numbers beyond a double's range
-    (``1e400``: Python reads it as ``inf``, which would be written back as ``Infinity``).
+    would make the arguments text invalid JSON for the client), numbers beyond a double's range
+    (``1e400``: Python reads it as ``inf``, which would be written back as ``Infinity``), and strings holding
+    a lone UTF-16 surrogate (a ``\\ud800`` escape without its pair: the text could not be sent as UTF-8, and
+    the server refuses such arguments in a request's history).
 
     Raises:
         ValueError: ``text`` is not strict JSON (json.JSONDecodeError is a ValueError).
@@ -79,7 +81,12 @@ def strict_json(text: str) -> Any:
             raise ValueError(f"{number} is out of a double's range")
         return value
 
-    return json.loads(text, parse_constant=refuse, parse_float=finite)
+    value = json.loads(text, parse_constant=refuse, parse_float=finite)
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a string holds a lone UTF-16 surrogate (a \\u escape without its pair)") from None
+    return value
 
 
 def dump_arguments(arguments: dict[str, Any]) -> str:
