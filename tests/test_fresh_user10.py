@@ -173,7 +173,6 @@ TWO_CALLS = ("Checking.\n" + hermes_call("get_weather", '{"city": "Paris"}') + "
              + hermes_call("get_weather", '{"city": "Oslo", "days": 3}'))
 
 
-@pytest.mark.xfail(strict=True, reason="parallel_tool_calls false is ignored: every call comes back")
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_tool_calls_false_returns_only_the_first_call(servers, stream):
     # LangGraph-style clients send parallel_tool_calls false to get one call per turn: both calls came back.

@@ -383,7 +383,7 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: only the first parsed tool call is sent (tool_parsers)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None

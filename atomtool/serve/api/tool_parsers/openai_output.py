@@ -5,7 +5,9 @@ non-streaming ``message`` (``content`` + ``tool_calls``) and the stream's deltas
 Parsing applies to a request that sends ``tools`` and does not set ``tool_choice`` ``"none"`` (vLLM does the
 same); any other request's text is ``content`` as without a parser. finish_reason is ``"tool_calls"`` when at
 least one call was parsed and the model stopped by itself (EOS or a stop string: the engine's ``"stop"``); a
-response cut by ``max_tokens`` or the context stays ``"length"``, so a client can tell it was cut.
+response cut by ``max_tokens`` or the context stays ``"length"``, so a client can tell it was cut. A request
+with ``parallel_tool_calls`` false gets only the first call (index 0), streamed or not, as vLLM's
+``maybe_filter_parallel_tool_calls`` does.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class ToolCallOutput:
     Args:
         parser: the server's parser.
         tools: the request's tools as OpenAI JSON dicts (for formats typed by the tool's schema).
+        parallel: False: only the first call of a choice is sent (the request's ``parallel_tool_calls``).
     """
 
-    def __init__(self, parser: ToolParser, tools: list[dict[str, Any]]) -> None:
-        self.parser, self.tools = parser, tools
+    def __init__(self, parser: ToolParser, tools: list[dict[str, Any]], parallel: bool = True) -> None:
+        self.parser, self.tools, self.parallel = parser, tools, parallel
         self._streams: dict[str, TaggedToolCallStream] = {}
 
     @classmethod
@@ -45,7 +48,8 @@ class ToolCallOutput:
         ``tools``, or ``tool_choice`` ``"none"``)."""
         if parser is None or not req.tools or req.tool_choice == "none":
             return None
-        return cls(parser, [t.model_dump(mode="json", exclude_none=True) for t in req.tools])
+        return cls(parser, [t.model_dump(mode="json", exclude_none=True) for t in req.tools],
+                   parallel=req.parallel_tool_calls is not False)
 
     @staticmethod
     def warn_if_tags_skipped(parser: ToolParser, tokenizer: Any) -> None:
@@ -66,7 +70,7 @@ class ToolCallOutput:
     def message(self, out: Any) -> tuple[ChatResponseMessage, str | None]:
         """A finished choice (a ``RequestOutput`` with the whole ``text``) as its ``message`` and finish_reason."""
         ex = self.parser.extract(out.text, self.tools)
-        calls = [c.openai() for c in ex.tool_calls] or None
+        calls = [c.openai() for c in ex.tool_calls[:None if self.parallel else 1]] or None
         return (ChatResponseMessage(content=ex.content, tool_calls=calls),
                 tool_finish_reason(out.finish_reason, bool(ex.tool_calls)))
 
@@ -84,6 +88,8 @@ class ToolCallOutput:
             tail = stream.finish()
             got.content += tail.content
             got.tool_calls += tail.tool_calls
+        if not self.parallel:
+            got.tool_calls = [tc for tc in got.tool_calls if tc["index"] == 0]
         messages = [DeltaMessage(content=got.content)] if got.content else []
         messages += [DeltaMessage(tool_calls=[tc]) for tc in got.tool_calls]
         if not messages and (out.finished or (lp is not None and lp.content)):
