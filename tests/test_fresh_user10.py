@@ -195,7 +195,6 @@ GLM_CUT = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="a GLM call cut before </tool_call> comes back as a call")
 @pytest.mark.parametrize("text", GLM_CUT)
 @pytest.mark.parametrize("stream", [False, True])
 def test_glm_call_without_its_end_tag_is_not_a_call(servers, text, stream):

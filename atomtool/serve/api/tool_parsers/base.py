@@ -114,7 +114,10 @@ class TaggedToolCallStream:
     Subclasses set the tags and :meth:`parse_body`. Text outside the regions is content; a region whose body
     :meth:`parse_body` refuses is given back as content, markup included (vLLM answers a call it cannot parse
     with the text as content, never an error). A region still open when the text ends counts when its body
-    parses as complete (the end tag may be cut by a stop string or EOS); else it is content too. Content that
+    parses as complete (the end tag may be cut by a stop string or EOS); else it is content too. A format
+    whose bodies cannot tell they are complete (every prefix of a GLM call after its name parses) sets
+    :attr:`open_region_counts` False: its open region is always content, so a call cut by ``max_tokens``
+    is never sent with the arguments written so far. Content that
     is whitespace only is held back until other content arrives, and dropped when calls were made (OpenAI's
     ``content`` is null beside tool calls).
 
@@ -125,6 +128,8 @@ class TaggedToolCallStream:
 
     start_tag: ClassVar[str]
     end_tag: ClassVar[str]
+    #: Whether a region the text ends inside may count as calls (when its body parses); see the class doc.
+    open_region_counts: ClassVar[bool] = True
 
     def __init__(self, tools: list[dict[str, Any]] | None = None,
                  new_id: Callable[[], str] = new_call_id) -> None:
@@ -176,8 +181,10 @@ class TaggedToolCallStream:
         if self._finished:
             raise RuntimeError("finish() called twice")
         out = StreamDelta()
-        if self._in_call:
+        if self._in_call and self.open_region_counts:
             self._region(out, self._buf, self.start_tag + self._buf)
+        elif self._in_call:
+            self._content(out, self.start_tag + self._buf)
         else:
             self._content(out, self._buf)
         self._buf = ""

@@ -48,10 +48,12 @@ def string_params(tools: list[dict[str, Any]], name: str) -> set[str]:
 class Glm45ToolCallStream(TaggedToolCallStream):
     """Incremental GLM-4.5 parser. A body is a name (up to the first newline or ``<arg_key>``; no ``<`` in
     it) followed by ``<arg_key>``/``<arg_value>`` pairs and nothing but whitespace between them; anything else
-    is malformed and stays content."""
+    is malformed and stays content. A call whose ``</tool_call>`` never came is content too (vLLM's ``glm45``
+    reads calls only between both tags): cut after any pair, it would parse with arguments missing."""
 
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
+    open_region_counts = False
 
     def parse_body(self, body: str) -> ParsedBody:
         cut = [i for i in (body.find("\n"), body.find("<arg_key>")) if i >= 0]
