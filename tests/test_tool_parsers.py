@@ -72,8 +72,8 @@ CASES = [
      "Let me check both.\n\n", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Oslo", "days": 3})]),
     ("hermes", "Before. " + hermes_call("f", {}) + " After.", "Before.  After.", [("f", {})]),
     ("hermes", hermes_call("search", NESTED), None, [("search", NESTED)]),
-    ("hermes", "Météo 🌧: " + hermes_call("météo", {"ville": "Zürich", "note": "雨 ☔"}), "Météo 🌧: ",
-     [("météo", {"ville": "Zürich", "note": "雨 ☔"})]),
+    ("hermes", "Météo 🌧: " + hermes_call("meteo", {"ville": "Zürich", "note": "雨 ☔"}), "Météo 🌧: ",
+     [("meteo", {"ville": "Zürich", "note": "雨 ☔"})]),
     # the end tag never came (a stop string or EOS cut it) but the JSON is complete: vLLM takes it too
     ("hermes", f'{TC}\n{{"name": "f", "arguments": {{"a": 1}}}}\n', None, [("f", {"a": 1})]),
     # arguments sent as a JSON string holding an object
@@ -89,7 +89,7 @@ CASES = [
                              "text": "hello world"})]),
     ("glm47", glm_call("f", [("a", "x"), ("b", "2")], newline=False) + glm_call("g", [], newline=False), None,
      [("f", {"a": "x", "b": 2}), ("g", {})]),
-    ("glm45", "天气：" + glm_call("天气", [("城市", "北京")]), "天气：", [("天气", {"城市": "北京"})]),
+    ("glm45", "天气：" + glm_call("tianqi", [("城市", "北京")]), "天气：", [("tianqi", {"城市": "北京"})]),
     ("deepseek_v31", "Checking." + V31_BEGIN + v31_call("get_weather", '{"city": "Paris"}')
      + v31_call("get_time", json.dumps(NESTED)) + V31_END, "Checking.",
      [("get_weather", {"city": "Paris"}), ("get_time", NESTED)]),
@@ -110,6 +110,11 @@ MALFORMED = [
     ("glm45", f"{TC}\n<arg_key>a</arg_key><arg_value>1</arg_value>{ETC}"),  # no name
     ("glm45", f"{TC}f\n<arg_key>a</arg_key>\n<arg_val"),
     ("deepseek_v31", V31_BEGIN + v31_call("f", '{"a": 1') + V31_END),
+    # names no tool can have (OpenAI's ^[a-zA-Z0-9_-]{1,64}$): the answer could not be sent back in history
+    ("hermes", "Météo 🌧: " + hermes_call("météo", {"ville": "Zürich"})),
+    ("glm45", "天气：" + glm_call("天气", [("城市", "北京")])),
+    ("deepseek_v31", V31_BEGIN + v31_call("f", "{}") + v31_call("web.search", "{}") + V31_END),
+    ("deepseek_v32", dsml_block(dsml_invoke("get weather", [("q", True, "x")]))),
     ("deepseek_v32", f"<{D}function_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"a\">1</{D}parameter>\n"
                      f"</{D}invoke>\n</{D}function_calls>"),  # no string attribute
 ]

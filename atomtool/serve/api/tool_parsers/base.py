@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from atomtool.serve.api.protocol import TOOL_NAME_PATTERN
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ class TaggedToolCallStream:
 
     Subclasses set the tags and :meth:`parse_body`. Text outside the regions is content; a region whose body
     :meth:`parse_body` refuses is given back as content, markup included (vLLM answers a call it cannot parse
-    with the text as content, never an error). A region still open when the text ends counts when its body
+    with the text as content, never an error); so is a region naming a function no tool can have (a name
+    outside OpenAI's :data:`~atomtool.serve.api.protocol.TOOL_NAME_PATTERN`, which the request's tools match
+    and which the server requires of the calls in a request's history, so the answer can be sent back). A region still open when the text ends counts when its body
     parses as complete (the end tag may be cut by a stop string or EOS); else it is content too. A format
     whose bodies cannot tell they are complete (every prefix of a GLM call after its name parses) sets
     :attr:`open_region_counts` False: its open region is always content, so a call cut by ``max_tokens``
@@ -199,7 +204,7 @@ class TaggedToolCallStream:
             parsed = self.parse_body(body)
         except (ValueError, TypeError, RecursionError):
             parsed = None
-        if not parsed:
+        if not parsed or not all(re.fullmatch(TOOL_NAME_PATTERN, name) for name, _ in parsed):
             self._content(out, raw)
             return
         for name, arguments in parsed:
