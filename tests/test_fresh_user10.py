@@ -10,7 +10,7 @@ guide appends the returned assistant message and one ``tool`` message per call t
 only between ``<tool_call>`` and ``</tool_call>``), and the server's own non-streamed answer for the streamed
 one.
 
-Defects found (the tests below failed first, marked strict xfail):
+Defects found (each fixed; the tests below failed first, marked strict xfail):
 
 - a number too large for a double (``1e400``) in a call's arguments came back as ``Infinity`` in
   ``function.arguments``: not JSON (JavaScript's ``JSON.parse`` and any strict parser refuse it);
@@ -22,7 +22,15 @@ Defects found (the tests below failed first, marked strict xfail):
   ran it with arguments missing);
 - a call naming a function that no tool can have (``web.search``: not an OpenAI function name) came back as
   a tool call, and the response appended to ``messages`` as OpenAI's guide does was then refused by this
-  same server with a 400 (it requires OpenAI's function names in history).
+  same server with a 400 (it requires OpenAI's function names in history); such a call is now content, as a
+  call the parser cannot read.
+
+Also tried, and found right: streamed deltas joining to the non-streamed message (content, calls, arguments
+text, finish_reason) for every case of tests/test_tool_parsers.py with n=2 and log-probs (every token's
+log-prob once), cut by max_tokens or stopped; usage equal streamed and not; nested JSON, unicode and escaped
+quotes in arguments; text before, between and after calls; malformed calls as content; ``tool_choice``
+none / auto / required / named (the forced ones a 400); ``call_`` ids; the answer's assistant message and tool
+results fed back through the openai client.
 
 Runs on :class:`tests.test_server_support.ScriptedEngine` with a byte-level tokenizer (one token per byte), so
 every token boundary of the markup is a stream chunk boundary.

@@ -118,13 +118,13 @@ class TaggedToolCallStream:
     :meth:`parse_body` refuses is given back as content, markup included (vLLM answers a call it cannot parse
     with the text as content, never an error); so is a region naming a function no tool can have (a name
     outside OpenAI's :data:`~atomtool.serve.api.protocol.TOOL_NAME_PATTERN`, which the request's tools match
-    and which the server requires of the calls in a request's history, so the answer can be sent back). A region still open when the text ends counts when its body
-    parses as complete (the end tag may be cut by a stop string or EOS); else it is content too. A format
-    whose bodies cannot tell they are complete (every prefix of a GLM call after its name parses) sets
-    :attr:`open_region_counts` False: its open region is always content, so a call cut by ``max_tokens``
-    is never sent with the arguments written so far. Content that
-    is whitespace only is held back until other content arrives, and dropped when calls were made (OpenAI's
-    ``content`` is null beside tool calls).
+    and which the server requires of the calls in a request's history, so the answer can be sent back). A
+    region still open when the text ends counts when its body parses as complete (the end tag may be cut by
+    a stop string or EOS); else it is content too. A format whose bodies cannot tell they are complete
+    (every prefix of a GLM call after its name parses) sets :attr:`open_region_counts` False: its open
+    region is always content, so a call cut by ``max_tokens`` is never sent with the arguments written so
+    far. Content that is whitespace only is held back until other content arrives, and dropped when calls
+    were made (OpenAI's ``content`` is null beside tool calls).
 
     Args:
         tools: the request's tool definitions (OpenAI's ``{"type": "function", "function": {...}}`` dicts),
