@@ -29,7 +29,7 @@ Also tried, and found right: streamed deltas joining to the non-streamed message
 text, finish_reason) for every case of tests/test_tool_parsers.py with n=2 and log-probs (every token's
 log-prob once), cut by max_tokens or stopped; usage equal streamed and not; nested JSON, unicode and escaped
 quotes in arguments; text before, between and after calls; malformed calls as content; ``tool_choice``
-none / auto / required / named (the forced ones a 400); ``call_`` ids; the answer's assistant message and tool
+none / auto (required / named, then a 400, are served since: tests/test_forced_tool_calls.py); ``call_`` ids; the answer's assistant message and tool
 results fed back through the openai client.
 
 Runs on :class:`tests.test_server_support.ScriptedEngine` with a byte-level tokenizer (one token per byte), so
