@@ -14,6 +14,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from atomtool.errors import InvalidRequestError
 from atomtool.serve import SamplingParams, StructuredOutputsParams
@@ -51,6 +52,24 @@ def check_schema(obj) -> None:
     assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
     assert isinstance(obj["age"], int) and not isinstance(obj["age"], bool)
     assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3 and set(obj["tags"]) <= {"a", "b"}
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 3], [0, 1, 2, 3, 4]])
+def test_apply_token_bitmask_against_a_bit_by_bit_reference(rows):
+    from atomtool.serve.engine.structured import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(len(rows))
+    vocab = 77  # not a multiple of 32: the last word's high bits lie past the vocabulary
+    logits = torch.randn(5, vocab, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), 3), generator=g, dtype=torch.int32)
+    out = apply_token_bitmask(logits, rows, bitmask)
+    expect = logits.clone()
+    for j, r in enumerate(rows):
+        for t in range(vocab):
+            if not (int(bitmask[j, t // 32]) >> (t % 32)) & 1:
+                expect[r, t] = float("-inf")
+    assert torch.equal(out, expect) and out.data_ptr() != logits.data_ptr()
+    assert not torch.isinf(logits).any()  # the input is not modified
 
 
 def test_unconstrained_demo_output_is_not_json(llm):

@@ -125,22 +125,41 @@ def fill_bitmasks(matchers: list[GrammarMatcher]) -> torch.Tensor:
     return bitmask
 
 
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}  # device -> [256, 8] bool: bit j of byte value b
+
+
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    lut = _BYTE_BITS.get(device)
+    if lut is None:
+        b = torch.arange(256, dtype=torch.int32)
+        lut = ((b.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+        _BYTE_BITS[device] = lut
+    return lut
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` with every token outside ``bitmask`` set to ``-inf`` in ``rows``; a new tensor.
 
     Our own few torch ops rather than xgrammar's ``apply_token_bitmask_inplace``: they run on any device
-    with nothing compiled at run time (xgrammar's GPU path compiles a kernel on first use).
+    with nothing compiled at run time (xgrammar's GPU path compiles a kernel on first use). The int32 words
+    are read as little-endian bytes (x86, ARM and CUDA all are), each byte expanded to its 8 bits by one
+    lookup in a [256, 8] table: one gather instead of shifting every word 32 times (measured on the CPU at a
+    131k vocabulary: 97 -> see docs/PERFORMANCE.md "Host cost of structured outputs").
 
     Args:
-        logits: [B, V] float (not modified). rows: the R rows to mask. bitmask: int32 [R, W] (host or
-            device), ``32 * W >= V``; bit ``t % 32`` of word ``t // 32`` set = token t allowed.
+        logits: [B, V] float (not modified). rows: the R rows to mask (sorted, distinct). bitmask: int32
+            [R, W] (host or device), ``32 * W >= V``; bit ``t % 32`` of word ``t // 32`` set = token t allowed.
     """
     device = logits.device
-    vocab = logits.shape[1]
-    bits = bitmask.to(device, non_blocking=True) if device.type == "cuda" else bitmask
-    shifts = torch.arange(32, device=device, dtype=torch.int32)
-    keep = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    num_rows, vocab = logits.shape
+    words = bitmask.contiguous().view(torch.uint8)  # [R, 4W], little-endian: byte k of word w = tokens 32w+8k..
+    if device.type == "cuda":
+        words = words.to(device, non_blocking=True)
+    keep = _byte_bits(device)[words.long()].flatten(1)[:, :vocab]  # [R, V] bool
+    if len(rows) == num_rows:  # every row is constrained (rows are distinct): no gather / scatter
+        return logits.masked_fill(~keep, float("-inf"))
     idx = torch.tensor(rows, dtype=torch.long)
     idx = idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
-    masked = torch.where(keep, logits.index_select(0, idx), float("-inf"))
-    return logits.index_copy(0, idx, masked)
+    out = logits.clone()
+    out[idx] = logits.index_select(0, idx).masked_fill_(~keep, float("-inf"))
+    return out
