@@ -831,11 +831,27 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         explicit["prompt_logprobs"] = prompt_logprobs
         return defaults.sampling_params(explicit)
 
+    async def compile_constraint(params: SamplingParams, field: str | None) -> None:
+        """Compile a request's structured-outputs constraint in a worker thread (cached by the engine's
+        grammar backend), so the engine thread's ``add_request`` does not: a first constraint reads the
+        vocabulary (seconds for a large one) and each new one takes ~0.1 s, which would stall every running
+        request's decode. A compile error is a 400 naming ``field``."""
+        so = params.structured_outputs
+        backend_of = getattr(engine, "grammar_backend", None)
+        if so is None or backend_of is None:
+            return
+        try:
+            await run_blocking(lambda: backend_of().compile(so))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), param=field or exc.param) from None
+
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]], *,
                      scoring: bool = False, constraint_field: str | None = None) -> RequestGroup:
         """Add one engine request per prompt and choice. ``scoring``: they serve echo with max_tokens 0
         (see ``scoring_ids``). ``constraint_field``: the request field the structured-outputs constraint came
         from (``structured_outputs_of``), named in the 400 when the engine cannot compile it."""
+        if per_prompt and per_prompt[0]:  # every choice of a request has the same constraint
+            await compile_constraint(per_prompt[0][0], constraint_field)
         reqs = []
         for p, (prompt, params_list) in enumerate(zip(prompts, per_prompt, strict=True)):
             for i, params in enumerate(params_list):

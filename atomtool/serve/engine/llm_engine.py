@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,7 @@ class LLMEngine:
         #: requests whose prompt log-probs are not all computed: a step plans them only while this is non-empty
         self._prompt_logprobs_pending: set[str] = set()
         self._grammars: GrammarBackend | None = None  # built on the first structured-outputs request
+        self._grammars_lock = threading.Lock()  # grammar_backend() may be called from a server worker thread
 
     @classmethod
     def from_model(cls, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
@@ -199,7 +201,7 @@ class LLMEngine:
                                       f"{self.max_model_len}", param="prompt")
         seq = Sequence(request_id, ids, params, self.eos_token_ids)
         if params.structured_outputs is not None:
-            seq.grammar = self._grammar_backend().matcher(params.structured_outputs, list(self.eos_token_ids))
+            seq.grammar = self.grammar_backend().matcher(params.structured_outputs, list(self.eos_token_ids))
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                include_stop_str=params.include_stop_str_in_output)
@@ -208,14 +210,22 @@ class LLMEngine:
             self._prompt_logprobs_pending.add(request_id)
         self.scheduler.add(seq)
 
-    def _grammar_backend(self) -> GrammarBackend:
-        """The engine's structured-outputs compiler (built once; needs the tokenizer and xgrammar)."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured outputs need the model's tokenizer; this engine has none",
-                                          param="structured_outputs")
-            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
-        return self._grammars
+    def grammar_backend(self) -> GrammarBackend:
+        """The engine's structured-outputs compiler, built on first use (reading a large vocabulary takes
+        seconds). Thread-safe, unlike the rest of the engine: the server builds it and compiles a request's
+        constraint in a worker thread first (``GrammarBackend.compile`` caches), so ``add_request`` on the
+        engine thread only makes the matcher and running requests do not stall.
+
+        Raises:
+            InvalidRequestError: no tokenizer, or xgrammar not installed (``param="structured_outputs"``).
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs need the model's tokenizer; this engine has "
+                                              "none", param="structured_outputs")
+                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
+            return self._grammars
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (``"abort"``, of the request's

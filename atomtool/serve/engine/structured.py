@@ -52,14 +52,16 @@ class GrammarBackend:
         self._compiled: dict[tuple[str, str], Any] = {}
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The xgrammar ``CompiledGrammar`` of ``params`` (cached by constraint).
+        """The xgrammar ``CompiledGrammar`` of ``params`` (cached by constraint; may be called from any
+        thread).
 
         Raises:
             InvalidRequestError: (``param="structured_outputs"``) xgrammar refuses the schema, regex or grammar.
         """
         key = params.key()
-        if key in self._compiled:
-            return self._compiled[key]
+        compiled = self._compiled.get(key)  # thread-safe: two threads may compile one key twice, never wrongly
+        if compiled is not None:
+            return compiled
         kind, text = key
         try:
             if kind == "json":  # any_whitespace off: a small model otherwise tends to emit whitespace forever
