@@ -6,7 +6,9 @@ This measures that cost against the unconstrained step, on the host only: a real
 (scheduler, real :class:`Sampler`, stop checks, detokenizer with the demo model's tokenizer) over a stand-in
 runner returning fixed random logits (no model runs), ``--batch`` requests each generating up to ``--tokens``
 tokens, greedy (``ignore_eos`` on the free run; the constrained run ends when its JSON is complete, so both
-are compared per step, not per run). Reported: median ms per decode step and the ratio constrained / free.
+are compared per step, not per run). Reported: median ms per decode step (steps where the whole batch runs),
+the parts inside it (bitmask fill and matcher accept: host work, the same on a GPU run; the apply: a tensor op
+where the logits are, here the CPU), and the ratio constrained / free.
 
 ``--vocab N``: instead of the demo model's 512-token tokenizer, a byte-level BPE of N tokens trained on a
 synthetic corpus (:func:`synthetic_tokenizer`; no real large tokenizer is on this machine): the bitmask work
@@ -85,14 +87,40 @@ def run(tokenizer, *, structured: bool, batch: int, tokens: int) -> dict:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=not structured,
                                 structured_outputs=so, output_kind="delta")
         engine.add_request(str(i), [5 + i % 50, 7, 9], params)
+    parts = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                parts[name] += time.perf_counter() - t0
+        return wrapper
+
+    # the sampler and the engine import these names into their modules: time them there
+    import atomtool.serve.engine.sampler as sampler_mod
+    import atomtool.serve.engine.structured as structured_mod
+    saved = (sampler_mod.fill_bitmasks, sampler_mod.apply_token_bitmask, structured_mod.GrammarMatcher.accept)
+    sampler_mod.fill_bitmasks = timed("fill", saved[0])
+    sampler_mod.apply_token_bitmask = timed("apply", saved[1])
+    structured_mod.GrammarMatcher.accept = timed("accept", saved[2])
     steps = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append((time.perf_counter() - t0, len(engine.scheduler.running)))
-    decode = [s for s, running in steps[1:] if running == batch] or [s for s, _ in steps[1:]]
-    return {"run": "json schema" if structured else "free", "steps": len(steps),
-            "full-batch steps": len(decode), "ms per step (median)": 1e3 * statistics.median(decode)}
+    try:
+        while engine.has_unfinished():
+            for k in parts:
+                parts[k] = 0.0
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - t0, len(engine.scheduler.running), dict(parts)))
+    finally:
+        sampler_mod.fill_bitmasks, sampler_mod.apply_token_bitmask, structured_mod.GrammarMatcher.accept = saved
+    decode = [st for st in steps[1:] if st[1] == batch] or steps[1:]
+    row = {"run": "json schema" if structured else "free", "steps": len(steps), "full-batch steps": len(decode),
+           "ms per step (median)": 1e3 * statistics.median(s for s, _, _ in decode)}
+    for k in parts:
+        row[f"{k} ms"] = 1e3 * statistics.median(p[k] for _, _, p in decode)
+    return row
 
 
 def main() -> None:
@@ -112,8 +140,12 @@ def main() -> None:
         tokenizer = load_tokenizer(demo_model_path())
     rows = [run(tokenizer, structured=s, batch=a.batch, tokens=a.tokens) for s in (False, True)]
     C.print_table(f"engine host ms per decode step, batch {a.batch}, vocab {len(tokenizer)} (cpu, 1 thread)", rows,
-                  ["run", "steps", "full-batch steps", "ms per step (median)"])
-    print(f"constrained / free: {rows[1]['ms per step (median)'] / rows[0]['ms per step (median)']:.2f}x")
+                  ["run", "steps", "full-batch steps", "ms per step (median)", "fill ms", "apply ms", "accept ms"])
+    free, con = rows
+    print(f"constrained / free: {con['ms per step (median)'] / free['ms per step (median)']:.2f}x; host-only part "
+          f"(bitmask fill + matcher accept, the same on a GPU run): {con['fill ms'] + con['accept ms']:.2f} ms per "
+          f"step = {(con['fill ms'] + con['accept ms']) / a.batch * 1e3:.1f} us per constrained sequence; the apply "
+          "runs where the logits are (here CPU tensors)")
 
 
 if __name__ == "__main__":
