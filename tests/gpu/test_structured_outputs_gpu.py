@@ -1,7 +1,8 @@
 """Structured outputs on a CUDA GPU: the grammar bitmask built on the host (xgrammar) applied to CUDA logits
-(:func:`atomtool.serve.engine.structured.apply_token_bitmask`: pinned row index, bitmask copied to the device)
-gives bit for bit the CPU result at a realistic vocabulary, and the demo model served on the GPU writes
-schema-valid JSON (CPU oracle: tests/test_structured_outputs.py). Skipped where xgrammar is not installed.
+(:func:`atomtool.serve.engine.structured.apply_token_bitmask`: bitmask copied to the device, xgrammar's Triton
+kernel) gives bit for bit the CPU result (its C++ kernel) at a realistic vocabulary, on all rows and on a subset,
+and the demo model served on the GPU writes schema-valid JSON (CPU oracle: tests/test_structured_outputs.py).
+Skipped where xgrammar is not installed (the device image lacks it: carry its wheels).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def test_bitmask_on_cuda_equals_cpu():
     cpu = apply_token_bitmask(logits, picked, bitmask)
     gpu = apply_token_bitmask(logits.to(DEV), picked, bitmask)
     assert torch.equal(gpu.cpu(), cpu)
+    every = torch.randint(-(2**31), 2**31 - 1, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    assert torch.equal(apply_token_bitmask(logits.to(DEV), list(range(rows)), every).cpu(),
+                       apply_token_bitmask(logits, list(range(rows)), every))
     assert torch.isinf(cpu[picked]).any() and not torch.isinf(cpu[[r for r in range(rows) if r not in picked]]).any()
 
 
