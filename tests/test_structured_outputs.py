@@ -324,3 +324,14 @@ def test_server_compiles_constraints_off_the_engine_thread(client, monkeypatch):
     assert finish == "stop" and isinstance(json.loads(text)["q"], int)
     assert compiled_on[0][0] != "atomtool-engine" and compiled_on[0][1] is False
     assert all(hit for name, hit in compiled_on if name == "atomtool-engine") and len(compiled_on) == 2
+
+
+def test_structured_bench_runs_and_times_its_parts():
+    from benchmarks.structured_bench import run, synthetic_tokenizer
+
+    tok = synthetic_tokenizer(600)
+    assert len(tok) == 600 and tok.eos_token_id == 1
+    free = run(tok, structured=False, batch=4, tokens=12)
+    con = run(tok, structured=True, batch=4, tokens=40)
+    assert free["steps"] == 12 and free["fill ms"] == 0 and free["apply ms"] == 0
+    assert con["fill ms"] > 0 and con["apply ms"] > 0 and con["accept ms"] > 0
