@@ -8,7 +8,7 @@ stop strings, held-back stop-string prefixes, include_stop_str_in_output, min_to
 tokens, multi-byte characters split over byte tokens and a max_tokens cut inside one happen at known
 places) and on the demo model (real forward passes, greedy and seeded sampling). ``LLM.generate`` (which
 now runs final_only) returns what the cumulative engine returns; the server's stream text
-(``_StreamText``) is the same from either kind.
+(``StreamText``) is the same from either kind.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 import pytest
 
 from atomtool.errors import InvalidRequestError
-from atomtool.serve.api.app import _StreamText
+from atomtool.serve.api.text_output import StreamText
 from atomtool.serve.sampling_params import SamplingParams
 from benchmarks.engine_host_bench import scripted_engine
 from tests.engine_fixtures import assert_no_leaks, one_torch_thread  # noqa: F401
@@ -283,10 +283,10 @@ def test_default_is_cumulative():
 # ---------------------------------------------------------------------------------------------- server
 @pytest.mark.parametrize("name,parts,fields", CASES, ids=[c[0] for c in CASES])
 def test_server_stream_chunks_are_the_same_from_either_kind(byte_tok, name, parts, fields):
-    """``_StreamText`` (the SSE text chunks) gives the same chunks from a cumulative and a delta request,
+    """``StreamText`` (the SSE text chunks) gives the same chunks from a cumulative and a delta request,
     including a held-back U+FFFD (the cumulative rule: a trailing U+FFFD waits until the next chunk)."""
     _, steps = run_case(byte_tok, name, parts, fields)
-    a, b = _StreamText(), _StreamText()
+    a, b = StreamText(), StreamText()
     chunks_a = [a.next(s["cumulative"]) for s in steps]
     chunks_b = [b.next(s["delta"]) for s in steps]
     assert chunks_a == chunks_b

@@ -188,7 +188,7 @@ def test_lone_surrogate_is_a_400_naming_the_field(served, path, raw, param, fiel
 
 def test_error_message_quoting_a_lone_surrogate_is_escaped():
     """An error whose message quotes client text holding a lone surrogate still serializes (as \\udc00)."""
-    from atomtool.serve.api.app import APIError
+    from atomtool.serve.api.errors import APIError
 
     r = APIError(404, "The model `\udc00` does not exist.", param="model").response()
     assert json.loads(r.body)["error"]["message"] == "The model `\\udc00` does not exist."
@@ -439,7 +439,8 @@ def test_nesting_limit_is_exactly_100_levels(served_unlimited):
 
 
 def test_unicode_check_walks_any_depth_without_recursion():
-    from atomtool.serve.api.app import APIError, check_unicode
+    from atomtool.serve.api.app import check_unicode
+    from atomtool.serve.api.errors import APIError
 
     deep = _nest(20_000)
     inner = deep

@@ -8,7 +8,7 @@ Robustness: chat-template rendering and prompt tokenization (blocking, CPU-bound
 the client) run in daemon worker threads, never on the event loop, so /health, other requests and
 shutdown signals stay responsive, and a render still running cannot keep the process alive at exit;
 template rendering is bounded (:mod:`atomtool.serve.api.chat`); request bodies above ``max_body_bytes``
-(default :data:`DEFAULT_MAX_BODY_BYTES`) get a 413; a compressed body (any ``Content-Encoding`` but
+(default :data:`~atomtool.serve.api.middleware.DEFAULT_MAX_BODY_BYTES`) get a 413; a compressed body (any ``Content-Encoding`` but
 ``identity``) gets a 415 naming the coding; text that is not valid Unicode (a lone UTF-16 surrogate such
 as ``"\\ud800"`` in the JSON) is a 400 naming the field; a body that is not strict JSON (malformed,
 ``NaN``/``Infinity``, nested deeper than :data:`~atomtool.serve.api.strict_json.MAX_JSON_DEPTH` -- named --,
@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -45,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from atomtool.errors import AtomtoolError, EngineError, InvalidRequestError
 from atomtool.serve.api.async_engine import AsyncEngine, RequestGroup
@@ -55,8 +54,10 @@ from atomtool.serve.api.chat import (
     prompt_char_limit,
     render_chat,
 )
+from atomtool.serve.api.errors import APIError, BodyTooLarge, bad_request, unparsed_body, validation_error
 from atomtool.serve.api.forced_tools import ForcedToolCalls, forced_choice_problem
 from atomtool.serve.api.metrics import ServerMetrics
+from atomtool.serve.api.middleware import DEFAULT_MAX_BODY_BYTES, AuthAndCount, Traffic
 from atomtool.serve.api.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatChoiceLogProbs,
@@ -73,8 +74,6 @@ from atomtool.serve.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     PromptLogprob,
@@ -84,7 +83,20 @@ from atomtool.serve.api.protocol import (
     tool_message_problem,
     unsupported_fields,
 )
-from atomtool.serve.api.strict_json import BodyNotJSON, StrictJSONRoute, surrogate_problem
+from atomtool.serve.api.sse import EngineStream, sse_event, unless_disconnected
+from atomtool.serve.api.strict_json import StrictJSONRoute, surrogate_problem
+from atomtool.serve.api.text_output import (
+    StreamedLogProbs,
+    StreamText,
+    TextOffsets,
+    TokenText,
+    delta_logprobs,
+    join_logprobs,
+    kept_at_stop,
+    num_output_tokens,
+    prompt_only_output,
+    shift_offsets,
+)
 from atomtool.serve.api.tool_parsers import get_tool_parser
 from atomtool.serve.api.tool_parsers.openai_output import ToolCallOutput
 from atomtool.serve.generation_defaults import GenerationDefaults
@@ -92,235 +104,12 @@ from atomtool.serve.sampling_params import SamplingParams, StructuredOutputsPara
 
 logger = logging.getLogger("atomtool.serve")
 
-KNOWN_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
-#: Request-body limit in bytes (``atomtool serve --max-request-bytes``): 16 MiB holds a prompt of two
-#: million tokens as text or ids, far beyond any context window; larger bodies get a 413.
-DEFAULT_MAX_BODY_BYTES = 16 << 20
+#: most stop strings per request (OpenAI allows 4; vLLM sets no limit): each is searched for after every
+#: generated token inside the engine step every request shares, so an unbounded list slows everyone
+MAX_STOP_SEQUENCES = 64
 
 
-class APIError(Exception):
-    """An error answered with OpenAI's error body and an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        # a message quoting client text may hold a lone surrogate, which JSON-as-UTF-8 cannot carry: escape it
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code))
-
-    def response(self) -> Response:
-        return Response(self.body().model_dump_json(), status_code=self.status, media_type="application/json")
-
-
-def _bad_request(exc: InvalidRequestError) -> APIError:
-    return APIError(400, str(exc), param=getattr(exc, "param", None))
-
-
-def _loc_name(loc: list[Any]) -> str:
-    """A pydantic error location as the client wrote it: ``messages[0].role``."""
-    out = ""
-    for x in loc:
-        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
-    return out
-
-
-def _validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """FastAPI's request-validation errors as one OpenAI 400 (message per error, first top-level param).
-
-    A body that is not JSON, not an object or absent gets one plain sentence (FastAPI would report a
-    position as the parameter); an unknown field gets OpenAI's "Unrecognized request argument supplied".
-    """
-    for e in errors:
-        loc = list(e.get("loc", ()))
-        if e.get("type") == "json_invalid":
-            where = f" at position {loc[1]}" if len(loc) > 1 else ""
-            reason = (e.get("ctx") or {}).get("error") or "malformed JSON"
-            reason = reason.removesuffix(" at")  # json's "Invalid control character at" + our " at position"
-            return APIError(400, f"invalid JSON body: {reason}{where}")
-        if loc == ["body"]:  # the body as a whole: form-encoded, a JSON array/string, or missing
-            return APIError(400, "the request body must be a JSON object (Content-Type: application/json)")
-    parts, param = [], None
-    for e in errors:
-        loc = [x for x in e.get("loc", ()) if x != "body"]
-        param = param or (str(loc[0]) if loc else None)  # OpenAI names the top-level parameter
-        name = _loc_name(loc) or "body"
-        if e.get("type") == "extra_forbidden":
-            parts.append(f"Unrecognized request argument supplied: {name}")
-            continue
-        msg = str(e.get("msg"))
-        msg = msg.removeprefix("Value error, ")  # our own validators' messages, without pydantic's prefix
-        parts.append(f"{name}: {msg}")
-    return APIError(400, "; ".join(parts) or "invalid request", param=param)
-
-
-def _unparsed_body(exc: StarletteHTTPException) -> APIError | None:
-    """FastAPI's "There was an error parsing the body" 400 (raised for a body json.loads fails on with an
-    error other than JSONDecodeError) as the "invalid JSON body: ..." 400 every other unparsable body
-    gets; None for any other HTTPException.
-
-    The cause FastAPI chains: RecursionError (nesting deeper than Python's recursion limit, e.g.
-    ``[[[[...]]]]`` a thousand levels) or UnicodeDecodeError (bytes that are not UTF-8/16/32 text).
-    """
-    if exc.status_code != 400 or exc.detail != "There was an error parsing the body":
-        return None
-    cause = exc.__cause__
-    if isinstance(cause, BodyNotJSON):  # NaN/Infinity, or nesting beyond MAX_JSON_DEPTH (strict_json)
-        return APIError(400, f"invalid JSON body: {cause}", param=cause.param)
-    if isinstance(cause, RecursionError):
-        reason = "nesting too deep (arrays/objects nested more levels than the parser allows)"
-    elif isinstance(cause, UnicodeDecodeError):
-        reason = f"the body is not UTF-8 text ({cause.reason} at byte {cause.start})"
-    else:
-        reason = f"{type(cause).__name__}: {cause}" if cause is not None else "malformed JSON"
-    return APIError(400, f"invalid JSON body: {reason}")
-
-
-# ------------------------------------------------------------------------------------- middleware
-def _too_large_message(limit: int) -> str:
-    return f"request body too large: the limit is {limit} bytes (atomtool serve --max-request-bytes)"
-
-
-class _BodyTooLarge(StarletteHTTPException):
-    """Raised by the size-limited ``receive`` once a request body passes the limit (an HTTPException, so
-    FastAPI's body parsing passes it on as a 413 instead of "There was an error parsing the body")."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, _too_large_message(limit))
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, _too_large_message(limit), code="request_too_large")
-
-
-def _content_codings(raw_headers: list[tuple[bytes, bytes]]) -> list[str]:
-    """The content codings a request says its body is in (every ``Content-Encoding`` header, comma lists
-    split, lower-cased), without ``identity`` (no coding)."""
-    codings = []
-    for name, value in raw_headers:
-        if name.lower() == b"content-encoding":
-            codings += [c.strip().lower() for c in value.decode("latin-1").split(",")]
-    return [c for c in codings if c and c != "identity"]
-
-
-def _unsupported_coding(codings: list[str]) -> Response:
-    """The 415 for a compressed request body (RFC 9110 section 15.5.16), with RFC 7694's
-    ``Accept-Encoding: identity`` response header telling the client what it may send instead.
-
-    Request bodies are not decompressed, as in vLLM, FastAPI and uvicorn (none decode a request's
-    Content-Encoding) and OpenAI's clients never compress requests: supporting gzip would need a streaming
-    decoder bounded against zip bombs for no client that uses it, while passing compressed bytes on
-    unread would answer with a misleading "not UTF-8" 400, or parse a body that was never compressed.
-    """
-    named = ", ".join(repr(c) for c in codings)
-    err = APIError(415, f"Content-Encoding {named} is not supported: send the request body uncompressed "
-                   "(no Content-Encoding header, or 'identity')", code="unsupported_content_encoding")
-    response = err.response()
-    response.headers["Accept-Encoding"] = "identity"
-    return response
-
-
-class Traffic:
-    """HTTP requests the app is serving now (``in_flight``) and those cancelled mid-way (``cancelled``: a
-    forced shutdown, the second Ctrl-C, cancels every request task); ``atomtool serve`` reports them."""
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.cancelled = 0
-
-
-class _AuthAndCount:
-    """Pure-ASGI middleware: Bearer-key check on ``/v1/*``, the 415 for a compressed request body
-    (:func:`_unsupported_coding`), the request-body size limit, a response counter by status, and the
-    last-resort 500 for an unexpected exception (counted, logged once).
-
-    (Pure ASGI rather than ``@app.middleware`` so streaming responses and disconnect detection pass
-    through untouched. It sits inside Starlette's ServerErrorMiddleware, which would otherwise answer
-    the 500 after this counter and have uvicorn log the traceback a second time.)
-    """
-
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, traffic: Traffic | None = None) -> None:
-        self.app, self.api_key, self.metrics, self.max_body_bytes = app, api_key, metrics, max_body_bytes
-        self.traffic = traffic or Traffic()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        if path in KNOWN_ENDPOINTS:
-            endpoint = path
-        elif path.startswith("/v1/models/"):
-            endpoint = "/v1/models/{model}"
-        else:
-            endpoint = "other"
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and path.startswith("/v1"):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                        self.api_key.encode()):
-                err = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-                self.metrics.http_requests.labels(endpoint=endpoint, status="401").inc()
-                await err.response()(scope, receive, send)
-                return
-
-        codings = _content_codings(scope.get("headers") or [])
-        if codings:
-            self.metrics.http_requests.labels(endpoint=endpoint, status="415").inc()
-            await _unsupported_coding(codings)(scope, receive, send)
-            return
-
-        limit = self.max_body_bytes
-        try:
-            declared = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            declared = 0
-        if declared > limit:
-            self.metrics.http_requests.labels(endpoint=endpoint, status="413").inc()
-            await _too_large(limit).response()(scope, receive, send)
-            return
-        received = 0
-
-        async def limited_receive() -> dict:  # a chunked body has no Content-Length: count as it arrives
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge(limit)
-            return message
-
-        started = False
-
-        async def counting_send(message: dict) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                self.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
-            await send(message)
-
-        self.traffic.in_flight += 1
-        try:
-            await self.app(scope, limited_receive, counting_send)
-        except asyncio.CancelledError:
-            self.traffic.cancelled += 1
-            raise
-        except _BodyTooLarge:
-            if not started:
-                await _too_large(limit).response()(scope, receive, counting_send)
-        except Exception as exc:
-            logger.exception("request %s %s failed", scope.get("method", ""), path)
-            if not started:
-                await APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
-                               type="server_error").response()(scope, receive, counting_send)
-        finally:
-            self.traffic.in_flight -= 1
 
 
 async def run_blocking(fn: Any, *args: Any) -> Any:
@@ -400,249 +189,6 @@ def check_unicode(req: Any) -> None:
                        param=path.split(".")[0].split("[")[0])
 
 
-# ---------------------------------------------------------------------------------------- helpers
-def _new_tail(text: str, sent: int, finished: bool) -> str:
-    """The part of ``text`` after ``sent`` characters that may be streamed now (see module doc)."""
-    delta = text[sent:]
-    if not finished:
-        delta = delta.rstrip("\ufffd")
-    return delta
-
-
-class _StreamText:
-    """One request's streamed text: the chunk each output adds (:func:`_new_tail`), from a cumulative output
-    (its text past what was sent) or a delta one (its text after the part of earlier ones not sent yet: a
-    trailing U+FFFD waits, as for a cumulative output), so both give the same chunks."""
-
-    def __init__(self) -> None:
-        self.sent = 0  # characters streamed so far
-        self.pending = ""  # delta outputs' text not streamed yet
-
-    def next(self, out: Any) -> str:
-        if getattr(out, "delta", False):
-            text = self.pending + out.text
-            chunk = _new_tail(text, 0, out.finished)
-            self.pending = text[len(chunk):]
-        else:
-            chunk = _new_tail(out.text, self.sent, out.finished)
-        self.sent += len(chunk)
-        return chunk
-
-
-def _num_output_tokens(out: Any) -> int:
-    """Tokens a request has generated so far (``RequestOutput.num_output_tokens``; an engine stand-in's
-    output without it is cumulative: its ``token_ids``)."""
-    n = getattr(out, "num_output_tokens", -1)
-    return n if n >= 0 else len(out.token_ids)
-
-
-def _prompt_only(out: Any) -> Any:
-    """An echo request with ``max_tokens`` 0 runs as a one-token request (vLLM's "echo without generation"):
-    its output with that token dropped (no token ids, text or log-probs; 0 output tokens for usage) and
-    finish_reason ``"length"`` (max_tokens 0 reached; ``"abort"`` stays)."""
-    reason = None
-    if out.finished:
-        reason = "abort" if out.finish_reason == "abort" else "length"
-    return dataclasses.replace(out, token_ids=[], new_token_ids=[], text="", num_output_tokens=0,
-                               logprobs=[] if out.logprobs is not None else None, finish_reason=reason,
-                               stop_reason=None, context_limit=None)
-
-
-def _shift_offsets(lp: Any, by: int) -> Any:
-    """``lp`` (CompletionLogProbs) with every text_offset moved ``by`` characters (in place; returned)."""
-    lp.text_offset = [o + by for o in lp.text_offset]
-    return lp
-
-
-def _join_logprobs(first: Any, second: Any) -> Any:
-    """Two CompletionLogProbs one after the other (``second`` may be None)."""
-    if second is None:
-        return first
-    return type(first)(tokens=first.tokens + second.tokens, token_logprobs=first.token_logprobs
-                       + second.token_logprobs, top_logprobs=first.top_logprobs + second.top_logprobs,
-                       text_offset=first.text_offset + second.text_offset)
-
-
-def _delta_logprobs(out: Any) -> list[dict]:
-    """The log-prob entries of ``out.new_token_ids`` whether the engine reports them whole or per step."""
-    lps = out.logprobs
-    if not lps:
-        return []
-    new = len(out.new_token_ids or ())
-    if len(lps) == len(out.token_ids):
-        return list(lps[len(lps) - new:]) if new else []
-    return list(lps[-new:]) if new else []
-
-
-#: most stop strings per request (OpenAI allows 4; vLLM sets no limit): each is searched for after every
-#: generated token inside the engine step every request shares, so an unbounded list slows everyone
-MAX_STOP_SEQUENCES = 64
-
-
-#: SentencePiece's word-boundary mark (U+2581 LOWER ONE EIGHTH BLOCK): the space before a piece
-SENTENCEPIECE_SPACE = "\u2581"
-
-
-class _TokenText:
-    """Token id -> display string for log-probs (cached ``tokenizer.decode([id])``), and -> the token's raw
-    UTF-8 bytes (OpenAI's chat ``bytes``: joining a text's token bytes gives its UTF-8 even where a character
-    is split over byte tokens, whose display string is U+FFFD).
-
-    A SentencePiece piece that starts a word (``▁the``, U+2581 marking the space before it, as in Llama-2's
-    and Mistral's tokenizers) keeps that space (``" the"``): decoded alone, those tokenizers' decoders strip
-    a text's first space, so ``decode([id])`` would be ``"the"`` and the joined tokens would lose every word
-    boundary the text has."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-        self.bytes_cache: dict[int, bytes] = {}
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self.byte_level = type(decoder).__name__ == "ByteLevel"
-        self.byte_decoder: dict[str, int] = {}
-        if self.byte_level:
-            from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-            self.byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
-        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-
-    def __call__(self, token_id: int) -> str:
-        s = self.cache.get(token_id)
-        if s is None:
-            s = self.tokenizer.decode([int(token_id)])
-            if not s.startswith(" ") and not self.byte_level and int(token_id) not in self.special:
-                piece = self.tokenizer.convert_ids_to_tokens(int(token_id)) or ""
-                if piece.startswith(SENTENCEPIECE_SPACE):
-                    s = " " + s
-            if len(self.cache) < 200_000:
-                self.cache[token_id] = s
-        return s
-
-    def raw_bytes(self, token_id: int) -> bytes:
-        """The token's own bytes: a byte-level BPE piece mapped back through GPT-2's byte alphabet, a
-        SentencePiece byte-fallback piece (``<0xC3>``) as its byte, else the UTF-8 of its display string
-        (special tokens, whole characters)."""
-        b = self.bytes_cache.get(token_id)
-        if b is not None:
-            return b
-        b = self(token_id).encode("utf-8")
-        if int(token_id) not in self.special:
-            piece = self.tokenizer.convert_ids_to_tokens(int(token_id)) or ""
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                with contextlib.suppress(ValueError):
-                    b = bytes([int(piece[3:5], 16)])
-            elif self.byte_level and piece and all(c in self.byte_decoder for c in piece):
-                b = bytes(self.byte_decoder[c] for c in piece)
-        if len(self.bytes_cache) < 200_000:
-            self.bytes_cache[token_id] = b
-        return b
-
-
-class _TextOffsets:
-    """OpenAI's completions ``text_offset``: where in the request's text each generated token starts, i.e.
-    the length of the text decoded before it, by the engine's own incremental detokenizer over the same
-    prompt (a token inside a multi-byte character starts at that character; special tokens, skipped in the
-    text, take no room)."""
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
-
-        self.detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
-
-    def next(self, token_ids: list[int]) -> list[int]:
-        """Offsets of ``token_ids`` (the request's next generated tokens, in order)."""
-        offsets = []
-        for t in token_ids:
-            offsets.append(len(self.detok.text(final=True)))
-            self.detok.add([int(t)], check_stop=False)
-        return offsets
-
-
-def _kept_at_stop(offsets: list[int], text_len: int, already: int = 0) -> int:
-    """How many of a completion's next log-prob entries (their ``text_offset`` s, in order) a stop-string cut
-    keeps: those of the tokens that start inside the final text (``text_len`` characters), and at least one
-    entry in all (``already`` entries were kept before these)."""
-    return max(1, already + sum(o < text_len for o in offsets)) - already
-
-
-class _StreamedLogProbs:
-    """One request's completions log-probs in a stream: each entry goes out with the text its token starts
-    (its offset below the text streamed so far), so tokens whose text is held back (an incomplete UTF-8
-    character, a possible stop-string prefix) wait for it; at the end a stop-string cut keeps what the
-    non-streamed response keeps (:func:`_kept_at_stop`), so the streamed entries join to the same list."""
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        self.offsets = _TextOffsets(tokenizer, prompt_token_ids)
-        self.pending: list[tuple[dict, int]] = []  # (entry, text_offset) not streamed yet
-        self.released = 0  # entries streamed so far
-        self.text_len = 0  # characters streamed so far
-
-    def next(self, out: Any, entries: list[dict], delta: str) -> tuple[list[dict], list[int]]:
-        """The entries (and their offsets) to send with ``delta``, the text chunk of output ``out``."""
-        self.pending += zip(entries, self.offsets.next([e["token_id"] for e in entries]), strict=True)
-        self.text_len += len(delta)
-        if not out.finished:
-            n = 0
-            while n < len(self.pending) and self.pending[n][1] < self.text_len:
-                n += 1
-        elif isinstance(out.stop_reason, str):  # the whole text has been streamed: text_len is its length
-            n = _kept_at_stop([o for _, o in self.pending], self.text_len, self.released)
-        else:
-            n = len(self.pending)
-        send, self.pending = self.pending[:n], self.pending[n:]
-        self.released += len(send)
-        return [e for e, _ in send], [o for _, o in send]
-
-
-class _EngineStream(StreamingResponse):
-    """An SSE response that runs ``on_close`` however it ends (normal end, error, or a client gone before
-    the body generator even started, when the generator's own ``finally`` never runs)."""
-
-    def __init__(self, content: Any, on_close: Any) -> None:
-        super().__init__(content, media_type="text/event-stream")
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _sse(obj: Any) -> str:
-    """One server-sent event carrying a pydantic model (strict JSON: non-finite floats become null)."""
-    return f"data: {obj.model_dump_json()}\n\n"
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, coro: Any) -> Any:
-    """Await ``coro`` but cancel it if the client disconnects first (its ``finally`` aborts the work).
-
-    Raises:
-        APIError: 499 when the client went away (nobody reads the answer; logged as such).
-    """
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    raise APIError(499, "client disconnected")
-
 
 #: The 400 for a chat request carrying its own ``chat_template`` while the server does not accept one.
 REQUEST_CHAT_TEMPLATE_REFUSED = (
@@ -710,10 +256,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if out.finished and limit is not None and not scoring:
             logger.warning("request %s stopped at the context limit (max_model_len %d): prompt %d + output %d "
                            "tokens; finish_reason 'length'", out.request_id, limit, len(out.prompt_token_ids),
-                           _num_output_tokens(out))
+                           num_output_tokens(out))
 
     async_engine.on_output = on_output
-    token_text = _TokenText(tokenizer)
+    token_text = TokenText(tokenizer)
     max_model_len = int(engine.max_model_len)
     max_prompt_chars = prompt_char_limit(tokenizer, max_model_len) if tokenizer is not None else 1 << 62
 
@@ -739,20 +285,20 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> Response:
-        return _bad_request(exc).response()
+        return bad_request(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        return _validation_error(exc.errors()).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        unparsed = _unparsed_body(exc)
+        unparsed = unparsed_body(exc)
         if unparsed is not None:
             return unparsed.response()
         return APIError(exc.status_code, str(exc.detail),
                         type="invalid_request_error" if exc.status_code < 500 else "server_error",
-                        code="request_too_large" if isinstance(exc, _BodyTooLarge) else None).response()
+                        code="request_too_large" if isinstance(exc, BodyTooLarge) else None).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
@@ -760,7 +306,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
 
     app.state.traffic = Traffic()
-    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes,
+    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes,
                        traffic=app.state.traffic)
 
     # --------------------------------------------------------------------------------- shared
@@ -826,7 +372,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     "logit_bias": req.logit_bias, "allowed_token_ids": req.allowed_token_ids,
                     "structured_outputs": structured or structured_outputs_of(req)[0],
                     # each output adds this step's part only (not O(output length) per step); the server joins
-                    # them (collect) or streams them (_StreamText). Not final_only: metrics time every token
+                    # them (collect) or streams them (StreamText). Not final_only: metrics time every token
                     "output_kind": "delta"}
         explicit["prompt_logprobs"] = prompt_logprobs
         return defaults.sampling_params(explicit)
@@ -946,7 +492,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     async def collect(group: RequestGroup, view: Any = None) -> tuple[dict[str, Any], dict[str, list[dict]]]:
         """Every choice's final output (cumulative: a delta request's outputs joined, its prompt log-probs kept)
-        and log-prob entries. ``view``: applied to each engine output first (:func:`_prompt_only`)."""
+        and log-prob entries. ``view``: applied to each engine output first (:func:`prompt_only_output`)."""
         finals: dict[str, Any] = {}
         lps: dict[str, list[dict]] = {rid: [] for rid in group.request_ids}
         texts: dict[str, list[str]] = {rid: [] for rid in group.request_ids}  # delta outputs' text pieces
@@ -957,7 +503,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 if view is not None:
                     out = view(out)
                 rid = out.request_id
-                lps[rid].extend(_delta_logprobs(out))
+                lps[rid].extend(delta_logprobs(out))
                 if getattr(out, "prompt_logprobs", None) is not None:
                     prompt_lps[rid] = out.prompt_logprobs
                 if getattr(out, "delta", False):
@@ -979,7 +525,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     def usage_of(finals: dict[str, Any], n: int) -> UsageInfo:
         prompt = sum(len(out.prompt_token_ids) for rid, out in finals.items() if choice_index(rid) % n == 0)
-        completion = sum(_num_output_tokens(out) for out in finals.values())
+        completion = sum(num_output_tokens(out) for out in finals.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def usage_chunk_builder(req: Any, chunk_cls: Any, response_id: str, created: int) -> Any:
@@ -999,7 +545,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         """Non-streaming body shared by both endpoints: wait for every choice (cancelled if the client
         disconnects), then ``response_cls`` with ``make_choice(index, final output, log-prob entries)`` for
         each choice in index order and the usage of all of them. ``view``: see :func:`collect`."""
-        finals, lps = await _unless_disconnected(raw, collect(group, view))
+        finals, lps = await unless_disconnected(raw, collect(group, view))
         choices = [make_choice(choice_index(rid), out, lps[rid])
                    for rid, out in sorted(finals.items(), key=lambda kv: choice_index(kv[0]))]
         body = response_cls(id=response_id, created=created, model=served_model_name, choices=choices,
@@ -1010,7 +556,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                             view: Any = None) -> AsyncIterator[str]:
         """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``. ``view``: see
         :func:`collect`."""
-        texts: dict[str, _StreamText] = {rid: _StreamText() for rid in group.request_ids}
+        texts: dict[str, StreamText] = {rid: StreamText() for rid in group.request_ids}
         finals: dict[str, Any] = {}
         try:
             try:
@@ -1021,13 +567,13 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     if out.finished:
                         finals[out.request_id] = out
                     for chunk in make_chunks(out, delta):
-                        yield _sse(chunk)
+                        yield sse_event(chunk)
             except EngineError as exc:
                 abort_group(group, "error")
-                yield _sse(APIError(500, str(exc), type="server_error").body())
+                yield sse_event(APIError(500, str(exc), type="server_error").body())
             else:
                 if usage_chunk is not None:
-                    yield _sse(usage_chunk(finals))
+                    yield sse_event(usage_chunk(finals))
             yield "data: [DONE]\n\n"
         finally:
             # Client disconnect cancels this generator: abort what is still running (frees KV blocks).
@@ -1089,7 +635,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         group = await submit(response_id, prompts, per_prompt, scoring=prompt_only,
                              constraint_field=structured_outputs_of(req)[1])
         want_lp = req.logprobs is not None
-        view = _prompt_only if prompt_only else None
+        view = prompt_only_output if prompt_only else None
 
         echo_parts: dict[str, tuple[str, CompletionLogProbs | None]] = {}
 
@@ -1109,7 +655,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 text = tokenizer.decode(ids, skip_special_tokens=True)
             if not want_lp:
                 return text, None
-            offsets = _TextOffsets(tokenizer, []).next(ids)
+            offsets = TextOffsets(tokenizer, []).next(ids)
             return text, echo_logprobs(ids, getattr(out, "prompt_logprobs", None) or [None] * len(ids),
                                        offsets, req.logprobs)
 
@@ -1119,7 +665,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             return [None if e is None else prompt_logprob_dict(e, req.prompt_logprobs) for e in out.prompt_logprobs]
 
         if req.stream:
-            trackers: dict[str, _StreamedLogProbs] = {}
+            trackers: dict[str, StreamedLogProbs] = {}
             started: set[str] = set()  # choices whose first chunk (the echoed prompt) went out
 
             def make_chunks(out: Any, delta: str) -> list[CompletionResponse]:
@@ -1127,19 +673,19 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 if want_lp:
                     tracker = trackers.get(out.request_id)
                     if tracker is None:
-                        tracker = trackers[out.request_id] = _StreamedLogProbs(tokenizer, out.prompt_token_ids)
-                    lp = completion_logprobs(*tracker.next(out, _delta_logprobs(out), delta))
+                        tracker = trackers[out.request_id] = StreamedLogProbs(tokenizer, out.prompt_token_ids)
+                    lp = completion_logprobs(*tracker.next(out, delta_logprobs(out), delta))
                 first = out.request_id not in started
                 started.add(out.request_id)
                 prompt_lps = vllm_prompt_logprobs(out) if first else None
                 if req.echo:
                     prefix, prefix_lp = echoed(out)
                     if lp is not None:
-                        _shift_offsets(lp, len(prefix))
+                        shift_offsets(lp, len(prefix))
                     if first:  # vLLM's stream: the first chunk carries the prompt and the first generated text
                         delta = prefix + delta
                         if prefix_lp is not None:
-                            lp = _join_logprobs(prefix_lp, lp)
+                            lp = join_logprobs(prefix_lp, lp)
                 if not delta and not (lp and lp.tokens) and not out.finished and prompt_lps is None:
                     return []
                 choice = CompletionChoice(index=choice_index(out.request_id), text=delta, logprobs=lp,
@@ -1149,14 +695,14 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                            choices=[choice])]
 
             usage = usage_chunk_builder(req, CompletionResponse, response_id, created)
-            return _EngineStream(stream_events(group, make_chunks, usage, view), lambda: close_group(group))
+            return EngineStream(stream_events(group, make_chunks, usage, view), lambda: close_group(group))
 
         def make_choice(index: int, out: Any, entries: list[dict]) -> CompletionChoice:
             lp = None
             if want_lp:
-                offsets = _TextOffsets(tokenizer, out.prompt_token_ids).next([e["token_id"] for e in entries])
+                offsets = TextOffsets(tokenizer, out.prompt_token_ids).next([e["token_id"] for e in entries])
                 if isinstance(out.stop_reason, str):  # a stop string cut the text: tokens starting past it go
-                    keep = _kept_at_stop(offsets, len(out.text))
+                    keep = kept_at_stop(offsets, len(out.text))
                     entries, offsets = entries[:keep], offsets[:keep]
                 lp = completion_logprobs(entries, offsets)
             text = out.text
@@ -1164,7 +710,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 prefix, prefix_lp = echoed(out)
                 text = prefix + text
                 if lp is not None:
-                    lp = _join_logprobs(prefix_lp, _shift_offsets(lp, len(prefix)))
+                    lp = join_logprobs(prefix_lp, shift_offsets(lp, len(prefix)))
             return CompletionChoice(index=index, text=text, finish_reason=out.finish_reason, logprobs=lp,
                                     prompt_logprobs=vllm_prompt_logprobs(out))
 
@@ -1250,7 +796,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     chunks.append(ChatCompletionChunk(id=response_id, created=created, model=served_model_name,
                                                       choices=[ChatStreamChoice(index=idx, delta=DeltaMessage(
                                                           role="assistant", content=""))]))
-                lp = chat_logprobs(_delta_logprobs(out), top_n) if top_n is not None else None
+                lp = chat_logprobs(delta_logprobs(out), top_n) if top_n is not None else None
                 if tool_out is not None:
                     for delta_msg, reason, with_lp in tool_out.stream_deltas(out, delta, lp):
                         chunks.append(ChatCompletionChunk(
@@ -1267,7 +813,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 return chunks
 
             usage = usage_chunk_builder(req, ChatCompletionChunk, response_id, created)
-            return _EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
+            return EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
 
         def make_choice(index: int, out: Any, entries: list[dict]) -> ChatCompletionChoice:
             message, reason = (ChatResponseMessage(content=out.text), out.finish_reason) if tool_out is None \

@@ -148,7 +148,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     same) or ``atomtool-demo``. Returns 0 after a graceful shutdown, 130 after a forced one (a second
     Ctrl-C while requests were still draining). ``api_key``: required as ``Authorization: Bearer <key>``
     on ``/v1`` routes; None serves without auth, an empty string is refused. ``max_request_bytes``: the
-    request-body limit (default :data:`~atomtool.serve.api.app.DEFAULT_MAX_BODY_BYTES`).
+    request-body limit (default :data:`~atomtool.serve.api.middleware.DEFAULT_MAX_BODY_BYTES`).
     ``trust_request_chat_template``: accept a chat request's own ``chat_template`` (vLLM's flag of that
     name); off, such a request gets a 400 before its template is compiled, since one Jinja expression
     can allocate gigabytes before the render bounds apply (see :func:`~atomtool.serve.api.app.create_app`).
@@ -197,7 +197,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     name = served_model_name or model
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the load
 
-    from atomtool.serve.api.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from atomtool.serve.api.app import create_app
+    from atomtool.serve.api.middleware import DEFAULT_MAX_BODY_BYTES
     from atomtool.serve.commands import engine_summary
     from atomtool.serve.engine.llm_engine import LLMEngine
 

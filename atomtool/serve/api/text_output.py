@@ -1,0 +1,202 @@
+"""Pieces of engine outputs as the HTTP API sends them: the streamable tail of the incremental text, each
+token's text and bytes (OpenAI's ``tokens`` / ``bytes`` / ``text_offset``), and log-probs joined, shifted and
+cut at stop strings, so streamed pieces join to exactly the non-streamed response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+
+def new_tail(text: str, sent: int, finished: bool) -> str:
+    """The part of ``text`` after ``sent`` characters that may be streamed now (see module doc)."""
+    delta = text[sent:]
+    if not finished:
+        delta = delta.rstrip("\ufffd")
+    return delta
+
+
+class StreamText:
+    """One request's streamed text: the chunk each output adds (:func:`new_tail`), from a cumulative output
+    (its text past what was sent) or a delta one (its text after the part of earlier ones not sent yet: a
+    trailing U+FFFD waits, as for a cumulative output), so both give the same chunks."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters streamed so far
+        self.pending = ""  # delta outputs' text not streamed yet
+
+    def next(self, out: Any) -> str:
+        if getattr(out, "delta", False):
+            text = self.pending + out.text
+            chunk = new_tail(text, 0, out.finished)
+            self.pending = text[len(chunk):]
+        else:
+            chunk = new_tail(out.text, self.sent, out.finished)
+        self.sent += len(chunk)
+        return chunk
+
+
+def num_output_tokens(out: Any) -> int:
+    """Tokens a request has generated so far (``RequestOutput.num_output_tokens``; an engine stand-in's
+    output without it is cumulative: its ``token_ids``)."""
+    n = getattr(out, "num_output_tokens", -1)
+    return n if n >= 0 else len(out.token_ids)
+
+
+def prompt_only_output(out: Any) -> Any:
+    """An echo request with ``max_tokens`` 0 runs as a one-token request (vLLM's "echo without generation"):
+    its output with that token dropped (no token ids, text or log-probs; 0 output tokens for usage) and
+    finish_reason ``"length"`` (max_tokens 0 reached; ``"abort"`` stays)."""
+    reason = None
+    if out.finished:
+        reason = "abort" if out.finish_reason == "abort" else "length"
+    return dataclasses.replace(out, token_ids=[], new_token_ids=[], text="", num_output_tokens=0,
+                               logprobs=[] if out.logprobs is not None else None, finish_reason=reason,
+                               stop_reason=None, context_limit=None)
+
+
+def shift_offsets(lp: Any, by: int) -> Any:
+    """``lp`` (CompletionLogProbs) with every text_offset moved ``by`` characters (in place; returned)."""
+    lp.text_offset = [o + by for o in lp.text_offset]
+    return lp
+
+
+def join_logprobs(first: Any, second: Any) -> Any:
+    """Two CompletionLogProbs one after the other (``second`` may be None)."""
+    if second is None:
+        return first
+    return type(first)(tokens=first.tokens + second.tokens, token_logprobs=first.token_logprobs
+                       + second.token_logprobs, top_logprobs=first.top_logprobs + second.top_logprobs,
+                       text_offset=first.text_offset + second.text_offset)
+
+
+def delta_logprobs(out: Any) -> list[dict]:
+    """The log-prob entries of ``out.new_token_ids`` whether the engine reports them whole or per step."""
+    lps = out.logprobs
+    if not lps:
+        return []
+    new = len(out.new_token_ids or ())
+    if len(lps) == len(out.token_ids):
+        return list(lps[len(lps) - new:]) if new else []
+    return list(lps[-new:]) if new else []
+
+
+
+
+#: SentencePiece's word-boundary mark (U+2581 LOWER ONE EIGHTH BLOCK): the space before a piece
+SENTENCEPIECE_SPACE = "\u2581"
+
+
+class TokenText:
+    """Token id -> display string for log-probs (cached ``tokenizer.decode([id])``), and -> the token's raw
+    UTF-8 bytes (OpenAI's chat ``bytes``: joining a text's token bytes gives its UTF-8 even where a character
+    is split over byte tokens, whose display string is U+FFFD).
+
+    A SentencePiece piece that starts a word (``▁the``, U+2581 marking the space before it, as in Llama-2's
+    and Mistral's tokenizers) keeps that space (``" the"``): decoded alone, those tokenizers' decoders strip
+    a text's first space, so ``decode([id])`` would be ``"the"`` and the joined tokens would lose every word
+    boundary the text has."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+        self.bytes_cache: dict[int, bytes] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.byte_decoder: dict[str, int] = {}
+        if self.byte_level:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self.byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+
+    def __call__(self, token_id: int) -> str:
+        s = self.cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([int(token_id)])
+            if not s.startswith(" ") and not self.byte_level and int(token_id) not in self.special:
+                piece = self.tokenizer.convert_ids_to_tokens(int(token_id)) or ""
+                if piece.startswith(SENTENCEPIECE_SPACE):
+                    s = " " + s
+            if len(self.cache) < 200_000:
+                self.cache[token_id] = s
+        return s
+
+    def raw_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: a byte-level BPE piece mapped back through GPT-2's byte alphabet, a
+        SentencePiece byte-fallback piece (``<0xC3>``) as its byte, else the UTF-8 of its display string
+        (special tokens, whole characters)."""
+        b = self.bytes_cache.get(token_id)
+        if b is not None:
+            return b
+        b = self(token_id).encode("utf-8")
+        if int(token_id) not in self.special:
+            piece = self.tokenizer.convert_ids_to_tokens(int(token_id)) or ""
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with contextlib.suppress(ValueError):
+                    b = bytes([int(piece[3:5], 16)])
+            elif self.byte_level and piece and all(c in self.byte_decoder for c in piece):
+                b = bytes(self.byte_decoder[c] for c in piece)
+        if len(self.bytes_cache) < 200_000:
+            self.bytes_cache[token_id] = b
+        return b
+
+
+class TextOffsets:
+    """OpenAI's completions ``text_offset``: where in the request's text each generated token starts, i.e.
+    the length of the text decoded before it, by the engine's own incremental detokenizer over the same
+    prompt (a token inside a multi-byte character starts at that character; special tokens, skipped in the
+    text, take no room)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
+
+    def next(self, token_ids: list[int]) -> list[int]:
+        """Offsets of ``token_ids`` (the request's next generated tokens, in order)."""
+        offsets = []
+        for t in token_ids:
+            offsets.append(len(self.detok.text(final=True)))
+            self.detok.add([int(t)], check_stop=False)
+        return offsets
+
+
+def kept_at_stop(offsets: list[int], text_len: int, already: int = 0) -> int:
+    """How many of a completion's next log-prob entries (their ``text_offset`` s, in order) a stop-string cut
+    keeps: those of the tokens that start inside the final text (``text_len`` characters), and at least one
+    entry in all (``already`` entries were kept before these)."""
+    return max(1, already + sum(o < text_len for o in offsets)) - already
+
+
+class StreamedLogProbs:
+    """One request's completions log-probs in a stream: each entry goes out with the text its token starts
+    (its offset below the text streamed so far), so tokens whose text is held back (an incomplete UTF-8
+    character, a possible stop-string prefix) wait for it; at the end a stop-string cut keeps what the
+    non-streamed response keeps (:func:`kept_at_stop`), so the streamed entries join to the same list."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.offsets = TextOffsets(tokenizer, prompt_token_ids)
+        self.pending: list[tuple[dict, int]] = []  # (entry, text_offset) not streamed yet
+        self.released = 0  # entries streamed so far
+        self.text_len = 0  # characters streamed so far
+
+    def next(self, out: Any, entries: list[dict], delta: str) -> tuple[list[dict], list[int]]:
+        """The entries (and their offsets) to send with ``delta``, the text chunk of output ``out``."""
+        self.pending += zip(entries, self.offsets.next([e["token_id"] for e in entries]), strict=True)
+        self.text_len += len(delta)
+        if not out.finished:
+            n = 0
+            while n < len(self.pending) and self.pending[n][1] < self.text_len:
+                n += 1
+        elif isinstance(out.stop_reason, str):  # the whole text has been streamed: text_len is its length
+            n = kept_at_stop([o for _, o in self.pending], self.text_len, self.released)
+        else:
+            n = len(self.pending)
+        send, self.pending = self.pending[:n], self.pending[n:]
+        self.released += len(send)
+        return [e for e, _ in send], [o for _, o in send]
+
+
