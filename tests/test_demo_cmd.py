@@ -92,3 +92,11 @@ def test_check_reply():
     demo.check_reply(demo.expected_continuation())
     with pytest.raises(demo.DemoError, match="not the Zen of Python; got:\n ugly.\nExplicit is worse"):
         demo.check_reply(" ugly.\nExplicit is worse than implicit.")
+
+
+@pytest.mark.parametrize("text", ['{"principle": "x", "rank": 20}', '{"principle": "x"}', "not json",
+                                  '{"principle": "x", "rank": true}', '{"principle": "x", "rank": 3, "y": 1}'])
+def test_check_structured_refuses_what_the_schema_does_not_accept(text):
+    with pytest.raises(demo.DemoError, match="does not follow the schema"):
+        demo.check_structured(text)
+    demo.check_structured('{"principle": "Flat is better", "rank": 5}')

@@ -9,6 +9,7 @@ module). See docs/DEMO_MODEL.md.
 from __future__ import annotations
 
 import codecs
+import json
 import signal
 import socket
 import subprocess
@@ -244,6 +245,9 @@ def query_stage(base_url: str, console: Console, model: str = DEMO_SERVED_NAME) 
         completion = client.completions.create(model=model, prompt=DEMO_PROMPT, temperature=0, max_tokens=300)
         chat = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": DEMO_CHAT_MESSAGE}], temperature=0, max_tokens=300)
+        structured = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": DEMO_CHAT_MESSAGE}], temperature=0, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "principle", "schema": DEMO_SCHEMA}})
     except openai.OpenAIError as exc:
         raise DemoError(f"query: request to {base_url} failed: {exc}") from exc
     text = completion.choices[0].text
@@ -253,7 +257,34 @@ def query_stage(base_url: str, console: Console, model: str = DEMO_SERVED_NAME) 
     console.print(Text(DEMO_PROMPT, style="dim") + Text(text))
     console.print(f"[bold]chat[/bold] (user: {DEMO_CHAT_MESSAGE!r}) first lines of the reply:")
     console.print(Text("\n".join(chat_text.splitlines()[:3]) + "\n..."))
+    json_text = structured.choices[0].message.content or ""
+    check_structured(json_text)
+    console.print("[bold]structured output[/bold] (the same chat, response_format json_schema: a principle and "
+                  "its rank, 1..19):")
+    console.print(Text(json_text))
     return text, chat_text
+
+
+#: the JSON Schema of the demo's structured-output request (OpenAI's response_format json_schema)
+DEMO_SCHEMA = {"type": "object", "properties": {"principle": {"type": "string", "maxLength": 40},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 19}},
+               "required": ["principle", "rank"], "additionalProperties": False}
+
+
+def check_structured(text: str) -> None:
+    """The structured-output reply must be a JSON object that :data:`DEMO_SCHEMA` accepts (checked by hand).
+
+    Raises:
+        DemoError: it is not.
+    """
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    ok = (isinstance(obj, dict) and set(obj) == {"principle", "rank"} and isinstance(obj["principle"], str)
+          and len(obj["principle"]) <= 40 and type(obj["rank"]) is int and 1 <= obj["rank"] <= 19)
+    if not ok:
+        raise DemoError(f"the server's structured output does not follow the schema; got: {text[:200]!r}")
 
 
 def check_reply(text: str) -> None:
