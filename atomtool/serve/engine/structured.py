@@ -72,9 +72,11 @@ class GrammarBackend:
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(text)
             elif kind == "choice":
-                # one EBNF alternative per choice; json.dumps writes each as a quoted, escaped string literal
+                # one EBNF alternative per choice; json.dumps writes each as a quoted, escaped string literal,
+                # non-ASCII kept as is: xgrammar reads a \u escape as one code point, so a character outside
+                # the BMP written as a surrogate pair of escapes would become two invalid ones
                 compiled = self.compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text)))
             else:
                 compiled = self.compiler.compile_grammar(text)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types, message first
