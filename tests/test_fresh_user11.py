@@ -81,7 +81,6 @@ def test_choice_outside_the_basic_plane_is_one_of_the_choices(llm, choices):
 
 
 # -------------------------------------------------------------------------------- control characters
-@pytest.mark.xfail(strict=True, reason="xgrammar's counted string rule lets raw control characters in")
 @pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 5}, {"type": "string", "minLength": 2},
                                     {"type": "object", "properties": {"s": {"type": "string", "maxLength": 6}},
                                      "required": ["s"], "additionalProperties": False}])
@@ -98,7 +97,6 @@ def test_length_limited_json_string_has_no_raw_control_character(llm, schema):
         strict_loads(out.text)
 
 
-@pytest.mark.xfail(strict=True, reason="xgrammar's counted string rule lets raw control characters in")
 def test_demo_model_json_with_max_length_strings_parses(llm):
     """What the user saw first: seeded chat requests at temperature 1 whose JSON failed json.loads."""
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "maxItems": 5},

@@ -50,6 +50,25 @@ class GrammarBackend:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=max(vocab_size, len(tokenizer)))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._compiled: dict[tuple[str, str], Any] = {}
+        self._no_control: torch.Tensor | None = None  # see _json_tokens
+
+    def _json_tokens(self) -> torch.Tensor:
+        """int32 bitmask row (``ceil(V / 32)`` words) of the tokens whose text holds no control character
+        (a byte 0x00-0x1f; never part of a multi-byte UTF-8 character), built once.
+
+        A JSON output (``json`` / ``json_object``, compiled without free whitespace) never holds one: JSON
+        strings must escape them (RFC 8259) and the separators are fixed spaces. xgrammar 0.2.9's rule for a
+        string with ``minLength`` / ``maxLength`` excludes only ``"``, ``\\``, CR and LF, so its mask alone
+        would let a raw ``\x01`` into such a string and the output would not parse.
+        """
+        if self._no_control is None:
+            ok = torch.tensor([not any(b < 0x20 for b in text) for text in self.info.decoded_vocab], dtype=torch.bool)
+            words = (self.info.vocab_size + 31) // 32
+            bits = torch.zeros(words * 32, dtype=torch.int64)
+            bits[:len(ok)] = ok.long()
+            packed = (bits.view(words, 32) << torch.arange(32)).sum(1)  # bit t % 32 of word t // 32
+            self._no_control = (packed - ((packed >> 31) << 32)).to(torch.int32)  # as int32 (two's complement)
+        return self._no_control
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The xgrammar ``CompiledGrammar`` of ``params`` (cached by constraint; may be called from any
@@ -92,7 +111,18 @@ class GrammarBackend:
         xgr = _xgrammar()
         compiled = self.compile(params)
         stops = [t for t in stop_token_ids if 0 <= t < self.vocab_size]
-        return GrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None), self.info.vocab_size)
+        allowed = None
+        if params.key()[0] in ("json", "json_object"):
+            allowed = self._json_tokens().clone()
+            for t in stops:  # the stop tokens end a complete output, whatever their text
+                allowed[t // 32] |= _bit(t % 32)
+        return GrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None), self.info.vocab_size,
+                              allowed)
+
+
+def _bit(i: int) -> torch.Tensor:
+    """Bit ``i`` (0-31) of an int32 bitmask word, as an int32 scalar tensor."""
+    return torch.tensor(1 << i if i < 31 else -(1 << 31), dtype=torch.int32)
 
 
 class GrammarMatcher:
@@ -100,15 +130,20 @@ class GrammarMatcher:
 
     Args:
         matcher: the xgrammar matcher. bitmask_vocab: its vocabulary size (bits per bitmask row).
+        allowed: an int32 bitmask row the grammar's mask is and-ed with (None: the grammar's alone); see
+            :meth:`GrammarBackend._json_tokens`.
     """
 
-    def __init__(self, matcher: Any, bitmask_vocab: int) -> None:
+    def __init__(self, matcher: Any, bitmask_vocab: int, allowed: torch.Tensor | None = None) -> None:
         self._m = matcher
         self.bitmask_vocab = bitmask_vocab
+        self.allowed = allowed
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32, bit ``t % 32`` of word ``t // 32``)."""
         self._m.fill_next_token_bitmask(bitmask, row)
+        if self.allowed is not None:
+            bitmask[row] &= self.allowed
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it (the state is unchanged)."""
