@@ -10,7 +10,9 @@ JSON *is* the call, whatever the model's format or whether a ``--tool-call-parse
   finish_reason is the engine's (``"stop"``: OpenAI answers a forced named call with ``"stop"`` too).
 - required: the output is a JSON array of at least one ``{"name": ..., "parameters": {...}}`` (one of the
   tools each, its own schema; at most one when ``parallel_tool_calls`` is false); each becomes a call, and the
-  finish_reason is ``"tool_calls"`` once complete.
+  finish_reason is ``"tool_calls"`` once complete. The tools' ``$defs`` (and draft-07 ``definitions``) move to
+  the top of the array schema, so their ``#/$defs/...`` references resolve there (vLLM's
+  ``get_tool_schema_defs``); two tools defining one name differently are a 400.
 
 ``max_tokens`` cutting the JSON first leaves finish_reason ``"length"``: a named call then carries the
 incomplete arguments (as vLLM returns them), a required one returns the text as ``content`` (nothing can be
@@ -25,6 +27,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from atomtool.errors import InvalidRequestError
 from atomtool.serve.api.protocol import ChatResponseMessage, DeltaMessage
 from atomtool.serve.api.tool_parsers.base import new_call_id
 from atomtool.serve.sampling_params import StructuredOutputsParams
@@ -66,6 +69,40 @@ def _parameters(tool: Any) -> dict[str, Any]:
     return params if isinstance(params, dict) and params else NO_PARAMETERS
 
 
+#: the keywords a schema's reusable definitions sit under (``#/$defs/NAME``; draft-07: ``#/definitions/NAME``)
+DEFS_KEYWORDS = ("$defs", "definitions")
+
+
+def _hoisted_defs(tools: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Each tool's parameters schema without its definitions, and those definitions gathered by keyword, for the
+    required choice's array schema (vLLM's ``get_tool_schema_defs``): a tool's ``#/$defs/NAME`` then resolves
+    at the array's top. The request's own schemas are not modified.
+
+    Raises:
+        InvalidRequestError: (``param="tools"``) two tools define the same name differently.
+    """
+    schemas: list[dict[str, Any]] = []
+    defs: dict[str, dict[str, Any]] = {}
+    owner: dict[tuple[str, str], str] = {}
+    for tool in tools:
+        params = dict(_parameters(tool))
+        for keyword in DEFS_KEYWORDS:
+            found = params.pop(keyword, None)
+            if not isinstance(found, dict):
+                continue
+            merged = defs.setdefault(keyword, {})
+            for name, schema in found.items():
+                if name in merged and merged[name] != schema:
+                    raise InvalidRequestError(
+                        f"tools {owner[keyword, name]!r} and {tool.function.name!r} both define {keyword} "
+                        f"{name!r}, differently; tool_choice 'required' needs one schema per definition name",
+                        param="tools")
+                merged[name] = schema
+                owner.setdefault((keyword, name), tool.function.name)
+        schemas.append(params)
+    return schemas, defs
+
+
 class ForcedToolCalls:
     """The forced-call view of one chat request (see the module doc): its output constraint, the finished
     choice's ``message``, and the stream's deltas (one state per choice, by engine request id).
@@ -81,10 +118,12 @@ class ForcedToolCalls:
         if self.name is not None:
             schema = _parameters(next(t for t in tools if t.function.name == self.name))
         else:
+            params, defs = _hoisted_defs(tools)
             items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                       "parameters": _parameters(t)},
-                      "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+                                                       "parameters": p},
+                      "required": ["name", "parameters"], "additionalProperties": False}
+                     for t, p in zip(tools, params, strict=True)]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
             if req.parallel_tool_calls is False:
                 schema["maxItems"] = 1
         self.constraint = StructuredOutputsParams(json=schema).validate()
