@@ -12,7 +12,10 @@ JSON *is* the call, whatever the model's format or whether a ``--tool-call-parse
   tools each, its own schema; at most one when ``parallel_tool_calls`` is false); each becomes a call, and the
   finish_reason is ``"tool_calls"`` once complete. The tools' ``$defs`` (and draft-07 ``definitions``) move to
   the top of the array schema, so their ``#/$defs/...`` references resolve there (vLLM's
-  ``get_tool_schema_defs``); two tools defining one name differently are a 400.
+  ``get_tool_schema_defs``); two tools defining one name differently are a 400. Each call's ``arguments`` is
+  its ``parameters`` written back as JSON; a value JSON cannot hold (a number beyond a double's range such as
+  ``1e400``, a lone surrogate escape ``"\\ud800"``) leaves the whole output as ``content``, as a tool-call
+  parser does with such a call.
 
 ``max_tokens`` cutting the JSON first leaves finish_reason ``"length"``: a named call then carries the
 incomplete arguments (as vLLM returns them), a required one returns the text as ``content`` (nothing can be
@@ -23,13 +26,12 @@ choice are sent whole once the array is complete.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 from atomtool.errors import InvalidRequestError
 from atomtool.serve.api.protocol import ChatResponseMessage, DeltaMessage
-from atomtool.serve.api.tool_parsers.base import new_call_id
+from atomtool.serve.api.tool_parsers.base import dump_arguments, new_call_id, strict_json
 from atomtool.serve.sampling_params import StructuredOutputsParams
 
 #: the schema of a function's arguments when its tool declares no ``parameters`` (OpenAI: "omitting parameters
@@ -139,15 +141,16 @@ class ForcedToolCalls:
         return cls(req)
 
     def _calls(self, text: str) -> list[dict[str, Any]] | None:
-        """A finished output's calls in OpenAI's form, or None when ``text`` is not a complete array (cut)."""
+        """A finished output's calls in OpenAI's form, or None when ``text`` is not a complete array (cut) or
+        holds a value JSON text cannot carry back (``strict_json``: ``1e400``, a lone surrogate escape)."""
         if self.name is not None:
             return [{"id": new_call_id(), "type": "function", "function": {"name": self.name, "arguments": text}}]
         try:
-            items = json.loads(text)
+            items = strict_json(text)
         except ValueError:
             return None
         return [{"id": new_call_id(), "type": "function",
-                 "function": {"name": it["name"], "arguments": json.dumps(it["parameters"], ensure_ascii=False)}}
+                 "function": {"name": it["name"], "arguments": dump_arguments(it["parameters"])}}
                 for it in items]
 
     def _reason(self, engine_reason: str | None) -> str | None:
