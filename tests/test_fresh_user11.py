@@ -24,7 +24,10 @@ Defects found (each test failed first, marked strict xfail):
 - ``tool_choice: "required"``: a call whose arguments hold a number beyond a double's range (``1e400``, which
   the JSON grammar allows) came back with ``"arguments": "{\\"x\\": Infinity}"`` (not JSON), and one whose
   arguments hold a lone surrogate escape (``"\\ud800"``) was a 500 and a stream cut without ``[DONE]`` (the
-  arguments were re-serialised from the parsed value).
+  arguments were re-serialised from the parsed value);
+- ``atomtool generate --regex ""`` (or ``--json-schema ""``) generated unconstrained text, exit 0: the empty
+  value was taken for "not given", while the Python API (``StructuredOutputsParams(regex="")``) and the server
+  (``guided_regex: ""``) refuse it (an empty regex allows only the empty output, which the text was not).
 """
 
 from __future__ import annotations
@@ -210,3 +213,25 @@ def test_required_call_arguments_in_range_are_kept(scripted):
                          stream=False)
     [call] = resp.json()["choices"][0]["message"]["tool_calls"]
     assert strict_loads(call["function"]["arguments"]) == {"x": [1.5, "é", 12345678901234567890]}
+
+
+# ------------------------------------------------------------------------------------ atomtool generate
+def run_cli(*args):
+    from typer.testing import CliRunner
+
+    from atomtool.cli import app
+
+    return CliRunner().invoke(app, ["generate", str(demo_model_path()), "--prompt", DEMO_PROMPT, "--device", "cpu",
+                                    "--dtype", "float32", "--temperature", "0", "--max-tokens", "20", *args])
+
+
+@pytest.mark.xfail(strict=True, reason="an empty --regex / --json-schema was taken for not given")
+@pytest.mark.parametrize("flag", ["--regex", "--json-schema"])
+def test_generate_cli_empty_constraint_is_refused(flag):
+    res = run_cli(flag, "")
+    assert res.exit_code == 1 and "empty" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_generate_cli_empty_choice_is_a_choice():
+    res = run_cli("--choice", "", "--choice", "Zen", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)[0]["text"] in ("", "Zen"), res.output
