@@ -225,7 +225,6 @@ def run_cli(*args):
                                     "--dtype", "float32", "--temperature", "0", "--max-tokens", "20", *args])
 
 
-@pytest.mark.xfail(strict=True, reason="an empty --regex / --json-schema was taken for not given")
 @pytest.mark.parametrize("flag", ["--regex", "--json-schema"])
 def test_generate_cli_empty_constraint_is_refused(flag):
     res = run_cli(flag, "")

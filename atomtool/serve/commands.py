@@ -61,16 +61,24 @@ def structured_outputs_option(json_schema: str | None, regex: str | None,
     """``atomtool generate``'s ``--json-schema`` (JSON text, or the path of a file holding it), ``--regex`` and
     ``--choice`` as one constraint (None when none is given).
 
+    An empty value is given (and refused, as the Python API and the server refuse an empty regex), never taken
+    for a missing one: the output would then be unconstrained.
+
     Raises:
-        InvalidRequestError: more than one given, an unreadable schema file, or a schema that is not JSON.
+        InvalidRequestError: more than one given, an empty one, an unreadable schema file, or a schema that is
+            not JSON.
     """
-    given = [n for n, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice)) if v]
+    given = [n for n, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice))
+             if v is not None and v != []]
     if not given:
         return None
     if len(given) > 1:
         raise InvalidRequestError(f"only one of {', '.join(given)} may constrain the output")
     if json_schema is None:
         return StructuredOutputsParams(regex=regex, choice=list(choice) if choice else None).validate()
+    if not json_schema.strip():
+        raise InvalidRequestError("--json-schema is empty: give a JSON Schema (as JSON text) or the path of a file "
+                                  "holding one")
     text = json_schema
     if not json_schema.lstrip().startswith("{"):  # a path
         try:
