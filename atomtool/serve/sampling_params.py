@@ -28,8 +28,9 @@ class StructuredOutputsParams:
     ``finish_reason`` "stop" (a ``max_tokens`` cut before that is "length", the output then incomplete).
 
     Raises:
-        InvalidRequestError: from :meth:`validate` (``param="structured_outputs"``): none or several set, or a
-            value of the wrong type; the engine raises it too for a schema / regex / grammar xgrammar refuses.
+        InvalidRequestError: from :meth:`validate` (``param="structured_outputs"``): none or several set, a value
+            of the wrong type, or a schema that is not JSON (a set in it, nested too deeply for Python's json);
+            the engine raises it too for a schema / regex / grammar xgrammar refuses.
     """
 
     json: dict | str | None = None
@@ -52,12 +53,21 @@ class StructuredOutputsParams:
             if isinstance(self.json, str):
                 try:
                     schema = json.loads(self.json)
+                except RecursionError:  # json.loads recurses once per level
+                    raise bad("the json schema is nested too deeply to be read") from None
                 except ValueError as exc:
                     raise bad(f"the json schema is not valid JSON: {exc}") from None
             else:
                 schema = self.json
             if not isinstance(schema, (Mapping, bool)):
                 raise bad(f"the json schema must be a JSON object, got {_short(self.json)}")
+            if not isinstance(self.json, str):  # key() writes it as JSON text for the compiler
+                try:
+                    json.dumps(schema)
+                except RecursionError:
+                    raise bad("the json schema is nested too deeply to be written as JSON") from None
+                except (TypeError, ValueError) as exc:
+                    raise bad(f"the json schema is not JSON: {exc}") from None
         if self.json_object not in (None, True, False):
             raise bad(f"json_object must be true or false, got {_short(self.json_object)}")
         for name in ("regex", "grammar"):

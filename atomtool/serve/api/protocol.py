@@ -28,6 +28,7 @@ means its default (``"stream": null`` is ``false``), as in OpenAI's API.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any, ClassVar, Literal
@@ -35,6 +36,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from atomtool.errors import InvalidRequestError
+from atomtool.serve.api.strict_json import MAX_JSON_DEPTH, BodyNotJSON, check_depth
 from atomtool.serve.sampling_params import StructuredOutputsParams
 
 #: Completions' ``max_tokens`` default when the client does not send it (OpenAI's legacy default).
@@ -551,7 +553,8 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputsParams
 
     Raises:
         InvalidRequestError: (``param`` = the field) several sources at once, an unknown ``response_format``
-            type, a ``json_schema`` without a ``schema`` object, or a constraint of the wrong shape.
+            type, a ``json_schema`` without a ``schema`` object, a constraint of the wrong shape, or a schema
+            sent as JSON text that nests deeper than the request body may (:data:`MAX_JSON_DEPTH`).
     """
     given: list[tuple[str, dict[str, Any]]] = []
     if req.structured_outputs is not None:
@@ -585,7 +588,14 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputsParams
         unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
         if unknown:
             raise InvalidRequestError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
-        return StructuredOutputsParams(**spec).validate(), field
+        params = StructuredOutputsParams(**spec).validate()
+        if isinstance(params.json, str):  # JSON text: the body's nesting limit applies to it as to an object
+            try:
+                check_depth(json.loads(params.json))
+            except BodyNotJSON:
+                raise InvalidRequestError(f"the json schema text is nested more than {MAX_JSON_DEPTH} levels deep "
+                                          "(the server's limit for arrays/objects in a request)") from None
+        return params, field
     except InvalidRequestError as exc:
         raise InvalidRequestError(str(exc), param=field) from None
 
