@@ -33,7 +33,11 @@ Defects found (each test failed first, marked strict xfail):
   levels it was a 500 (``RecursionError``), nested a few hundred it was accepted and compiled for seconds to
   minutes on the engine thread (990 levels: 72 s), stalling every other request. In the Python API such a
   schema, or a dict schema too deep or holding a value JSON has not (a set), raised ``RecursionError`` /
-  ``TypeError`` from inside the engine instead of the documented ``InvalidRequestError``.
+  ``TypeError`` from inside the engine instead of the documented ``InvalidRequestError``;
+- every distinct constraint's compiled grammar was kept for the engine's life (our own dict, and xgrammar's
+  compiler cache without a limit): a server whose clients send per-request schemas (enums of the user's
+  items...) grew without bound (about 23 KB per schema with the demo's 512-token vocabulary, far more with a
+  real one). vLLM bounds the same xgrammar cache (``VLLM_XGRAMMAR_CACHE_MB``, 512 MiB by default).
 """
 
 from __future__ import annotations
@@ -284,3 +288,23 @@ def test_python_api_bad_schema_is_an_invalid_request(llm, schema):
         llm.generate([DEMO_PROMPT], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
             json=schema)))
     assert info.value.param == "structured_outputs"
+
+
+# ------------------------------------------------------------------------------ compiled grammar cache
+@pytest.mark.xfail(strict=True, reason="compiled grammars were cached without a bound")
+def test_compiled_grammar_cache_is_bounded(llm, monkeypatch):
+    from atomtool.serve import StructuredOutputsParams
+    from atomtool.serve.engine import structured
+
+    limit = 1 << 20
+    monkeypatch.setattr(structured, "GRAMMAR_CACHE_BYTES", limit, raising=False)
+    backend = structured.GrammarBackend(llm.tokenizer, llm.engine.vocab_size)
+    for i in range(400):  # ~9 MB of compiled grammars unbounded
+        backend.compile(StructuredOutputsParams(json={"type": "object", "properties": {f"k{i}": {
+            "enum": [f"v{j}_{i}" for j in range(20)]}}, "required": [f"k{i}"]}).validate())
+    assert backend.compiler.get_cache_size_bytes() <= limit
+    assert len(getattr(backend, "_compiled", {})) < 400
+    # an evicted constraint compiles again, and still constrains
+    out = llm.generate([DEMO_PROMPT], SamplingParams(max_tokens=40, temperature=0,
+                                                     structured_outputs={"choice": ["one", "two"]}))[0]
+    assert out.text in ("one", "two")
