@@ -291,7 +291,6 @@ def test_python_api_bad_schema_is_an_invalid_request(llm, schema):
 
 
 # ------------------------------------------------------------------------------ compiled grammar cache
-@pytest.mark.xfail(strict=True, reason="compiled grammars were cached without a bound")
 def test_compiled_grammar_cache_is_bounded(llm, monkeypatch):
     from atomtool.serve import StructuredOutputsParams
     from atomtool.serve.engine import structured

@@ -1,8 +1,8 @@
 """Structured outputs: grammar-constrained decoding with xgrammar.
 
 A request's :class:`~atomtool.serve.sampling_params.StructuredOutputsParams` is compiled once per distinct
-constraint (:class:`GrammarBackend`, cached) into an xgrammar ``CompiledGrammar``; each sequence gets its own
-``GrammarMatcher`` (its position in the grammar). Every step the sampler asks the matchers of the rows that
+constraint (:class:`GrammarBackend`, cached up to :data:`GRAMMAR_CACHE_BYTES`) into an xgrammar
+``CompiledGrammar``; each sequence gets its own ``GrammarMatcher`` (its position in the grammar). Every step the sampler asks the matchers of the rows that
 have one for their next-token bitmask and masks the other tokens to ``-inf`` (:func:`apply_token_bitmask`),
 and the engine advances each matcher with the sampled token. Follows vLLM's xgrammar backend and XGrammar
 (Dong et al. 2024, arXiv:2411.15100). xgrammar is imported only when a request asks for a constraint, so the
@@ -18,6 +18,10 @@ import torch
 
 from atomtool.errors import InvalidRequestError
 from atomtool.serve.sampling_params import StructuredOutputsParams
+
+#: most bytes of compiled grammars the compiler keeps (xgrammar's LRU cache; vLLM's ``VLLM_XGRAMMAR_CACHE_MB``
+#: default): a server whose clients send a new schema per request would otherwise grow without bound
+GRAMMAR_CACHE_BYTES = 512 << 20
 
 #: how to install the library when it is missing
 INSTALL_HINT = "pip install 'xgrammar>=0.2.9' (or: pip install 'atomtool[serve]')"
@@ -48,8 +52,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         # xgrammar's vocabulary must cover every id the tokenizer has, and the logits' width
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=max(vocab_size, len(tokenizer)))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        # the compiler caches each compiled constraint (least recently used ones evicted past the limit)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._no_control: torch.Tensor | None = None  # see _json_tokens
 
     def _json_tokens(self) -> torch.Tensor:
@@ -71,17 +75,14 @@ class GrammarBackend:
         return self._no_control
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The xgrammar ``CompiledGrammar`` of ``params`` (cached by constraint; may be called from any
-        thread).
+        """The xgrammar ``CompiledGrammar`` of ``params`` (cached by the compiler, up to
+        :data:`GRAMMAR_CACHE_BYTES`; may be called from any thread: xgrammar's compiler and its cache are
+        thread-safe, so the server compiles in a worker thread and the engine thread then finds it cached).
 
         Raises:
             InvalidRequestError: (``param="structured_outputs"``) xgrammar refuses the schema, regex or grammar.
         """
-        key = params.key()
-        compiled = self._compiled.get(key)  # thread-safe: two threads may compile one key twice, never wrongly
-        if compiled is not None:
-            return compiled
-        kind, text = key
+        kind, text = params.key()
         try:
             if kind == "json":  # any_whitespace off: a small model otherwise tends to emit whitespace forever
                 compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
@@ -102,7 +103,6 @@ class GrammarBackend:
             detail = " ".join(str(exc).split())[:500]
             raise InvalidRequestError(f"cannot compile the {kind.replace('_', ' ')} constraint: {detail}",
                                       param="structured_outputs") from None
-        self._compiled[key] = compiled
         return compiled
 
     def matcher(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> GrammarMatcher:
