@@ -37,7 +37,13 @@ Defects found (each test failed first, marked strict xfail):
 - every distinct constraint's compiled grammar was kept for the engine's life (our own dict, and xgrammar's
   compiler cache without a limit): a server whose clients send per-request schemas (enums of the user's
   items...) grew without bound (about 23 KB per schema with the demo's 512-token vocabulary, far more with a
-  real one). vLLM bounds the same xgrammar cache (``VLLM_XGRAMMAR_CACHE_MB``, 512 MiB by default).
+  real one). vLLM bounds the same xgrammar cache (``VLLM_XGRAMMAR_CACHE_MB``, 512 MiB by default);
+- a JSON schema using a keyword xgrammar 0.2.9 compiles but does not enforce was served, and the "valid"
+  output broke it: ``uniqueItems`` (``[1, 3, 1]``), ``multipleOf`` 7 (``92992``), ``dependentRequired``
+  (``{"a": 42706}`` without ``b``), ``not``, an ``allOf`` of several schemas, an unknown ``format``, a
+  ``pattern`` with ``maxLength``. vLLM refuses such schemas on its xgrammar backend
+  (``has_xgrammar_unsupported_json_features``: "The provided JSON schema contains features not supported by
+  xgrammar"); they are a 400 / InvalidRequestError naming the keyword now.
 """
 
 from __future__ import annotations
@@ -307,3 +313,49 @@ def test_compiled_grammar_cache_is_bounded(llm, monkeypatch):
     out = llm.generate([DEMO_PROMPT], SamplingParams(max_tokens=40, temperature=0,
                                                      structured_outputs={"choice": ["one", "two"]}))[0]
     assert out.text in ("one", "two")
+
+
+# ------------------------------------------------------------------- keywords xgrammar does not enforce
+UNENFORCED = [
+    ("uniqueItems", {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItems": 3,
+                     "uniqueItems": True}),
+    ("multipleOf", {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7}}}),
+    ("dependentRequired", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a"], "dependentRequired": {"a": ["b"]}}),
+    ("not", {"type": "integer", "not": {"const": 0}}),
+    ("allOf", {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}),
+    ("allOf", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+               "allOf": [{"required": ["a"]}]}),  # xgrammar serves the allOf schema alone: a bare true came out
+    ("format", {"type": "array", "items": {"type": "string", "format": "phone"}}),
+    ("maxLength", {"type": "string", "pattern": "^a+$", "maxLength": 2}),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="keywords xgrammar ignores were served unenforced")
+@pytest.mark.parametrize("keyword, schema", UNENFORCED, ids=[k for k, _ in UNENFORCED])
+def test_unenforced_schema_keyword_is_refused(llm, keyword, schema):
+    from atomtool.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate([DEMO_PROMPT], SamplingParams(max_tokens=60, temperature=0,
+                                                   structured_outputs={"json": schema}))
+    assert keyword in str(info.value) and info.value.param == "structured_outputs"
+
+
+@pytest.mark.xfail(strict=True, reason="keywords xgrammar ignores were served unenforced")
+def test_unenforced_schema_keyword_is_a_400_naming_response_format(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": UNENFORCED[0][1]}})
+    assert info.value.body["param"] == "response_format" and "uniqueItems" in info.value.body["message"]
+
+
+def test_properties_named_like_keywords_are_served(llm):
+    schema = {"type": "object", "properties": {"not": {"type": "boolean"}, "uniqueItems": {"enum": [1]},
+                                               "format": {"type": "string", "format": "date"}},
+              "required": ["not", "uniqueItems", "format"], "additionalProperties": False}
+    out = llm.generate([DEMO_PROMPT], SamplingParams(max_tokens=80, temperature=0,
+                                                     structured_outputs={"json": schema}))[0]
+    if out.finish_reason == "stop":
+        obj = strict_loads(out.text)
+        assert isinstance(obj["not"], bool) and obj["uniqueItems"] == 1
