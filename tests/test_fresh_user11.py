@@ -331,7 +331,6 @@ UNENFORCED = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="keywords xgrammar ignores were served unenforced")
 @pytest.mark.parametrize("keyword, schema", UNENFORCED, ids=[k for k, _ in UNENFORCED])
 def test_unenforced_schema_keyword_is_refused(llm, keyword, schema):
     from atomtool.errors import InvalidRequestError
@@ -342,7 +341,6 @@ def test_unenforced_schema_keyword_is_refused(llm, keyword, schema):
     assert keyword in str(info.value) and info.value.param == "structured_outputs"
 
 
-@pytest.mark.xfail(strict=True, reason="keywords xgrammar ignores were served unenforced")
 def test_unenforced_schema_keyword_is_a_400_naming_response_format(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20, response_format={

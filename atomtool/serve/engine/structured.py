@@ -23,6 +23,57 @@ from atomtool.serve.sampling_params import StructuredOutputsParams
 #: default): a server whose clients send a new schema per request would otherwise grow without bound
 GRAMMAR_CACHE_BYTES = 512 << 20
 
+#: string formats xgrammar's JSON schema converter enforces (others it ignores; vLLM's STRING_SUPPORTED_FORMATS)
+SUPPORTED_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                               "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+#: keywords whose value is one subschema / a list of them / a map of name -> subschema (where a walk goes next)
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: keys beside ``allOf`` that constrain nothing (xgrammar serves an ``allOf`` schema alone, dropping siblings)
+_ANNOTATIONS = frozenset({"allOf", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
+                          "examples", "default"})
+
+
+def unenforced_keyword(schema: Any) -> str | None:
+    """Where ``schema`` uses a keyword xgrammar (0.2.9) compiles but does not enforce, as ``'KEYWORD' at PATH``,
+    or None. Such a schema would be served with the keyword ignored, so the output could break it; vLLM refuses
+    these on its xgrammar backend too (``has_xgrammar_unsupported_json_features``). Found unenforced:
+    ``multipleOf``, ``uniqueItems``, ``dependentRequired``, ``not``, an ``allOf`` of several schemas or with
+    constraints beside it, a ``format`` outside :data:`SUPPORTED_FORMATS`, and a ``pattern`` / ``format`` with
+    ``minLength`` / ``maxLength``. Walks subschemas only (a property *named* ``not`` is no keyword); iterative.
+    """
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in ("multipleOf", "dependentRequired", "not"):
+            if key in node:
+                return f"{key!r} at {path}"
+        if node.get("uniqueItems") is True:
+            return f"'uniqueItems' at {path}"
+        all_of = node.get("allOf")
+        if isinstance(all_of, list) and (len(all_of) > 1 or set(node) - _ANNOTATIONS):
+            return f"'allOf' at {path} (only a single schema with nothing beside it is enforced)"
+        fmt = node.get("format")
+        if isinstance(fmt, str) and fmt not in SUPPORTED_FORMATS:
+            return f"'format' {fmt!r} at {path}"
+        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            return f"'minLength' / 'maxLength' beside 'pattern' / 'format' at {path}"
+        for key in _SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], f"{path}/{key}"))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack += [(sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key])]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack += [(sub, f"{path}/{key}/{name}") for name, sub in node[key].items()]
+    return None
+
+
 #: how to install the library when it is missing
 INSTALL_HINT = "pip install 'xgrammar>=0.2.9' (or: pip install 'atomtool[serve]')"
 
@@ -80,9 +131,17 @@ class GrammarBackend:
         thread-safe, so the server compiles in a worker thread and the engine thread then finds it cached).
 
         Raises:
-            InvalidRequestError: (``param="structured_outputs"``) xgrammar refuses the schema, regex or grammar.
+            InvalidRequestError: (``param="structured_outputs"``) xgrammar refuses the schema, regex or grammar,
+                or the schema uses a keyword it would not enforce (:func:`unenforced_keyword`).
         """
         kind, text = params.key()
+        if kind == "json":
+            where = unenforced_keyword(json.loads(text))
+            if where is not None:
+                raise InvalidRequestError(f"the json schema uses {where}, which the grammar compiler (xgrammar) "
+                                          "cannot enforce: the output could break it; remove it or use a "
+                                          "keyword it enforces (enum, pattern, minimum/maximum...)",
+                                          param="structured_outputs")
         try:
             if kind == "json":  # any_whitespace off: a small model otherwise tends to emit whitespace forever
                 compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
