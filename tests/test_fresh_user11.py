@@ -43,7 +43,22 @@ Defects found (each test failed first, marked strict xfail):
   (``{"a": 42706}`` without ``b``), ``not``, an ``allOf`` of several schemas, an unknown ``format``, a
   ``pattern`` with ``maxLength``. vLLM refuses such schemas on its xgrammar backend
   (``has_xgrammar_unsupported_json_features``: "The provided JSON schema contains features not supported by
-  xgrammar"); they are a 400 / InvalidRequestError naming the keyword now.
+  xgrammar"); they are a 400 / InvalidRequestError naming the keyword now;
+- ``atomtool generate`` (see above).
+
+Also tried, and found right: json / json_object / regex (anchors, classes, unicode ranges) / choice (quotes,
+newlines, prefixes of each other) / grammar outputs against json.loads and re.fullmatch; ``$defs`` / ``$ref``,
+enums with unicode and emoji, property names with emoji; a constrained batch run with a KV cache small enough
+to preempt (3 preemptions) giving the same tokens as the roomy engine, seeded at temperature 0.8; prefix-cache
+hits; n=3 with seeds, logprobs, streamed and not (completions, equal); chat logprobs with json_object streamed
+and not (equal, raw model log-probs); echo with a regex, and echo with max_tokens 0; 32 concurrent requests with
+one schema; a client closing a constrained stream (request aborted, KV blocks freed); stop strings cutting a
+constrained output; ``ignore_eos``; ``stop_token_ids``; unsatisfiable / invalid schemas, regexes and grammars
+(400 naming the field); several constraint sources at once (400); forced named and required calls with n=2,
+logprobs, streamed and not (equal), ``parallel_tool_calls`` false, tools without parameters.
+Left as they are (no oracle says otherwise): ``min_tokens`` longer than a complete output ends the request with
+the grammar-refused token as its stop token (documented in ``_check_stop``); ``allowed_token_ids`` disjoint
+from the grammar ends it at once the same way; ``response_format`` ``json_schema`` without ``name`` is accepted.
 """
 
 from __future__ import annotations
