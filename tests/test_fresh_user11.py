@@ -365,8 +365,9 @@ def test_unenforced_schema_keyword_is_a_400_naming_response_format(client):
 
 def test_properties_named_like_keywords_are_served(llm):
     schema = {"type": "object", "properties": {"not": {"type": "boolean"}, "uniqueItems": {"enum": [1]},
-                                               "format": {"type": "string", "format": "date"}},
-              "required": ["not", "uniqueItems", "format"], "additionalProperties": False}
+                                               "format": {"type": "string", "format": "date"},
+                                               "n": {"type": "integer", "format": "int32"}},  # OpenAPI style
+              "required": ["not", "uniqueItems", "format", "n"], "additionalProperties": False}
     out = llm.generate([DEMO_PROMPT], SamplingParams(max_tokens=80, temperature=0,
                                                      structured_outputs={"json": schema}))[0]
     if out.finish_reason == "stop":

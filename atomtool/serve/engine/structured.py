@@ -57,10 +57,11 @@ def unenforced_keyword(schema: Any) -> str | None:
         all_of = node.get("allOf")
         if isinstance(all_of, list) and (len(all_of) > 1 or set(node) - _ANNOTATIONS):
             return f"'allOf' at {path} (only a single schema with nothing beside it is enforced)"
-        fmt = node.get("format")
-        if isinstance(fmt, str) and fmt not in SUPPORTED_FORMATS:
-            return f"'format' {fmt!r} at {path}"
-        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        types = node.get("type")
+        fmt = node.get("format") if types == "string" or (isinstance(types, list) and "string" in types) else None
+        if isinstance(fmt, str) and fmt not in SUPPORTED_FORMATS:  # (format only constrains strings: an
+            return f"'format' {fmt!r} at {path}"  # OpenAPI-style integer "int32" is an annotation)
+        if ("pattern" in node or fmt is not None) and ("minLength" in node or "maxLength" in node):
             return f"'minLength' / 'maxLength' beside 'pattern' / 'format' at {path}"
         for key in _SUBSCHEMA:
             if isinstance(node.get(key), dict):
