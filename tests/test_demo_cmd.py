@@ -90,7 +90,7 @@ def test_query_stage_without_server_fails_clearly():
 
 def test_check_reply():
     demo.check_reply(demo.expected_continuation())
-    with pytest.raises(demo.DemoError, match="not the Zen of Python; got:\n ugly.\nExplicit is worse"):
+    with pytest.raises(demo.DemoError, match=r"^query: .*not the Zen of Python; got: ' ugly.\\nExplicit is worse"):
         demo.check_reply(" ugly.\nExplicit is worse than implicit.")
 
 

@@ -36,7 +36,6 @@ pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
 
 
-@pytest.mark.xfail(strict=True, reason="demo reply errors lack the stage and span lines")
 @pytest.mark.parametrize("check, text", [(demo.check_structured, "not json"),
                                          (demo.check_reply, " ugly.\nExplicit is worse")])
 def test_demo_reply_errors_name_the_stage_on_one_line(check, text):

@@ -284,7 +284,7 @@ def check_structured(text: str) -> None:
     ok = (isinstance(obj, dict) and set(obj) == {"principle", "rank"} and isinstance(obj["principle"], str)
           and len(obj["principle"]) <= 40 and type(obj["rank"]) is int and 1 <= obj["rank"] <= 19)
     if not ok:
-        raise DemoError(f"the server's structured output does not follow the schema; got: {text[:200]!r}")
+        raise DemoError(f"query: the server's structured output does not follow the schema; got: {text[:200]!r}")
 
 
 def check_reply(text: str) -> None:
@@ -294,7 +294,7 @@ def check_reply(text: str) -> None:
         DemoError: it is not (the message shows the start of what came back).
     """
     if text != expected_continuation():
-        raise DemoError("the server's greedy completion is not the Zen of Python; got:\n" + text[:400])
+        raise DemoError(f"query: the server's greedy completion is not the Zen of Python; got: {text[:400]!r}")
 
 
 def run_demo(port: int = 0) -> int:
