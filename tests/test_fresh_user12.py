@@ -64,7 +64,6 @@ def bad_tool(parameters):
     return {"type": "function", "function": {"name": "bad", "parameters": parameters}}
 
 
-@pytest.mark.xfail(strict=True, reason="forced-call schema errors name tool_choice, not the tool")
 @pytest.mark.parametrize("parameters, words", [
     ({"type": "object", "properties": {"x": {"type": "integer", "multipleOf": 3}}}, "'multipleOf' at #/properties/x"),
     ({"type": "foo"}, "Unsupported type"),

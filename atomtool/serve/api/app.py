@@ -377,11 +377,14 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         explicit["prompt_logprobs"] = prompt_logprobs
         return defaults.sampling_params(explicit)
 
-    async def compile_constraint(params: SamplingParams, field: str | None) -> None:
+    async def compile_constraint(params: SamplingParams, field: str | None,
+                                 forced: ForcedToolCalls | None = None) -> None:
         """Compile a request's structured-outputs constraint in a worker thread (cached by the engine's
         grammar backend), so the engine thread's ``add_request`` does not: a first constraint reads the
         vocabulary (seconds for a large one) and each new one takes ~0.1 s, which would stall every running
-        request's decode. A compile error is a 400 naming ``field``."""
+        request's decode. A compile error is a 400 naming ``field``; for a forced tool call (``forced``), one
+        naming ``tools`` and the tool whose parameters schema fails on its own (OpenAI names
+        ``tools[i].function.parameters`` and the function)."""
         so = params.structured_outputs
         backend_of = getattr(engine, "grammar_backend", None)
         if so is None or backend_of is None:
@@ -389,15 +392,21 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         try:
             await run_blocking(lambda: backend_of().compile(so))
         except InvalidRequestError as exc:
+            for label, constraint in forced.tool_constraints if forced is not None else ():
+                try:
+                    await run_blocking(lambda c=constraint: backend_of().compile(c))
+                except InvalidRequestError as tool_exc:
+                    raise InvalidRequestError(f"{label}: {tool_exc}", param="tools") from None
             raise InvalidRequestError(str(exc), param=field or exc.param) from None
 
     async def submit(response_id: str, prompts: list[Any], per_prompt: list[list[SamplingParams]], *,
-                     scoring: bool = False, constraint_field: str | None = None) -> RequestGroup:
+                     scoring: bool = False, constraint_field: str | None = None,
+                     forced: ForcedToolCalls | None = None) -> RequestGroup:
         """Add one engine request per prompt and choice. ``scoring``: they serve echo with max_tokens 0
         (see ``scoring_ids``). ``constraint_field``: the request field the structured-outputs constraint came
         from (``structured_outputs_of``), named in the 400 when the engine cannot compile it."""
         if per_prompt and per_prompt[0]:  # every choice of a request has the same constraint
-            await compile_constraint(per_prompt[0][0], constraint_field)
+            await compile_constraint(per_prompt[0][0], constraint_field, forced)
         reqs = []
         for p, (prompt, params_list) in enumerate(zip(prompts, per_prompt, strict=True)):
             for i, params in enumerate(params_list):
@@ -780,7 +789,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         group = await submit(response_id, [prompt_ids], [params],
-                             constraint_field="tool_choice" if forced is not None else constraint_field)
+                             constraint_field="tool_choice" if forced is not None else constraint_field,
+                             forced=forced)
         # the text as tool calls: forced ones (any model, no parser needed) or those a --tool-call-parser finds;
         # None: the text is content
         tool_out = forced or ToolCallOutput.for_request(tool_parser, req)

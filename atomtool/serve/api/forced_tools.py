@@ -129,6 +129,12 @@ class ForcedToolCalls:
             if req.parallel_tool_calls is False:
                 schema["maxItems"] = 1
         self.constraint = StructuredOutputsParams(json=schema).validate()
+        #: each tool's own parameters schema as a constraint, labelled as OpenAI names it
+        #: (``tools[i].function.parameters``): compiled one by one when ``constraint`` fails, to tell which
+        self.tool_constraints = [
+            (f"tools[{i}].function.parameters (function {t.function.name!r})",
+             StructuredOutputsParams(json=_parameters(t)).validate())
+            for i, t in enumerate(tools) if self.name is None or t.function.name == self.name]
         self._ids: dict[str, str] = {}  # engine request id -> the named call's id (streaming)
         self._texts: dict[str, str] = {}  # engine request id -> a required choice's text so far (streaming)
 
