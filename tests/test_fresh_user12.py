@@ -87,7 +87,6 @@ def generate(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-@pytest.mark.xfail(strict=True, reason="generate constraint compile errors name no flag")
 @pytest.mark.parametrize("args, flag", [
     (["--regex", "(["], "--regex"),
     (["--json-schema", '{"type": "foo"}'], "--json-schema"),

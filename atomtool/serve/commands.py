@@ -139,7 +139,14 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = Non
         print(f"warning: {llm.engine.max_model_len_note}", file=sys.stderr)
     if llm.engine.act_quant_note:
         print(f"note: {llm.engine.act_quant_note}", file=sys.stderr)
-    outputs = llm.generate(list(prompts), params)
+    try:
+        outputs = llm.generate(list(prompts), params)
+    except InvalidRequestError as exc:  # xgrammar refused the constraint: name the flag it came from
+        if exc.param != "structured_outputs" or structured_outputs is None:
+            raise
+        flag = ("--json-schema" if structured_outputs.json is not None
+                else "--regex" if structured_outputs.regex is not None else "--choice")
+        raise InvalidRequestError(f"{flag}: {exc}") from None
     if json_out:
         print(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
                           for p, o in zip(prompts, outputs, strict=True)], ensure_ascii=False))
