@@ -18,6 +18,26 @@ Defects found (each test failed first, marked strict xfail):
   schema type, an unenforced keyword) printed ``error: cannot compile the regex constraint: ...`` naming no flag,
   while the other errors of these flags name it. Oracle: README ("a 400 naming the field it came from" on the
   server; the CLI's own ``--json-schema X: not valid JSON``).
+
+Tried and found as documented: the quick tour's ``generate --json-schema user.schema.json`` (file and inline
+text, ``--json``), ``--regex``, ``--choice`` (repeated), two flags at once / an empty value / a missing file /
+bad JSON (one line, exit 1), a missing option value (exit 2); chat ``response_format`` json_object /
+json_schema (strict too; no schema is a 400 naming response_format), ``structured_outputs`` json (object and
+JSON text) / json_object / regex / choice / grammar and the ``guided_*`` forms on both endpoints, one source per
+request, refused keywords (multipleOf, unknown format, pattern with maxLength), ``"length"`` leaving a valid
+prefix, ``"stop"`` with ignore_eos, n, echo, logprobs (raw model's), streaming with include_usage; forced calls:
+named (``{}`` without parameters, finish ``stop``, arguments streamed per token, cut by max_tokens carrying the
+arguments so far), ``"required"`` (finish ``tool_calls``, several calls with unique ids, one with
+parallel_tool_calls false, whole calls in the stream, ``content`` when cut), ``$defs`` gathered and a conflict
+a 400 naming tools, a name not in tools / with response_format / guided_regex / without tools a 400, calls and
+tool results sent back; ``atomtool demo`` (structured reply printed, exit 0; bad ``--port`` exit 1 / 2).
+
+Left as they are (taste, or not a documented promise): ``--json-schema true`` (a boolean schema the server and
+the Python API accept) is read as a file path, as only text starting with ``{`` is taken for JSON; a
+``json_schema.name`` outside OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` is accepted (vLLM does not check it either);
+``allowed_token_ids`` disjoint from a choice's tokens ends with ``''`` and ``"stop"`` (contradictory input);
+``min_tokens`` does not hold a complete constrained output open (the grammar wins); xgrammar's messages keep
+its ``[HH:MM:SS] file.cc:line`` prefix, and a cached failure repeats the first timestamp.
 """
 
 from __future__ import annotations
