@@ -333,3 +333,15 @@ def test_structured_bench_runs_and_times_its_parts():
     con = run(tok, structured=True, batch=4, tokens=40)
     assert free["steps"] == 12 and free["fill ms"] == 0 and free["apply ms"] == 0
     assert con["fill ms"] > 0 and con["apply ms"] > 0 and con["accept ms"] > 0
+
+
+@pytest.mark.parametrize("so, cause", [
+    (StructuredOutputsParams(regex="(unclosed"), "cannot compile the regex constraint: Regex parsing error at "
+                                                 "position 10: The parenthesis is not closed."),
+    (StructuredOutputsParams(grammar="root ::= nope"), 'cannot compile the grammar constraint: EBNF parser error at '
+                                                       'line 1, column 10: Rule "nope" is not defined'),
+])
+def test_compile_errors_are_the_cause_without_xgrammar_log_prefix(llm, so, cause):
+    with pytest.raises(InvalidRequestError) as ei:
+        gen(llm, so)
+    assert str(ei.value) == cause  # not "... [04:07:02] /project/cpp/regex_converter.cc:94: Regex ..."

@@ -12,6 +12,7 @@ engine runs without it otherwise.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -160,7 +161,8 @@ class GrammarBackend:
             else:
                 compiled = self.compiler.compile_grammar(text)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types, message first
-            detail = " ".join(str(exc).split())[:500]
+            # xgrammar's C++ messages start with "[HH:MM:SS] /path/file.cc:LINE: ": the client needs only the cause
+            detail = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", " ".join(str(exc).split()))[:500]
             raise InvalidRequestError(f"cannot compile the {kind.replace('_', ' ')} constraint: {detail}",
                                       param="structured_outputs") from None
         return compiled
