@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from atomtool.serve.demo import DEMO_CHAT_MESSAGE, demo_model_path
-from atomtool.serve.engine.llm_engine import LLMEngine
+from atomtool.serve.demo import DEMO_CHAT_MESSAGE
+from tests.test_server_support import demo_model_client
 
 pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
@@ -50,13 +50,8 @@ def check_arguments(name: str, arguments: str) -> None:
 
 @pytest.fixture(scope="module")
 def client():
-    from atomtool.serve.api.app import create_app
-    from atomtool.serve.api.server import ServerThread
-
-    engine = LLMEngine.from_model(str(demo_model_path()), device="cpu", dtype="float32", kv_cache_memory=1 << 22,
-                                  max_model_len=512)
-    with ServerThread(create_app(engine, "m")) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with demo_model_client(device="cpu", dtype="float32", kv_cache_memory=1 << 22, max_model_len=512) as c:
+        yield c
 
 
 def create(client, **kw):

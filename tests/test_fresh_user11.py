@@ -70,9 +70,8 @@ import pytest
 
 from atomtool.serve import SamplingParams
 from atomtool.serve.demo import DEMO_CHAT_MESSAGE, DEMO_PROMPT, demo_model_path
-from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.llm import LLM
-from tests.test_server_support import ScriptedEngine, byte_level_tokenizer, sse_events
+from tests.test_server_support import ScriptedEngine, byte_level_tokenizer, demo_model_client, sse_events
 
 pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
@@ -98,12 +97,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def client():
-    from atomtool.serve.api.app import create_app
-    from atomtool.serve.api.server import ServerThread
-
-    engine = LLMEngine.from_model(str(demo_model_path()), **ENGINE_KW)
-    with ServerThread(create_app(engine, "m")) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with demo_model_client(**ENGINE_KW) as c:
+        yield c
 
 
 # ------------------------------------------------------------------------------------------- choice

@@ -50,7 +50,7 @@ import pytest
 
 from atomtool.serve import demo
 from atomtool.serve.demo import DEMO_CHAT_MESSAGE, demo_model_path
-from atomtool.serve.engine.llm_engine import LLMEngine
+from tests.test_server_support import demo_model_client
 
 pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
@@ -67,13 +67,8 @@ def test_demo_reply_errors_name_the_stage_on_one_line(check, text):
 
 @pytest.fixture(scope="module")
 def client():
-    from atomtool.serve.api.app import create_app
-    from atomtool.serve.api.server import ServerThread
-
-    engine = LLMEngine.from_model(str(demo_model_path()), device="cpu", dtype="float32", kv_cache_memory=1 << 22,
-                                  max_model_len=512)
-    with ServerThread(create_app(engine, "m")) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with demo_model_client(device="cpu", dtype="float32", kv_cache_memory=1 << 22, max_model_len=512) as c:
+        yield c
 
 
 OK_TOOL = {"type": "function", "function": {"name": "ok", "parameters": {

@@ -9,15 +9,12 @@ text (server, completions and chat) must equal the non-streamed text.
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from atomtool.serve.api.app import create_app
-from atomtool.serve.api.server import ServerThread
 from atomtool.serve.demo import DEMO_CHAT_MESSAGE, DEMO_PROMPT, demo_model_path
-from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.llm import LLM
 from atomtool.serve.sampling_params import SamplingParams
+from tests.test_server_support import demo_model_client
 
 STOP = "plicit is bet"
 ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
@@ -64,9 +61,8 @@ def test_sampling_params_validates_the_flag():
 
 @pytest.fixture(scope="module")
 def client():
-    engine = LLMEngine.from_model(str(demo_model_path()), **ENGINE_KW)
-    with ServerThread(create_app(engine, "m")) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with demo_model_client(**ENGINE_KW) as c:
+        yield c
 
 
 def _completion(client, stream: bool, **extra) -> str:

@@ -10,9 +10,11 @@ Everything else is tested against the real engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from atomtool.errors import InvalidRequestError
@@ -122,3 +124,19 @@ def sse_events(lines) -> list:
         payload = line[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+@contextlib.contextmanager
+def demo_model_client(**engine_kw) -> Iterator:
+    """An ``openai.OpenAI`` client of a server (uvicorn in a thread) serving the built-in demo model as ``"m"``
+    with a real :class:`LLMEngine` (``engine_kw``: its ``from_model`` arguments, e.g. device, dtype, KV size)."""
+    import openai
+
+    from atomtool.serve.api.app import create_app
+    from atomtool.serve.api.server import ServerThread
+    from atomtool.serve.demo import demo_model_path
+    from atomtool.serve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_model(str(demo_model_path()), **engine_kw)
+    with ServerThread(create_app(engine, "m")) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

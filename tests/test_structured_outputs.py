@@ -19,8 +19,8 @@ import torch
 from atomtool.errors import InvalidRequestError
 from atomtool.serve import SamplingParams, StructuredOutputsParams
 from atomtool.serve.demo import DEMO_CHAT_MESSAGE, DEMO_PROMPT, demo_model_path
-from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.llm import LLM
+from tests.test_server_support import demo_model_client
 
 pytest.importorskip("xgrammar")
 
@@ -182,14 +182,8 @@ def test_bad_constraints_are_refused_naming_the_field(llm, so, message):
 
 @pytest.fixture(scope="module")
 def client():
-    import openai
-
-    from atomtool.serve.api.app import create_app
-    from atomtool.serve.api.server import ServerThread
-
-    engine = LLMEngine.from_model(str(demo_model_path()), **ENGINE_KW)
-    with ServerThread(create_app(engine, "m")) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with demo_model_client(**ENGINE_KW) as c:
+        yield c
 
 
 def chat(client, stream=False, **kw):
