@@ -119,9 +119,8 @@ def main() -> None:
     if a.child is not None:
         serve_child(a.child, max(a.clients, 1))
         return
-    import httpx
-
     from atomtool.serve.api.server import bind_socket
+    from atomtool.serve.demo import health_ok
 
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -131,14 +130,13 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if child.poll() is not None:
+                raise SystemExit(f"the server exited with code {child.returncode} before it was ready")
+            if health_ok(url):
+                break
             time.sleep(0.1)
         else:
-            raise SystemExit("the server did not start")
+            raise SystemExit("the server did not answer /health within 60 s")
         row = asyncio.run(drive(url, a, child.pid))
     finally:
         child.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown (a profile, if any, is written)

@@ -193,7 +193,7 @@ class ServerProcess:
             if code is not None:
                 raise DemoError(f"serve: the server exited with code {code} before it was ready:\n"
                                 f"{self.log_tail()}")
-            if _health_ok(self.base_url):
+            if health_ok(self.base_url):
                 return self.base_url
             time.sleep(0.2)
         raise DemoError(f"serve: no answer from {self.base_url}/health within {timeout:.0f}s:\n{self.log_tail()}")
@@ -219,7 +219,8 @@ class ServerProcess:
                 self._log = None
 
 
-def _health_ok(base_url: str) -> bool:
+def health_ok(base_url: str) -> bool:
+    """Whether ``GET base_url/health`` answers 200 now (no answer, or an error: False)."""
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
             return resp.status == 200
