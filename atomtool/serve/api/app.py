@@ -314,19 +314,22 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if name is not None and name != served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def check_request(req: Any) -> None:
+    def check_request(req: Any) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The checks both endpoints share (APIError / InvalidRequestError: a 400); returns the request's own
+        output constraint and the field it came from (``structured_outputs_of``; ``(None, None)``: none)."""
         check_unicode(req)  # first: the model check quotes the client's text
         check_model(req.model)
         bad = unsupported_fields(req)
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0])
-        structured_outputs_of(req)  # the shape of response_format / structured_outputs / guided_* (a 400)
+        constraint = structured_outputs_of(req)  # the shape of response_format / structured_outputs / guided_*
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         n_stop = len(req.stop_list())
         if n_stop > MAX_STOP_SEQUENCES:  # each is looked for after every token, inside the shared engine step
             raise APIError(400, f"stop has {n_stop} sequences; at most {MAX_STOP_SEQUENCES} are accepted",
                            param="stop")
+        return constraint
 
     def check_length(prompt_len: int, max_tokens: int | None, prompt_param: str, *,
                      clamp: bool = False) -> int:
@@ -359,8 +362,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int, *,
                         prompt_logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        """The engine's SamplingParams of one choice; ``structured``: the output constraint when the server
-        sets it (a forced tool call), else the request's own (``structured_outputs_of``)."""
+        """The engine's SamplingParams of one choice; ``structured``: the output constraint (the request's own,
+        from ``check_request``, or a forced tool call's)."""
         # choice i samples with seed + i (README), wrapped into the int64 range the client's seed came from
         seed = ((req.seed + choice + 2**63) % 2**64) - 2**63 if req.seed is not None else None
         explicit = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -370,7 +373,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                     "repetition_penalty": req.repetition_penalty, "min_p": req.min_p,
                     "logit_bias": req.logit_bias, "allowed_token_ids": req.allowed_token_ids,
-                    "structured_outputs": structured or structured_outputs_of(req)[0],
+                    "structured_outputs": structured,
                     # each output adds this step's part only (not O(output length) per step); the server joins
                     # them (collect) or streams them (StreamText). Not final_only: metrics time every token
                     "output_kind": "delta"}
@@ -615,7 +618,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        check_request(req)
+        constraint, constraint_field = check_request(req)
         sent_max = "max_tokens" in req.model_fields_set and req.max_tokens is not None
         # max_tokens 0 with echo scores the prompt (lm-evaluation-harness' loglikelihood requests): served as a
         # one-token request whose token is dropped (vLLM's "echo without generation")
@@ -638,11 +641,12 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         for n_tok in lengths:
             max_tokens = check_length(n_tok, requested, "prompt", clamp=not sent_max)
             per_prompt.append([sampling_params(req, max(max_tokens, 1), None if prompt_only else req.logprobs, i,
-                                               prompt_logprobs=engine_prompt_lps) for i in range(req.n)])
+                                               prompt_logprobs=engine_prompt_lps, structured=constraint)
+                               for i in range(req.n)])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         group = await submit(response_id, prompts, per_prompt, scoring=prompt_only,
-                             constraint_field=structured_outputs_of(req)[1])
+                             constraint_field=constraint_field)
         want_lp = req.logprobs is not None
         view = prompt_only_output if prompt_only else None
 
@@ -752,7 +756,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        check_request(req)
+        constraint, constraint_field = check_request(req)
         if req.chat_template is not None and not trust_request_chat_template:  # before anything compiles it
             raise APIError(400, REQUEST_CHAT_TEMPLATE_REFUSED, param="chat_template")
         if req.chat_template is not None and len(req.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
@@ -769,7 +773,6 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if problem is not None:
             raise APIError(400, problem, param="tool_choice")
         forced = ForcedToolCalls.for_request(req)  # None: tool_choice does not force a call
-        constraint_field = structured_outputs_of(req)[1]
         if forced is not None and constraint_field is not None:
             raise APIError(400, f"tool_choice {req.tool_choice!r} forces a tool call (its arguments are the "
                            f"output's constraint); it cannot be combined with {constraint_field}",
@@ -784,7 +787,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             requested = defaults.get("max_tokens")
         max_tokens = check_length(len(prompt_ids), requested, "messages", clamp=not sent_max)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = [sampling_params(req, max_tokens, top_n, i, structured=forced and forced.constraint)
+        params = [sampling_params(req, max_tokens, top_n, i,
+                                  structured=forced.constraint if forced is not None else constraint)
                   for i in range(req.n)]
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
