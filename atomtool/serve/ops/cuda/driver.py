@@ -1,0 +1,120 @@
+"""The few CUDA driver calls our hand-written kernels need, through ctypes on ``libcuda``.
+
+Why our own and not a library: torch exposes no way to launch a cubin with Hopper launch attributes (thread-block
+clusters, programmatic dependent launch), Triton's launcher is generated per Triton kernel, and cuda-python /
+cupy are not dependencies of ours; ``cuModuleLoadData`` + ``cuLaunchKernelEx`` on the process's current context
+(the primary context torch made current) and torch's current stream are all that is needed. Launches on a
+capturing stream are recorded into the CUDA graph like any other.
+
+Errors raise :class:`CudaDriverError` with the driver's name for the code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+
+#: CUlaunchAttributeID values (cuda.h)
+_ATTR_CLUSTER_DIMENSION = 4
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+#: CUfunction_attribute values (cuda.h)
+_FUNC_MAX_DYNAMIC_SHARED = 8
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed (message: the call, the CUresult code and the driver's name for it)."""
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("dims", ctypes.c_uint * 3), ("flag", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+def _cuda() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            try:
+                _lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise CudaDriverError(f"cannot load the CUDA driver library libcuda.so.1: {e}") from e
+        return _lib
+
+
+def _check(res: int, what: str) -> None:
+    if res != 0:
+        name = ctypes.c_char_p()
+        _cuda().cuGetErrorName(res, ctypes.byref(name))
+        raise CudaDriverError(f"{what} failed: CUresult {res} ({(name.value or b'?').decode()})")
+
+
+@dataclass
+class Kernel:
+    """A kernel of a loaded cubin: ``launch(grid, block, shared, args, ...)`` queues it on torch's current stream.
+
+    args are the kernel's parameters in order, each a ctypes scalar (``ctypes.c_void_p(tensor.data_ptr())``,
+    ``ctypes.c_int(n)``, ...) matching the kernel's C signature exactly (the driver cannot check them).
+    """
+
+    module: ctypes.c_void_p
+    function: ctypes.c_void_p
+    name: str
+    _shared_set: int = 0
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int, args: list,
+               cluster: tuple[int, int, int] | None = None, pdl: bool = False) -> None:
+        """Launch on the current stream. shared: dynamic shared-memory bytes; cluster: thread-block cluster
+        dims (each must divide the grid's); pdl: programmatic dependent launch (the kernel calls
+        ``griddepcontrol.wait`` before reading what earlier kernels wrote). Raises CudaDriverError."""
+        lib = _cuda()
+        if shared > 48 * 1024 and shared > self._shared_set:
+            _check(lib.cuFuncSetAttribute(self.function, _FUNC_MAX_DYNAMIC_SHARED, ctypes.c_int(shared)),
+                   f"cuFuncSetAttribute({self.name}, max dynamic shared memory {shared})")
+            self._shared_set = shared
+        attrs = (_Attr * 2)()
+        n = 0
+        if cluster is not None:
+            attrs[n].id = _ATTR_CLUSTER_DIMENSION
+            attrs[n].value.dims[0], attrs[n].value.dims[1], attrs[n].value.dims[2] = cluster
+            n += 1
+        if pdl:
+            attrs[n].id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[n].value.flag = 1
+            n += 1
+        cfg = _LaunchConfig()
+        cfg.grid[:] = grid
+        cfg.block[:] = block
+        cfg.shared = shared
+        cfg.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        cfg.attrs = attrs
+        cfg.num_attrs = n
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        _check(lib.cuLaunchKernelEx(ctypes.byref(cfg), self.function, params, None), f"cuLaunchKernelEx({self.name})")
+
+
+def load_kernel(cubin: bytes, name: str) -> Kernel:
+    """Load ``cubin`` into the current CUDA context (torch's primary context of the current device; torch is
+    initialized first) and return its ``extern "C"`` kernel ``name``. Raises CudaDriverError."""
+    torch.cuda.init()
+    torch.cuda.current_stream()  # makes torch's context current on this thread
+    lib = _cuda()
+    mod = ctypes.c_void_p()
+    _check(lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+    fn = ctypes.c_void_p()
+    _check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), f"cuModuleGetFunction({name})")
+    return Kernel(mod, fn, name)
