@@ -141,6 +141,21 @@ def test_indexer_rope_store(interleaved, dtype, rope):
     assert _untouched(got)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_indexer_rope_store_without_queries_stores_the_same_keys(impl):
+    """q None (the decode path: the scoring rotates the queries): keys and head weights as with queries."""
+    fn = tri.indexer_rope_store if impl == "triton" else ref.indexer_rope_store
+    T, H, D, nb, bs = 6, 5, 16, 4, 4
+    g = torch.Generator().manual_seed(3)
+    k, q, w_raw = torch.randn(T, D, generator=g) + 2, torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g)
+    lw, lb = 1 + 0.1 * torch.randn(D, generator=g), 0.1 * torch.randn(D, generator=g)
+    cos, sin = _tables(T, 4)
+    with_q, without_q = (torch.full((nb, bs, D), 9.0) for _ in range(2))
+    _, w1 = fn(q, k, w_raw, 0.5, lw, lb, 1e-6, cos, sin, False, with_q, SLOTS)
+    q2, w2 = fn(None, k, w_raw, 0.5, lw, lb, 1e-6, cos, sin, False, without_q, SLOTS)
+    assert q2 is None and torch.equal(w1, w2) and torch.equal(with_q, without_q)
+
+
 def test_indexer_rope_store_errors():
     with pytest.raises(ValueError, match="do not fit index_k cache"):
         tri.indexer_rope_store(torch.randn(2, 3, 8), torch.randn(2, 8), torch.randn(2, 3), 1.0, torch.ones(8),

@@ -340,6 +340,51 @@ def test_indexer_topk_matches_reference_exactly(case):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rope", [8, 24])  # part of the head, all of it
+def test_indexer_topk_rotates_unrotated_queries_as_the_rope_store_would(interleaved, rope):
+    """The decode path hands the scoring unrotated queries and the rotary tables (the rope inside the scoring
+    kernel saves indexer_rope_store's launch): the keys must be bitwise those of the queries that op rotates,
+    and the selection the reference's, for both pairings."""
+    from atomtool.serve.ops.triton import fused_rope
+    from atomtool.serve.ops.triton.indexer import indexer_keys
+    from atomtool.serve.ops.triton.topk import row_range_buffer
+
+    q_lens, seq_lens, Hi, Di, bs, K = [3, 1], [40, 70], 3, 24, 8, 16
+    q, w, kc, cu, sl, bt = _indexer_inputs(q_lens, seq_lens, Hi, Di, bs, seed=9)
+    q = q + 0.25 * torch.randn(q.shape, generator=torch.Generator().manual_seed(1))  # not small integers
+    T = q.shape[0]
+    ang = torch.rand(T, rope // 2, generator=torch.Generator().manual_seed(2)) * 40
+    cos, sin = ang.cos(), ang.sin()
+    q_rot = torch_ref_mla.rope_index_queries(q, cos, sin, interleaved)
+    k_raw, w_raw = torch.randn(T, Di), torch.randn(T, Hi)  # the rope store's own inputs (keys: unused here)
+    q_store, _ = fused_rope.indexer_rope_store(q, k_raw, w_raw, 1.0, torch.ones(Di), torch.zeros(Di), 1e-6, cos,
+                                               sin, interleaved, torch.zeros(2, 4, Di), torch.full((T,), -1))
+    _close(q_store, q_rot, 1e-6, 1e-6)
+    keys = {}
+    for name, qq, tabs in (("stored", q_store, (None, None)), ("fused", q, (cos, sin))):
+        rng = row_range_buffer(T, q.device)
+        keys[name] = indexer_keys(qq, w, kc, cu, sl, bt, 0, T, rng, *tabs, interleaved)
+        rng.zero_()
+    n = [40 - 2, 40 - 1, 40, 70]  # each row's causal positions: only those keys are written
+    for t in range(T):
+        assert torch.equal(keys["fused"][t, :n[t]], keys["stored"][t, :n[t]])
+    out = tri.indexer_topk(q, w, kc, cu, sl, bt, K, cos, sin, interleaved)
+    assert torch.equal(out, tri.indexer_topk(q_store, w, kc, cu, sl, bt, K))
+    assert torch.equal(torch_ref_mla.indexer_topk(q, w, kc, cu, sl, bt, K, cos, sin, interleaved),
+                       torch_ref_mla.indexer_topk(q_rot, w, kc, cu, sl, bt, K))
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_indexer_topk_rotary_tables_that_do_not_fit(impl):
+    fn = tri.indexer_topk if impl == "triton" else torch_ref_mla.indexer_topk
+    q, w, kc, cu, sl, bt = _indexer_inputs([1], [30], 2, 16, 8)
+    cos = torch.ones(1, 4)
+    for bad_cos, bad_sin in ((cos, None), (torch.ones(2, 4), torch.ones(2, 4)), (torch.ones(1, 9), torch.ones(1, 9))):
+        with pytest.raises(ValueError, match=r"indexer_topk: rotary tables cos .* do not fit q \(1, 2, 16\)"):
+            fn(q, w, kc, cu, sl, bt, 8, bad_cos, bad_sin)
+
+
 def test_indexer_topk_when_topk_exceeds_the_block_table_width():
     args = _indexer_inputs([2, 1], [6, 3], 2, 16, 4)  # block tables 3 wide: 12 positions < K = 20
     out, ref = tri.indexer_topk(*args, 20), torch_ref_mla.indexer_topk(*args, 20)

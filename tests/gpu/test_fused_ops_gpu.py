@@ -184,3 +184,40 @@ def test_fused_ops_replay_in_a_cuda_graph(tri):
     eager = step()
     for a, b in zip(replay, [lat, idx, *eager], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_indexer_scoring_rotates_queries_bitwise_as_the_rope_store(tri, interleaved):
+    """The decode path's scoring rotates the raw index queries itself (``indexer_topk(..., cos, sin)``): the
+    orderable score keys must be bitwise those of the queries ``indexer_rope_store`` rotates, in bf16 at
+    DeepSeek-V3.2 sizes, with and without the store's own queries (q None leaves keys and weights the same)."""
+    _, fr, _ = tri
+    from atomtool.serve.ops.triton.indexer import indexer_keys, indexer_topk
+    from atomtool.serve.ops.triton.topk import row_range_buffer
+
+    g = torch.Generator().manual_seed(4)
+    T, H, D, bs, ctx = 3, 64, 128, 64, 3000
+    nb = T * (ctx // bs + 1)
+    q = torch.randn(T, H, D, generator=g).to(DEV, BF16)
+    k = torch.randn(T, D, generator=g).to(DEV, BF16)
+    w_raw = torch.randn(T, H, generator=g).to(DEV, BF16)
+    lw, lb = torch.ones(D, dtype=BF16, device=DEV), torch.zeros(D, dtype=BF16, device=DEV)
+    cos, sin = _tables(T, 32, g)
+    cache = torch.randn(nb, bs, D, generator=g).to(DEV, BF16)
+    cache_b = cache.clone()
+    slots = torch.tensor([ctx - 1 + b * (ctx // bs + 1) * bs for b in range(T)], device=DEV)
+    q_rot, w = fr.indexer_rope_store(q, k, w_raw, 0.01, lw, lb, 1e-6, cos, sin, interleaved, cache, slots)
+    none, w_b = fr.indexer_rope_store(None, k, w_raw, 0.01, lw, lb, 1e-6, cos, sin, interleaved, cache_b, slots)
+    assert none is None and torch.equal(w, w_b) and torch.equal(cache, cache_b)
+    cu = torch.arange(T + 1, dtype=torch.int32, device=DEV)
+    seq_lens = torch.full((T,), ctx, dtype=torch.int32, device=DEV)
+    per = ctx // bs + 1
+    bt = torch.arange(T * per, dtype=torch.int32, device=DEV).view(T, per)
+    keys = []
+    for qq, tabs in ((q_rot, (None, None)), (q, (cos, sin))):
+        rng = row_range_buffer(T, q.device)
+        keys.append(indexer_keys(qq, w, cache, cu, seq_lens, bt, 0, T, rng, *tabs, interleaved)[:, :ctx])
+        rng.zero_()
+    assert torch.equal(keys[0], keys[1])
+    assert torch.equal(indexer_topk(q, w, cache, cu, seq_lens, bt, 2048, cos, sin, interleaved),
+                       indexer_topk(q_rot, w, cache, cu, seq_lens, bt, 2048))

@@ -84,10 +84,47 @@ class Indexer(nn.Module):
         if not self.fused:
             self._w_heads32 = fp32_head_weight(self.weights_proj.weight)
 
+    def project_queries(self, c_q: torch.Tensor) -> torch.Tensor:
+        """The index queries before rope: ``wq_b(c_q)`` as [T, Hi, Di]. c_q: [T, q_lora_rank] normed q latent."""
+        return self.wq_b(c_q).view(c_q.shape[0], self.n_heads, self.head_dim)
+
+    def store_keys(self, x: torch.Tensor, k_raw: torch.Tensor | None, w_raw: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                   index_k_cache: torch.Tensor) -> torch.Tensor:
+        """Store the step's index keys (LayerNorm, rope, slot) and return the head weights [T, Hi] float32.
+
+        x: [T, hidden] attention input; k_raw [T, Di] / w_raw [T, Hi]: the fused projection's indexer outputs
+        (None when not fused: computed here from x); cos, sin: [T, index_rope_dim/2] float32; index_k_cache:
+        [N, bs, Di]. One fused op (``indexer_rope_store`` without queries: they are rotated by the scoring)."""
+        if k_raw is None:
+            k_raw = self.wk(x)
+            w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
+                     else self.weights_proj(x))
+        r = self.rope_dim
+        _, weights = get_op("indexer_rope_store", x.device)(
+            None, k_raw, w_raw, self.weight_scale, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps,
+            cos if r else None, sin if r else None, self.interleaved, index_k_cache, batch.slot_mapping)
+        return weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               batch: ForwardBatch, index_k_cache: torch.Tensor) -> torch.Tensor | None:
+        """The top-k of this step's queries over the stored keys (:meth:`store_keys` ran first).
+
+        q: [T, Hi, Di] from :meth:`project_queries` (unrotated: the scoring op applies the rope as it loads
+        them); weights: [T, Hi] float32. Returns [T, index_topk] int32 request-local positions (-1 padded), or
+        None when every sequence of the batch has at most ``index_topk`` tokens (attention is then dense)."""
+        if max(batch.seq_lens_cpu) <= self.topk:
+            return None
+        r = self.rope_dim
+        return get_op("indexer_topk", q.device)(q, weights, index_k_cache, batch.cu_seqlens_q, batch.seq_lens,
+                                                batch.block_tables, self.topk, cos if r else None,
+                                                sin if r else None, self.interleaved)
+
     def forward(self, x: torch.Tensor, c_q: torch.Tensor, k_raw: torch.Tensor | None, w_raw: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 index_k_cache: torch.Tensor) -> torch.Tensor | None:
-        """Store the step's index keys, then select.
+        """Store the step's index keys, then select (:meth:`store_keys`, :meth:`project_queries`,
+        :meth:`select` in one stream; the attention layer runs the query half beside its own query path).
 
         x: [T, hidden] attention input; c_q: [T, q_lora_rank] normed q latent; k_raw [T, Di] / w_raw [T, Hi]:
         the fused projection's indexer outputs (None when not fused); cos, sin: [T, index_rope_dim/2]
@@ -95,20 +132,5 @@ class Indexer(nn.Module):
         Returns [T, index_topk] int32 request-local positions (-1 padded), or None when every sequence of
         the batch has at most ``index_topk`` tokens (attention is then dense; the keys are still written).
         """
-        dev = x.device
-        if k_raw is None:
-            k_raw = self.wk(x)
-            w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
-                     else self.weights_proj(x))
-        T = x.shape[0]
-        q = self.wq_b(c_q).view(T, self.n_heads, self.head_dim)
-        r = self.rope_dim
-        # one fused op: LayerNorm (float32) + "pe first" rope + store of the keys, the same rope on the queries,
-        # the float32 scaled head weights
-        q, weights = get_op("indexer_rope_store", dev)(
-            q, k_raw, w_raw, self.weight_scale, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps,
-            cos if r else None, sin if r else None, self.interleaved, index_k_cache, batch.slot_mapping)
-        if max(batch.seq_lens_cpu) <= self.topk:
-            return None
-        return get_op("indexer_topk", dev)(q, weights, index_k_cache, batch.cu_seqlens_q, batch.seq_lens,
-                                           batch.block_tables, self.topk)
+        weights = self.store_keys(x, k_raw, w_raw, cos, sin, batch, index_k_cache)
+        return self.select(self.project_queries(c_q), weights, cos, sin, batch, index_k_cache)

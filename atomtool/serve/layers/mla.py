@@ -156,16 +156,14 @@ class MLAAttention(nn.Module):
         s, e = self.splits[name]
         return y[:, s:e]
 
-    def _select(self, x: torch.Tensor, y: torch.Tensor, c_q: torch.Tensor, idx_cos: torch.Tensor | None,
-                idx_sin: torch.Tensor | None, batch: ForwardBatch, index_k: torch.Tensor) -> torch.Tensor | None:
-        """A full layer's indexer: store the step's index keys and return the top-k (or None: dense)."""
-        k_raw = w_raw = None
-        if self.indexer.fused:
-            k_raw = self._part(y, IDX_WK)
-            # float32 head weights for a bf16/fp16 model (fp32_head_weight, cast at load)
-            w_raw = (F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None
-                     else self._part(y, IDX_WPROJ))
-        return self.indexer(x, c_q, k_raw, w_raw, idx_cos, idx_sin, batch, index_k)
+    def _index_key_inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_raw, w_raw) of a full layer's indexer from the fused projection ``y``, or (None, None) when its
+        wk / weights_proj are separate (the indexer computes them)."""
+        if not self.indexer.fused:
+            return None, None
+        # float32 head weights for a bf16/fp16 model (fp32_head_weight, cast at load)
+        w_raw = F.linear(x.float(), self._w_heads32) if self._w_heads32 is not None else self._part(y, IDX_WPROJ)
+        return self._part(y, IDX_WK), w_raw
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_cos: torch.Tensor | None,
                 idx_sin: torch.Tensor | None, batch: ForwardBatch, kv_cache: dict[str, torch.Tensor],
@@ -184,9 +182,17 @@ class MLAAttention(nn.Module):
         y = self.fused_qkv_a_proj(x)
         c_q = self.q_a_layernorm(self._part(y, Q_A))
         latent = kv_cache["latent"]
-        # a full layer's indexer depends on nothing below until sparse attention: it may run beside them
-        selection = (fork(aux_stream, self._select, x, y, c_q, idx_cos, idx_sin, batch, kv_cache["index_k"])
-                     if self.role == "full" else None)
+        # a full layer's indexer depends on nothing below until sparse attention: its query half (wq_b, then the
+        # scoring with the query rope inside and the top-k) runs beside MLA's query path; the key store runs on
+        # this stream meanwhile (it has slack here, while on the side stream it would sit between wq_b and the
+        # scoring), and the scoring waits for it
+        selection = None
+        if self.role == "full":
+            k_raw, w_raw = self._index_key_inputs(x, y)
+            index_k = kv_cache["index_k"]
+            selection = fork(aux_stream, self.indexer.project_queries, c_q)
+            weights = self.indexer.store_keys(x, k_raw, w_raw, idx_cos, idx_sin, batch, index_k)
+            selection = selection.then(self.indexer.select, weights, idx_cos, idx_sin, batch, index_k)
         q = self.q_b_proj(c_q).view(T, H, self.nope + self.rope)
         q_nope = q[..., : self.nope]
         # one fused op: rope(q_pe), and the cache row [RMSNorm(c_kv) | rope(k_pe)] stored at the token's slot

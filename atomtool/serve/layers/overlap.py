@@ -57,6 +57,17 @@ class Forked:
             self.main.wait_stream(self.side)
         return self.result
 
+    def then(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Forked:
+        """Continue the branch with ``fn(result, *args, **kwargs)`` on the side stream, after everything queued
+        on the main stream so far (what the branch's next step reads from it); returns the continued branch.
+        Without a side stream ``fn`` runs now, in order."""
+        if self.main is None:
+            return Forked(fn(self.result, *args, **kwargs))
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            out = fn(self.result, *args, **kwargs)
+        return Forked(out, self.main, self.side)
+
 
 def fork(stream: torch.cuda.Stream | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Forked:
     """Run ``fn(*args, **kwargs)`` on ``stream`` after everything already queued on the current stream.

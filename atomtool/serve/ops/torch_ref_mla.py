@@ -99,9 +99,31 @@ def mla_output_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return o
 
 
+def check_query_rope(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
+    """Validate :func:`indexer_topk`'s optional query rotary tables (every backend calls this).
+
+    Raises:
+        ValueError: only one of cos / sin given, or tables that do not cover q's tokens or fit its head dim.
+    """
+    if cos is None and sin is None:
+        return
+    if (cos is None or sin is None or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0]
+            or 2 * cos.shape[1] > q.shape[-1]):
+        raise ValueError(f"indexer_topk: rotary tables cos {None if cos is None else tuple(cos.shape)} / sin "
+                         f"{None if sin is None else tuple(sin.shape)} do not fit q {tuple(q.shape)}")
+
+
+def rope_index_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The indexer's query rope: rotary on the first ``R = 2 * cos.shape[-1]`` dims of every head ("pe first"),
+    the rest unchanged. q: [T, Hi, Di]; cos, sin: [T, R/2] float32. Returns [T, Hi, Di] in q's dtype."""
+    r = 2 * cos.shape[-1]
+    return torch.cat((rotary_embedding(q[..., :r], cos, sin, interleaved), q[..., r:]), dim=-1)
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                 topk: int) -> torch.Tensor:
+                 topk: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                 interleaved: bool = False) -> torch.Tensor:
     """DSA lightning-indexer scores and deterministic top-k selection (DeepSeek-V3.2; dsa.md §5.2-5.3).
 
     ``I[t,s] = Σ_h weights[t,h] · ReLU(q[t,h] · k[s])`` over the sequence's cached index keys ``k[s]`` with
@@ -113,12 +135,20 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     independent. Each row lists its selected positions in ascending order, then -1 padding.
 
     Args:
-        q: [T, Hi, Di] index queries (rotary applied); weights: [T, Hi] float32;
+        q: [T, Hi, Di] index queries (rotary applied, or rotated here when cos / sin are given);
+        weights: [T, Hi] float32;
         index_k_cache: [N, bs, Di] paged plane holding every cached token's index key (this step's included);
-        cu_seqlens_q, seq_lens, block_tables: as in :func:`mla_attention`; topk: K.
+        cu_seqlens_q, seq_lens, block_tables: as in :func:`mla_attention`; topk: K;
+        cos, sin: [T, R/2] float32 or None: the query rope of :func:`indexer_rope_store`
+        (:func:`rope_index_queries`) applied first, with ``interleaved`` pairing.
     Returns:
         [T, K] int32 request-local positions, -1 padded.
+    Raises:
+        ValueError: rotary tables that do not fit q (:func:`check_query_rope`).
     """
+    check_query_rope(q, cos, sin)
+    if cos is not None and cos.shape[-1]:
+        q = rope_index_queries(q, cos, sin, interleaved)
     T = q.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     for b, s, e, L in query_spans(cu_seqlens_q, seq_lens):
@@ -250,28 +280,29 @@ def mla_rope_store(q_pe: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tens
     return rotary_embedding(q_pe, cos, sin, interleaved)
 
 
-def indexer_rope_store(q: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor, weight_scale: float,
+def indexer_rope_store(q: torch.Tensor | None, k_raw: torch.Tensor, w_raw: torch.Tensor, weight_scale: float,
                        ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, cos: torch.Tensor | None,
                        sin: torch.Tensor | None, interleaved: bool, index_k_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The DSA lightning indexer's per-token work before scoring, as one op (HF ``DeepseekV32Indexer``).
 
     - keys: ``k = LayerNorm(k_raw)`` (with bias; computed in float32, rounded to k_raw's dtype), rotary on
       its *first* ``R = 2 * cos.shape[-1]`` dims ("pe first"; none when cos is None), stored to the
       ``index_k`` plane with :func:`store_cache`;
-    - queries: the same rope on the first R dims of every head, the rest unchanged;
+    - queries: the same rope on the first R dims of every head, the rest unchanged (:func:`rope_index_queries`;
+      q None: no queries, the decode path rotates them inside :func:`indexer_topk` instead);
     - head weights: ``float32(w_raw) * weight_scale`` (dsa.md §5.2: float32 before scaling).
 
-    q: [T, Hi, Di]; k_raw: [T, Di]; w_raw: [T, Hi] (any float dtype); ln_weight, ln_bias: [Di];
+    q: [T, Hi, Di] or None; k_raw: [T, Di]; w_raw: [T, Hi] (any float dtype); ln_weight, ln_bias: [Di];
     cos, sin: [T, R/2] float32 or None; index_k_cache: [N, bs, Di]; slot_mapping: [T] int64 (``-1`` skipped).
-    Returns (rotated q [T, Hi, Di] in q's dtype, weights [T, Hi] float32).
+    Returns (rotated q [T, Hi, Di] in q's dtype or None, weights [T, Hi] float32).
     """
     D = k_raw.shape[-1]
     k = F.layer_norm(k_raw.float(), (D,), ln_weight.float(), ln_bias.float(), eps).to(k_raw.dtype)
     if cos is not None and cos.shape[-1]:
-        r = 2 * cos.shape[-1]
-        k = torch.cat((rotary_embedding(k[:, None, :r], cos, sin, interleaved)[:, 0], k[:, r:]), dim=-1)
-        q = torch.cat((rotary_embedding(q[..., :r], cos, sin, interleaved), q[..., r:]), dim=-1)
+        k = rope_index_queries(k[:, None], cos, sin, interleaved)[:, 0]
+        if q is not None:
+            q = rope_index_queries(q, cos, sin, interleaved)
     store_cache(k, index_k_cache, slot_mapping)
     return q, w_raw.float() * weight_scale
 

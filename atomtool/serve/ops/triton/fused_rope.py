@@ -198,47 +198,50 @@ def _indexer_rope_store_kernel(q_ptr, qo_ptr, k_ptr, wr_ptr, wo_ptr, lw_ptr, lb_
                 tl.store(dst + i2, (y2 * c + y1 * s).to(dt).to(c_ptr.dtype.element_ty), mask=pm)
 
 
-def indexer_rope_store(q: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor, weight_scale: float,
+def indexer_rope_store(q: torch.Tensor | None, k_raw: torch.Tensor, w_raw: torch.Tensor, weight_scale: float,
                        ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, cos: torch.Tensor | None,
                        sin: torch.Tensor | None, interleaved: bool, index_k_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``torch_ref_mla.indexer_rope_store``: q [T, Hi, Di], k_raw [T, Di], w_raw [T, Hi]
+                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Same contract as ``torch_ref_mla.indexer_rope_store``: q [T, Hi, Di] or None (keys and head weights
+    only: one program per token), k_raw [T, Di], w_raw [T, Hi]
     (last dims contiguous or copied so), ln_weight/ln_bias [Di], cos/sin [T, R/2] float32 or None (no rope:
     q is returned as given), index_k_cache [N, bs, Di] contiguous, slot_mapping [T] (-1 skipped).
-    Returns (rotated q, a new contiguous [T, Hi, Di]; weights [T, Hi] float32).
+    Returns (rotated q, a new contiguous [T, Hi, Di], or None; weights [T, Hi] float32).
 
     Raises:
         ValueError: widths that do not fit the cache or the tables, or a non-contiguous cache.
     """
     T, D = k_raw.shape
-    H = q.shape[1]
+    H = w_raw.shape[-1]
     half = 0 if cos is None else cos.shape[-1]
     if (index_k_cache.shape[-1] != D or 2 * half > D or (half and sin.shape[-1] != half)
-            or tuple(q.shape) != (T, H, D) or tuple(w_raw.shape) != (T, H)):
-        raise ValueError(f"indexer_rope_store: q {tuple(q.shape)}, k {tuple(k_raw.shape)}, head weights "
+            or (q is not None and tuple(q.shape) != (T, H, D)) or tuple(w_raw.shape) != (T, H)):
+        raise ValueError(f"indexer_rope_store: q {None if q is None else tuple(q.shape)}, k {tuple(k_raw.shape)}, head weights "
                          f"{tuple(w_raw.shape)} and rotary tables of {half} do not fit index_k cache "
                          f"{tuple(index_k_cache.shape)}")
     if not index_k_cache.is_contiguous():
         raise ValueError("indexer_rope_store: the cache plane must be contiguous")
-    weights = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    weights = torch.empty((T, H), dtype=torch.float32, device=k_raw.device)
     if T == 0:
         return q, weights
-    q, k_raw, w_raw = (_row_major(t) for t in (q, k_raw, w_raw))
+    k_raw, w_raw = _row_major(k_raw), _row_major(w_raw)
+    q_in = k_raw.view(T, 1, D) if q is None else _row_major(q)  # dummy pointer without queries, never read
     if half:
         cos, sin = _row_major(cos), _row_major(sin)
-        q_out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+        q_out = q_in if q is None else torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     else:
         cos = sin = ln_weight  # dummy pointers, never read
-        q_out = q
+        q_out = q_in
     block_h = min(pow2(H), BLOCK_HEADS)
-    _indexer_rope_store_kernel[(T, 1 + (triton.cdiv(H, block_h) if half else 0))](
-        q, q_out, k_raw, w_raw, weights, ln_weight, ln_bias, cos, sin, index_k_cache, slot_mapping, H, D, half,
-        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k_raw.stride(0), w_raw.stride(0),
+    q_blocks = triton.cdiv(H, block_h) if half and q is not None else 0
+    _indexer_rope_store_kernel[(T, 1 + q_blocks)](
+        q_in, q_out, k_raw, w_raw, weights, ln_weight, ln_bias, cos, sin, index_k_cache, slot_mapping, H, D, half,
+        q_in.stride(0), q_in.stride(1), q_out.stride(0), q_out.stride(1), k_raw.stride(0), w_raw.stride(0),
         weights.stride(0), cos.stride(0) if half else 0, sin.stride(0) if half else 0, D, float(weight_scale),
         float(eps), INTERLEAVED=bool(interleaved), BLOCK_H=block_h, BLOCK_HW=pow2(H),
         BLOCK_D=pow2(D), BLOCK_QD=pow2(D) if 2 * half < D else 0, BLOCK_P=pow2(half) if half else 0,
-        num_warps=4, **launch_pdl_args(q.device))
-    return q_out, weights
+        num_warps=4, **launch_pdl_args(k_raw.device))
+    return (None if q is None else q_out), weights
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atomtool.serve.ops.torch_ref_mla import check_query_rope
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
@@ -47,12 +48,41 @@ INDEXER_PROGRAMS_PER_SM: int | None = 2
 
 
 @triton.jit
+def _load_query_rope(q_ptr, t64, h, d, h_ok, Di, s_qt, s_qh, cos_ptr, sin_ptr, s_ct, s_st, half,
+                     ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Token t's index queries [BLOCK_H, BLOCK_D], with ROPE their first ``2 * half`` dims rotated as
+    ``fused_rope.indexer_rope_store`` rotates them (float32, the same two expressions, one rounding to q's
+    dtype), so the scores are bitwise those of the rotated queries that op would store."""
+    rows = q_ptr + t64 * s_qt + h[:, None].to(tl.int64) * s_qh
+    ok = h_ok[:, None] & (d[None, :] < Di)
+    q = tl.load(rows + d[None, :], mask=ok, other=0.0)
+    if ROPE:
+        if INTERLEAVED:  # pairs (2i, 2i + 1)
+            i = d // 2
+            first = (d % 2) == 0
+            partner = tl.where(first, d + 1, d - 1)
+        else:  # pairs (i, i + half)
+            first = d < half
+            i = tl.where(first, d, d - half)
+            partner = tl.where(first, d + half, d - half)
+        rot = d < 2 * half
+        c = tl.load(cos_ptr + t64 * s_ct + i, mask=rot, other=0.0).to(tl.float32)[None, :]
+        sn = tl.load(sin_ptr + t64 * s_st + i, mask=rot, other=0.0).to(tl.float32)[None, :]
+        x = q.to(tl.float32)
+        xp = tl.load(rows + partner[None, :], mask=ok & rot[None, :], other=0.0).to(tl.float32)
+        rotated = tl.where(first[None, :], x * c - xp * sn, x * c + xp * sn).to(q.dtype)
+        q = tl.where(rot[None, :], rotated, q)
+    return q
+
+
+@triton.jit
 def _indexer_keys_kernel(
-    q_ptr, w_ptr, k_ptr, key_ptr, rng_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
-    num_seqs, row0, Hi, Di, block_size, S, nprog,
-    s_qt, s_qh, s_wt, s_kb, s_ks, s_bt, s_key, s_rng,
+    q_ptr, w_ptr, k_ptr, key_ptr, rng_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, cos_ptr, sin_ptr,
+    num_seqs, row0, Hi, Di, block_size, S, nprog, half,
+    s_qt, s_qh, s_wt, s_kb, s_ks, s_bt, s_key, s_rng, s_ct, s_st,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    DOT_DTYPE: tl.constexpr, ROPE: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     grid_dependency_wait(USE_PDL)
     t = row0 + tl.program_id(0)
@@ -66,8 +96,8 @@ def _indexer_keys_kernel(
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     h_ok = h < Hi
-    q = tl.load(q_ptr + t64 * s_qt + h[:, None].to(tl.int64) * s_qh + d[None, :],
-                mask=h_ok[:, None] & (d[None, :] < Di), other=0.0)
+    q = _load_query_rope(q_ptr, t64, h, d, h_ok, Di, s_qt, s_qh, cos_ptr, sin_ptr, s_ct, s_st, half, ROPE,
+                         INTERLEAVED)
     w = tl.load(w_ptr + t64 * s_wt + h, mask=h_ok, other=0.0).to(tl.float32)
     inv_lo = tl.zeros([BLOCK_N], tl.uint32)  # running max of ~key: ~(min key)
     hi = tl.zeros([BLOCK_N], tl.uint32)
@@ -89,11 +119,13 @@ def _indexer_keys_kernel(
 
 def indexer_keys(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, row0: int, rows: int,
-                 rng: torch.Tensor) -> torch.Tensor:
+                 rng: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                 interleaved: bool = False) -> torch.Tensor:
     """The scoring launch alone: int32 orderable keys [rows, S] of step rows ``row0 .. row0+rows-1`` (S = the
     block table's width x block size; only each row's first n positions are written) and each row's key
     range folded into ``rng`` ([rows, 2] rows of ``row_range_buffer``, which the caller must hand to
-    ``select_rows`` or zero). Inputs as :func:`indexer_topk` (contiguous last dims)."""
+    ``select_rows`` or zero). Inputs as :func:`indexer_topk` (contiguous last dims; cos / sin [T, R/2]
+    contiguous or None)."""
     T, Hi, Di = q.shape
     B = seq_lens.shape[0]
     block_size = index_k_cache.shape[1]
@@ -103,13 +135,15 @@ def indexer_keys(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     # scoring programs per row: about one wave over all rows, each looping over its row's blocks below the
     # row's length, so a key width far above the real context costs one wave of exiting programs
     nprog = programs_per_row(rows, triton.cdiv(S, block_n), q.device, INDEXER_PROGRAMS_PER_SM)
+    half = 0 if cos is None else cos.shape[-1]
+    tab_c, tab_s = (cos, sin) if half else (weights, weights)  # dummy pointers when there is no rope
     _indexer_keys_kernel[(rows, nprog)](
-        q, weights, index_k_cache, keys, rng, cu_seqlens_q, seq_lens, block_tables,
-        B, row0, Hi, Di, block_size, S, nprog,
+        q, weights, index_k_cache, keys, rng, cu_seqlens_q, seq_lens, block_tables, tab_c, tab_s,
+        B, row0, Hi, Di, block_size, S, nprog, half,
         q.stride(0), q.stride(1), weights.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
-        block_tables.stride(0), keys.stride(0), rng.stride(0),
+        block_tables.stride(0), keys.stride(0), rng.stride(0), tab_c.stride(0), tab_s.stride(0),
         BLOCK_H=pow2(Hi, 16), BLOCK_D=pow2(Di, 16), BLOCK_N=block_n, BLOCK_B=pow2(B),
-        DOT_DTYPE=dot_dtype(q.dtype), num_warps=4,
+        DOT_DTYPE=dot_dtype(q.dtype), ROPE=half > 0, INTERLEAVED=bool(interleaved), num_warps=4,
         **launch_pdl_args(q.device),
     )
     return keys
@@ -117,11 +151,14 @@ def indexer_keys(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                 topk: int, **tuning) -> torch.Tensor:
+                 topk: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                 interleaved: bool = False, **tuning) -> torch.Tensor:
     """Indexer scores + deterministic top-k; same contract as ``torch_ref_mla.indexer_topk``.
 
     q: [T, Hi, Di]; weights: [T, Hi] float32 (all scales folded in); index_k_cache: [N, bs, Di];
-    cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; topk: K.
+    cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; topk: K; cos / sin:
+    [T, R/2] rotary tables or None (q given unrotated: the scoring kernel rotates its first R dims per head as
+    it loads them, bitwise as ``indexer_rope_store`` would, saving that op's launch on the decode path).
     ``tuning``: ``split`` and the tuning of :func:`~atomtool.serve.ops.triton.topk.select_rows`
     (benchmarks; default: the module's choice).
     Returns [T, K] int32 request-local positions in ascending order, -1 padded.
@@ -133,6 +170,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
         return torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     if q.stride(-1) != 1 or index_k_cache.stride(-1) != 1:
         raise ValueError("indexer_topk: q and index_k_cache need a contiguous last dim")
+    check_query_rope(q, cos, sin)
+    if cos is not None:
+        cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((T, topk), dtype=torch.int32, device=q.device)  # the selection writes every slot
     S = block_tables.shape[1] * index_k_cache.shape[1]  # widest possible context of this batch
     rows_per_chunk = max(1, _KEY_BUDGET // (12 * S))
@@ -143,6 +183,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     for row0 in range(0, T, rows_per_chunk):
         rows = min(rows_per_chunk, T - row0)
         rng = row_range_buffer(rows, q.device)
-        keys = indexer_keys(q, weights, index_k_cache, cu_seqlens_q, seq_lens, block_tables, row0, rows, rng)
+        keys = indexer_keys(q, weights, index_k_cache, cu_seqlens_q, seq_lens, block_tables, row0, rows, rng,
+                            cos, sin, interleaved)
         select_rows(keys, out, row0, topk, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, row_range=rng, **tuning)
     return out
