@@ -170,6 +170,15 @@ def _indexer_case(T: int, n: int, width: int, device, seed: int = 0, Hi: int = 6
     return q, w, kc, cu, seq_lens, bt
 
 
+def _query_rope(T: int, Di: int, device):
+    """(cos, sin) [T, Di / 4] of the indexer's query rope (DeepSeek-V3.2: 64 of 128 dims), as the engine hands
+    them to the scoring kernel."""
+    import torch
+
+    ang = torch.rand(T, Di // 4, generator=torch.Generator(device=device).manual_seed(1), device=device) * 100
+    return ang.cos(), ang.sin()
+
+
 def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool,
               variants: dict[str, dict], width: int = 0, indexer: bool = False) -> list[dict]:
     """For one (T, n = S): per variant (name -> select_rows tuning) us per call of ours and of the old path
@@ -197,9 +206,10 @@ def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool
         from atomtool.serve.ops.triton.topk import row_range_buffer
 
         rng = row_range_buffer(T, device)
+        tabs = _query_rope(T, args[0].shape[-1], device)
 
         def scoring():
-            indexer_keys(*args, 0, T, rng)
+            indexer_keys(*args, 0, T, rng, *tabs)
             rng.zero_()
 
         r = {"T": T, "S": S, "W": width, "K": K, "variant": "(scoring only)", "tuning": None, "equal": True,
@@ -211,7 +221,7 @@ def bench_one(T: int, S: int, K: int, iters: int, dist: str, device, graph: bool
     for name, tuning in variants.items():
         if indexer:
             def ours(tuning=tuning):
-                return indexer_topk(*args, K, **tuning)
+                return indexer_topk(*args, K, *tabs, **tuning)
         else:
             def ours(tuning=tuning):
                 return topk_positions(keys, lengths, K, **tuning)

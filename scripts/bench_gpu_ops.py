@@ -86,7 +86,8 @@ def main() -> None:
         ikc = torch.randn(nb, bs, 128, device=DEV, dtype=BF16)
         iq = torch.randn(B, 64, 128, device=DEV, dtype=BF16)
         iw = torch.rand(B, 64, device=DEV)
-        ms = bench(lambda: tri.indexer_topk(iq, iw, ikc, cu, sl, bt, 2048))  # noqa: B023
+        icos, isin = torch.rand(B, 32, device=DEV).cos(), torch.rand(B, 32, device=DEV).sin()  # query rope, 64 dims
+        ms = bench(lambda: tri.indexer_topk(iq, iw, ikc, cu, sl, bt, 2048, icos, isin))  # noqa: B023
         add("indexer_topk", f"decode B={B} ctx={ctx}", ms, B * ctx * 128 * 2, "TB/s")
 
     # FP8 block linear vs bf16 cuBLAS and torch._scaled_mm with 1x128 / 128x128 block scales

@@ -72,3 +72,24 @@ def test_fp8_gemv_refuses_inputs_outside_its_contract(x, why):
     s = torch.ones(1, max(1, x.shape[1] // 128))
     with pytest.raises(ValueError, match="fp8_gemv: x .* not served"):
         fp8_gemv_w8a8(x, w, s, None, True)
+
+
+@pytest.mark.parametrize("why", ["scale shape", "scale dtype", "bf16 weight", "float32 bias", "16 splits",
+                                 "strided weight"])
+def test_fp8_gemv_refuses_weights_and_options_outside_its_contract(why):
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    w, s, bias, splits = torch.zeros(64, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2), None, None
+    if why == "scale shape":
+        s = torch.ones(1, 3)
+    elif why == "scale dtype":
+        s = s.double()
+    elif why == "bf16 weight":
+        w = w.to(torch.bfloat16)
+    elif why == "float32 bias":
+        bias = torch.zeros(64)
+    elif why == "16 splits":
+        splits = 16
+    else:
+        w = torch.zeros(256, 64, dtype=torch.float8_e4m3fn).t()
+    with pytest.raises(ValueError, match="not served .*1..8 splits"):
+        fp8_gemv_w8a8(x, w, s, bias, True, splits=splits)

@@ -141,8 +141,9 @@ def test_indexer_rope_store(interleaved, dtype, rope):
     assert _untouched(got)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_indexer_rope_store_without_queries_stores_the_same_keys(impl):
+def test_indexer_rope_store_without_queries_stores_the_same_keys(impl, interleaved):
     """q None (the decode path: the scoring rotates the queries): keys and head weights as with queries."""
     fn = tri.indexer_rope_store if impl == "triton" else ref.indexer_rope_store
     T, H, D, nb, bs = 6, 5, 16, 4, 4
@@ -151,8 +152,8 @@ def test_indexer_rope_store_without_queries_stores_the_same_keys(impl):
     lw, lb = 1 + 0.1 * torch.randn(D, generator=g), 0.1 * torch.randn(D, generator=g)
     cos, sin = _tables(T, 4)
     with_q, without_q = (torch.full((nb, bs, D), 9.0) for _ in range(2))
-    _, w1 = fn(q, k, w_raw, 0.5, lw, lb, 1e-6, cos, sin, False, with_q, SLOTS)
-    q2, w2 = fn(None, k, w_raw, 0.5, lw, lb, 1e-6, cos, sin, False, without_q, SLOTS)
+    _, w1 = fn(q, k, w_raw, 0.5, lw, lb, 1e-6, cos, sin, interleaved, with_q, SLOTS)
+    q2, w2 = fn(None, k, w_raw, 0.5, lw, lb, 1e-6, cos, sin, interleaved, without_q, SLOTS)
     assert q2 is None and torch.equal(w1, w2) and torch.equal(with_q, without_q)
 
 

@@ -2,8 +2,9 @@
 
 At decode batch sizes a DSA/MoE layer is a chain of small kernels, most of them latency-bound (a few
 microseconds of launch, ramp and tail each). Two branches of a layer do not depend on each other until a
-join point: the DSA indexer (head weights, ``wq_b``, key store, scoring, top-k) and MLA's own query path
-(``q_b_proj``, rope + latent store, the W_UK absorption) meet only at sparse attention; the shared expert and
+join point: the DSA indexer's query half (``wq_b``, scoring with the query rope, top-k; its key store and head
+weights run on the main stream first, :meth:`Forked.then`) and MLA's own query path (``q_b_proj``, rope + latent
+store, the W_UK absorption) meet only at sparse attention; the shared expert and
 the routed experts (router, grouped top-k, fused MoE) meet only at the sum. Running one branch on a side
 stream lets the GPU overlap their latencies; inside a CUDA graph the two streams become parallel branches of
 the graph (the fork/join pattern CUDA stream capture records as graph edges). SGLang overlaps the same two

@@ -290,7 +290,7 @@ def indexer_rope_store(q: torch.Tensor | None, k_raw: torch.Tensor, w_raw: torch
       its *first* ``R = 2 * cos.shape[-1]`` dims ("pe first"; none when cos is None), stored to the
       ``index_k`` plane with :func:`store_cache`;
     - queries: the same rope on the first R dims of every head, the rest unchanged (:func:`rope_index_queries`;
-      q None: no queries, the decode path rotates them inside :func:`indexer_topk` instead);
+      q None: no queries, as the engine calls it: it rotates them inside :func:`indexer_topk` instead);
     - head weights: ``float32(w_raw) * weight_scale`` (dsa.md §5.2: float32 before scaling).
 
     q: [T, Hi, Di] or None; k_raw: [T, Di]; w_raw: [T, Hi] (any float dtype); ln_weight, ln_bias: [Di];

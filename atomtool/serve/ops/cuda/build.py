@@ -71,7 +71,10 @@ def compile_cubin(source: str, arch: str, defines: tuple[tuple[str, int], ...] =
         if r.returncode != 0:
             raise CudaBuildError(f"nvcc failed on {path.name} ({' '.join(flags)}):\n{r.stdout}{r.stderr}")
         data = tmp_out.read_bytes()
-    part = out.with_suffix(f".{os.getpid()}.part")
-    part.write_bytes(data)
-    part.replace(out)  # atomic: a concurrent builder never reads half a cubin
+    # a temp file of its own per writer (threads and processes sharing the cache), renamed into place: a
+    # concurrent builder or reader never sees half a cubin
+    fd, part = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".part")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(part, out)
     return data

@@ -128,7 +128,6 @@ fp8_gemv_w8a8(const u16* __restrict__ x, long long s_xm, const u8* __restrict__ 
     const u8* wb = w + static_cast<long long>(okb ? rb : 0) * K + k0 + t * 16;
     // the 64-row tile lies inside one 128-row scale block: one scale per K group for the whole CTA
     const float* ws_row = ws + static_cast<long long>(n0 >> 7) * s_wsn + (k0 >> 7);
-    for (int i = tid; i < G; i += WARPS * 32) sw_s[i] = ws_row[i];
 
     V4 buf[DEPTH][4];
     if (early_weights) {  // weights are immutable: start streaming them before the previous kernel finishes
@@ -142,6 +141,7 @@ fp8_gemv_w8a8(const u16* __restrict__ x, long long s_xm, const u8* __restrict__ 
         for (int d = 0; d < DEPTH; d++)
             if (d < G) load_group(buf[d], wa, wb, d << 7, oka, okb);
     }
+    for (int i = tid; i < G; i += WARPS * 32) sw_s[i] = ws_row[i];
 
     // activation quantization: half a warp per (row, group), 8 values per lane
     const int rows = min(ROWS, M - m0);

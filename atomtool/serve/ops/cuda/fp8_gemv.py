@@ -43,15 +43,32 @@ def gemv_plan(N: int, K: int, splits: int | None = None, target: int = 528) -> t
 def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                   bias: torch.Tensor | None, round_scale: bool, splits: int | None = None, depth: int = 4,
                   early_weights: bool = False, pdl: bool = True) -> torch.Tensor:
-    """x: [M, K] bf16 (last dim contiguous); weight: [N, K] float8_e4m3fn contiguous; weight_scale_inv:
-    [ceil(N/128), K/128] float32; bias: [N] bf16 or None. Returns [M, N] bf16. Raises ValueError for inputs
-    outside the kernel's contract."""
+    """x: [M, K] bf16 (last dim contiguous, rows 16-byte aligned); weight: [N, K] float8_e4m3fn contiguous;
+    weight_scale_inv: [ceil(N/128), K/128] float32 contiguous; bias: [N] bf16 or None; splits: force the K split
+    (1..8). Returns [M, N] bf16.
+
+    With ``early_weights`` the kernel reads the weights before its programmatic-dependent-launch wait (model
+    parameters, never written by the kernel before it), so weights and scales are taken as given, never copied
+    here: a copy launched just before would race with such reads.
+
+    Raises:
+        ValueError: inputs outside the kernel's contract (the message names them).
+    """
     M, K = x.shape
     N = weight.shape[0]
-    if x.dtype != torch.bfloat16 or K % 128 or weight.shape[1] != K or x.stride(1) != 1 or x.stride(0) % 8:
-        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} {x.dtype} / weight {tuple(weight.shape)} not served")
-    w = weight.contiguous()
-    s = weight_scale_inv.float().contiguous()
+    if (x.dtype != torch.bfloat16 or K % 128 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16
+            or weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (N, K) or not weight.is_contiguous()
+            or weight_scale_inv.dtype != torch.float32 or not weight_scale_inv.is_contiguous()
+            or tuple(weight_scale_inv.shape) != (-(-N // 128), K // 128)
+            or (bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,)))
+            or (splits is not None and not 1 <= splits <= MAX_CLUSTER)):
+        raise ValueError(
+            f"fp8_gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, scales "
+            f"{tuple(weight_scale_inv.shape)} {weight_scale_inv.dtype}, bias "
+            f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, splits {splits} not served (bf16 x with "
+            f"K % 128 == 0 and aligned rows, contiguous e4m3 weight, float32 [ceil(N/128), K/128] scales, bf16 bias, "
+            f"1..{MAX_CLUSTER} splits)")
+    w, s = weight, weight_scale_inv
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return out
@@ -65,5 +82,6 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch
             ctypes.c_void_p(bias.data_ptr() if bias is not None else 0), ctypes.c_void_p(out.data_ptr()),
             ctypes.c_longlong(out.stride(0)), ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(K),
             ctypes.c_int(k_chunk), ctypes.c_int(int(round_scale)), ctypes.c_int(int(early_weights))]
-    kern.launch(grid, (128, 1, 1), shared, args, cluster=(S, 1, 1), pdl=pdl)
+    with torch.cuda.device(x.device):  # the launch goes to the current stream of x's device
+        kern.launch(grid, (128, 1, 1), shared, args, cluster=(S, 1, 1), pdl=pdl)
     return out

@@ -158,19 +158,20 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     q: [T, Hi, Di]; weights: [T, Hi] float32 (all scales folded in); index_k_cache: [N, bs, Di];
     cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32; topk: K; cos / sin:
     [T, R/2] rotary tables or None (q given unrotated: the scoring kernel rotates its first R dims per head as
-    it loads them, bitwise as ``indexer_rope_store`` would, saving that op's launch on the decode path).
+    it loads them, bitwise as ``indexer_rope_store`` would: the engine's path, which saves that op's work on
+    the indexer branch before sparse attention).
     ``tuning``: ``split`` and the tuning of :func:`~atomtool.serve.ops.triton.topk.select_rows`
     (benchmarks; default: the module's choice).
     Returns [T, K] int32 request-local positions in ascending order, -1 padded.
     Raises ValueError when q or index_k_cache has a strided last dim or the tuning is out of range.
     """
+    check_query_rope(q, cos, sin)
     T = q.shape[0]
     B = seq_lens.shape[0]
     if T == 0 or B == 0 or topk == 0:
         return torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     if q.stride(-1) != 1 or index_k_cache.stride(-1) != 1:
         raise ValueError("indexer_topk: q and index_k_cache need a contiguous last dim")
-    check_query_rope(q, cos, sin)
     if cos is not None:
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((T, topk), dtype=torch.int32, device=q.device)  # the selection writes every slot
