@@ -51,7 +51,6 @@ from tests.test_server_support import demo_model_client
 openai = pytest.importorskip("openai")
 
 
-@pytest.mark.xfail(strict=True, reason="max_model_len 0 / negative is not validated")
 @pytest.mark.parametrize("value", [0, -3])
 def test_engine_refuses_a_max_model_len_below_one(value):
     """Expected: an EngineError naming max_model_len (as for max_num_seqs), before any KV budget talk."""

@@ -73,6 +73,10 @@ class LLMEngine:
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 1):
+            # 0 would build an engine refusing every prompt, a negative value a bogus "KV budget" error
+            raise EngineError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if not 0 < gpu_memory_utilization <= 1:
             raise EngineError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         self.model = model
