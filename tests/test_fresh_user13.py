@@ -64,7 +64,6 @@ def client():
         yield c
 
 
-@pytest.mark.xfail(strict=True, reason="the 400 names max_tokens, which the client did not send")
 def test_chat_max_completion_tokens_over_the_context_names_that_field(client):
     """Expected: 400 context_length_exceeded with ``param: "max_completion_tokens"`` (the field sent)."""
     with pytest.raises(openai.BadRequestError) as info:

@@ -332,14 +332,15 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return constraint
 
     def check_length(prompt_len: int, max_tokens: int | None, prompt_param: str, *,
-                     clamp: bool = False) -> int:
+                     clamp: bool = False, max_tokens_param: str = "max_tokens") -> int:
         """Validate the context budget (vLLM's messages, naming the prompt for completions and the messages for
         chat); return max_tokens (None: the room left).
 
         ``clamp``: ``max_tokens`` is a server default the client did not send (completions' 16), so it is
         cut to the room left instead of failing the request over a parameter the client never set.
         ``max_tokens`` 0 (an echo request scoring its prompt, nothing generated): the prompt may fill the
-        context.
+        context. ``max_tokens_param``: the field the client sent max_tokens as (chat: ``max_completion_tokens``
+        too), named in the 400 when it does not fit.
         """
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -356,7 +357,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
                            f"{max_tokens} in the completion). Please reduce the length of the {what} or "
-                           "completion.", param="max_tokens", code="context_length_exceeded")
+                           "completion.", param=max_tokens_param, code="context_length_exceeded")
         return max_tokens
 
     def sampling_params(req: Any, max_tokens: int, logprobs: int | None, choice: int, *,
@@ -785,7 +786,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         sent_max = requested is not None
         if not sent_max:  # the generation config's max_new_tokens (cut to the room left), else the room left
             requested = defaults.get("max_tokens")
-        max_tokens = check_length(len(prompt_ids), requested, "messages", clamp=not sent_max)
+        max_tokens = check_length(len(prompt_ids), requested, "messages", clamp=not sent_max,
+                                  max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None
+                                  else "max_tokens")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = [sampling_params(req, max_tokens, top_n, i,
                                   structured=forced.constraint if forced is not None else constraint)
