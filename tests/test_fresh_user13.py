@@ -40,6 +40,10 @@ filled it").
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from atomtool.errors import EngineError, InvalidRequestError
@@ -94,3 +98,16 @@ def test_batch_error_names_the_prompt_that_is_too_long(small_llm):
     # one prompt: the message stays as it was
     with pytest.raises(InvalidRequestError, match=r"^the prompt has 39 tokens"):
         small_llm.generate(list(range(1, 40)), sp)
+
+
+@pytest.mark.xfail(strict=True, reason="the error does not say which prompt of the batch is too long")
+def test_generate_cli_names_the_prompt_that_is_too_long():
+    """Expected: one ``error: prompts[1]: the prompt has N tokens, more than max_model_len 1024`` line, exit 1."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-m", "atomtool.cli", "generate", str(demo_model_path()), "--prompt", "x",
+                             "--prompt", "Beautiful is better than " * 300, "--max-tokens", "2", "--device", "cpu"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr
+    assert errors[0].startswith("error: prompts[1]: the prompt has "), errors[0]
+    assert errors[0].endswith("more than max_model_len 1024"), errors[0]
