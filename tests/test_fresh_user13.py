@@ -87,7 +87,6 @@ def small_llm():
     return LLM(str(demo_model_path()), device="cpu", max_model_len=32, kv_cache_memory=10240 * 2)
 
 
-@pytest.mark.xfail(strict=True, reason="the error does not say which prompt of the batch is too long")
 def test_batch_error_names_the_prompt_that_is_too_long(small_llm):
     """Expected: ``prompts[1]: the prompt has 39 tokens, more than max_model_len 32``; nothing left running."""
     sp = SamplingParams(max_tokens=2, temperature=0)
@@ -100,7 +99,6 @@ def test_batch_error_names_the_prompt_that_is_too_long(small_llm):
         small_llm.generate(list(range(1, 40)), sp)
 
 
-@pytest.mark.xfail(strict=True, reason="the error does not say which prompt of the batch is too long")
 def test_generate_cli_names_the_prompt_that_is_too_long():
     """Expected: one ``error: prompts[1]: the prompt has N tokens, more than max_model_len 1024`` line, exit 1."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))

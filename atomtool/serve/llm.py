@@ -65,7 +65,8 @@ class LLM:
         ``prompt_logprobs`` when the params ask for them (``SamplingParams.prompt_logprobs``).
 
         Raises:
-            InvalidRequestError: a bad prompt or sampling parameter (nothing is run then).
+            InvalidRequestError: a bad prompt or sampling parameter (nothing is run then); of several prompts, a
+                bad one is named by its index (``prompts[1]: the prompt has 39 tokens, ...``).
         """
         if _single_prompt(prompts):
             prompts = [prompts]
@@ -85,10 +86,16 @@ class LLM:
         params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(rid, prompt, p)
+                try:
+                    self.engine.add_request(rid, prompt, p)
+                except InvalidRequestError as exc:
+                    if exc.param != "prompt" or len(prompts) == 1:
+                        raise
+                    # of several prompts, say which one (too long, empty, ids outside the vocabulary)
+                    raise InvalidRequestError(f"prompts[{i}]: {exc}", param="prompt") from None
                 ids.append(rid)
         except Exception:
             for rid in ids:
