@@ -135,7 +135,6 @@ def test_fused_parts_edited_in_the_manifest_are_refused(ckpts, tmp_path, edit):
     _assert_refused(out, QKV)
 
 
-@pytest.mark.xfail(strict=True, reason="'version': true is accepted as version 1")
 def test_boolean_manifest_version_is_refused(ckpts, tmp_path):
     """``"version": true`` is not layout version 1."""
     out = _copy(ckpts["L_qwen3"], tmp_path)

@@ -109,8 +109,9 @@ def read_manifest(layout_dir: str | Path) -> dict[str, Any]:
         raise LayoutError(f"{path}: unreadable manifest ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise LayoutError(f"{path}: format is not {FORMAT!r}")
-    if manifest.get("version") != VERSION:
-        raise LayoutError(f"{path}: layout version {manifest.get('version')!r} is not supported (expected {VERSION})")
+    version = manifest.get("version")
+    if type(version) is not int or version != VERSION:  # (``true == 1`` and ``1.0 == 1`` in Python)
+        raise LayoutError(f"{path}: layout version {json.dumps(version)} is not supported (expected {VERSION})")
     if not isinstance(manifest.get("tensors"), dict):
         raise LayoutError(f"{path}: 'tensors' missing or not an object")
     return manifest
@@ -182,3 +183,4 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict):
         raise LayoutError(f"{path}: header is not a JSON object")
     return header, 8 + n
+
