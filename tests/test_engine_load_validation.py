@@ -106,7 +106,9 @@ def test_wrong_shaped_weight_edited_into_a_layout_is_named(qwen3_layout, tmp_pat
     layout = shutil.copytree(qwen3_layout, tmp_path / "layout")
     truncate_down_proj(layout / tensor_files(layout)[DOWN])
     line = generate_error(layout)
-    assert f"{DOWN} (64, 3) (model expects (64, 128))" in line
+    # named before the model is built: the manifest's entry against the shard header (tensor, shard, both shapes)
+    assert f"{DOWN}: the manifest says" in line and "[64, 128]" in line and "holds" in line and "[64, 3]" in line
+    assert tensor_files(layout)[DOWN] in line
     assert "missing" not in line
 
 

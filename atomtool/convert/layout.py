@@ -184,3 +184,55 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
         raise LayoutError(f"{path}: header is not a JSON object")
     return header, 8 + n
 
+
+#: problems a load-time check names before it stops listing (the rest are counted)
+_MAX_SHOWN_PROBLEMS = 3
+
+
+def _raise_problems(where: str, problems: list[str], hint: str) -> None:
+    if problems:
+        more = f" (+{len(problems) - _MAX_SHOWN_PROBLEMS} more)" if len(problems) > _MAX_SHOWN_PROBLEMS else ""
+        raise LayoutError(f"{where}: {'; '.join(problems[:_MAX_SHOWN_PROBLEMS])}{more}; {hint}")
+
+
+def check_manifest_matches_files(layout_dir: str | Path, manifest: dict[str, Any]) -> None:
+    """The manifest against what the loader will read, from headers only (no tensor data): the index lists
+    exactly the manifest's tensors, each in the shard the manifest's ``file`` names, and every shard header
+    declares each tensor with the manifest's dtype and shape. The engine model is built from the manifest
+    while the bytes come from the shards, so a manifest edited after convert (or copied from another model)
+    must not load. Tensor *bytes* are not hashed here (``atomtool verify`` does that).
+
+    Raises:
+        LayoutError: one line naming the manifest, the first mismatches (tensor, file, both values).
+        HeaderError: a shard's header is corrupt or truncated.
+    """
+    from atomtool.inspect.safetensors_header import read_header_file
+
+    root = Path(layout_dir)
+    specs: dict[str, Any] = manifest["tensors"]
+    weight_map = tensor_files(root)
+    problems = [f"{n} is in the manifest but not in {INDEX_NAME}" for n in specs if n not in weight_map]
+    problems += [f"{n} is in {INDEX_NAME} but not in the manifest" for n in weight_map if n not in specs]
+    by_file: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        by_file.setdefault(fname, []).append(name)
+        entry = specs.get(name)
+        if isinstance(entry, dict) and entry.get("file") is not None and entry.get("file") != fname:
+            problems.append(f"{name}: the manifest puts it in {entry.get('file')}, {INDEX_NAME} in {fname}")
+    for fname, names in by_file.items():
+        path = root / fname
+        if not path.is_file():
+            continue  # the loader names missing shards itself
+        header = read_header_file(path, file=fname)
+        for name in names:
+            entry, info = specs.get(name), header.tensors.get(name)
+            if not isinstance(entry, dict) or info is None:
+                continue  # not in the manifest (above) / not in the shard (the loader names it)
+            shape = entry.get("shape")
+            if entry.get("dtype") != info.dtype or not isinstance(shape, list) or list(info.shape) != shape:
+                problems.append(f"{name}: the manifest says {entry.get('dtype')} {shape}, {fname} holds "
+                                f"{info.dtype} {list(info.shape)}")
+    _raise_problems(f"{root / MANIFEST_NAME}", problems,
+                    "the manifest does not describe this layout's files (edited, or from another conversion?); "
+                    f"`atomtool verify {layout_dir}` lists every problem, and converting again rewrites it")
+

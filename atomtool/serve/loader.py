@@ -182,11 +182,18 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     # a manifest makes the directory a layout: an unreadable or unsupported one is a LayoutError, never a
     # silent fallback to loading the directory as a raw checkpoint
     if (model_dir / MANIFEST_NAME).exists():
-        from atomtool.convert.layout import load_layout_specs
+        from atomtool.convert.layout import (
+            check_manifest_matches_files,
+            entry_to_spec,
+            read_manifest,
+        )
 
         config = flatten_dsa_config(raw_config)
-        specs = load_layout_specs(model_dir)
+        manifest = read_manifest(model_dir)
+        specs = {name: entry_to_spec(name, entry) for name, entry in manifest["tensors"].items()}
         _check_layout_servable(model_path, model_dir, specs)
+        # the model is built from the manifest, the bytes come from the shards: they must agree (headers only)
+        check_manifest_matches_files(model_dir, manifest)
         _check_layout_shapes(model_path, arch, config, specs)  # before building (allocating) the model
         torch_dtype = resolve_dtype(dtype, config, dev)
         config = _with_fp8_block(config, layout_fp8_block(model_path, config, specs))
