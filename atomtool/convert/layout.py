@@ -236,3 +236,77 @@ def check_manifest_matches_files(layout_dir: str | Path, manifest: dict[str, Any
                     "the manifest does not describe this layout's files (edited, or from another conversion?); "
                     f"`atomtool verify {layout_dir}` lists every problem, and converting again rewrites it")
 
+
+def check_parts_order(specs: dict[str, OutputTensor], family: Any) -> list[str]:
+    """Problems with the parts of fused / stacked outputs, as convert writes them: the parts of each
+    ``concat`` output (of each stack slot) follow each other in row order from row 0 (a part's rows, then
+    its ``pad_rows``) up to the output's rows, and the sources are the family's fusion parts in the rule's
+    order (:class:`~atomtool.inspect.families.FusionRule`; experts: ``{e}.gate``, ``{e}.up`` at stack
+    index ``e``, in expert order). The engine splits fused outputs by these row ranges in this order, so a
+    manifest whose parts were reordered or whose row ranges were swapped would split the shard's rows
+    wrongly. ``family``: the architecture's :class:`~atomtool.inspect.families.Family` (None: only the
+    tiling is checked). Returns one line per bad output (empty: fine)."""
+    import re
+
+    problems: list[str] = []
+    layer_re = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<rest>.+)$")
+    for spec in specs.values():
+        if spec.op not in ("concat", "stack"):
+            continue
+        what = _tiling_problem(spec)
+        if what is None and family is not None:
+            m = layer_re.match(spec.name)
+            expected = _expected_sources(m.group("layer"), m.group("rest"), spec, family) if m else None
+            got = [(p.source, p.stack_index) for p in spec.parts]
+            if expected is not None and got not in expected:
+                want = expected[-1]
+                what = (f"parts {[s for s, _ in got][:4]} are not the sources in the order convert writes "
+                        f"{[s for s, _ in want][:4]}")
+        if what is not None:
+            problems.append(f"{spec.name}: {what}")
+    return problems
+
+
+def _tiling_problem(spec: OutputTensor) -> str | None:
+    """Why the parts of ``spec`` do not tile its rows in list order (per stack slot), or None."""
+    rows = spec.shape[1] if spec.op == "stack" else spec.shape[0] if spec.shape else 0
+    ends: dict[Any, int] = {}
+    for p in spec.parts:
+        if p.rows is None or len(p.rows) != 2:
+            return f"part {p.source} has no row range"
+        if spec.op == "stack" and not (isinstance(p.stack_index, int) and 0 <= p.stack_index < spec.shape[0]):
+            return f"part {p.source} has stack index {p.stack_index!r} outside 0..{spec.shape[0] - 1}"
+        slot = p.stack_index if spec.op == "stack" else None
+        start, end = p.rows
+        if start != ends.get(slot, 0) or end < start or p.pad_rows < 0:
+            return (f"part {p.source} rows [{start}, {end}) do not follow the previous part (row "
+                    f"{ends.get(slot, 0)}): parts must be listed in row order without gaps or overlaps")
+        ends[slot] = end + p.pad_rows
+    if spec.op == "stack" and len(ends) != spec.shape[0]:
+        return f"stack indices {sorted(ends)} do not cover 0..{spec.shape[0] - 1}"
+    short = {k: v for k, v in ends.items() if v != rows}
+    if short:
+        return f"parts cover {next(iter(short.values()))} of {rows} rows"
+    return None
+
+
+def _expected_sources(layer: str, rest: str, spec: OutputTensor,
+                      family: Any) -> list[list[tuple[str, int | None]]] | None:
+    """The (source, stack_index) lists convert may write for output ``{layer}.{rest}`` (None: not a fused
+    output of ``family``)."""
+    for rule in family.fusions:
+        if rest.startswith(rule.output + "."):
+            role = rest[len(rule.output) + 1:]
+            base = [(f"{layer}.{p}.{role}", None) for p in rule.parts]
+            full = base + [(f"{layer}.{p}.{role}", None) for p in rule.full_only_parts]
+            return [base, full] if rule.full_only_parts else [base]
+    ex = family.experts
+    if ex is not None and spec.op == "stack":
+        for out, mods in ((f"{ex.experts_prefix}.w13", ex.w13), (f"{ex.experts_prefix}.w2", (ex.w2,))):
+            if rest.startswith(out + "."):
+                role = rest[len(out) + 1:]
+                weights = [(f"{layer}.{ex.experts_prefix}.{e}.{m}.{role}", e)
+                           for e in range(spec.shape[0]) for m in mods]
+                # an FP8 expert dequantized into a float stack keeps its weight name (its scale is in `scale`)
+                return [weights]
+    return None

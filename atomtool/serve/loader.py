@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from atomtool.errors import ConfigError, EngineError, SourceError, one_line
+from atomtool.errors import ConfigError, EngineError, LayoutError, SourceError, one_line
 from atomtool.serve.model_config import check_size_fields, complete_config
 from atomtool.serve.models.base import CausalLM
 from atomtool.serve.models.registry import get_model_class, resolve_architecture
@@ -184,6 +184,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
     if (model_dir / MANIFEST_NAME).exists():
         from atomtool.convert.layout import (
             check_manifest_matches_files,
+            check_parts_order,
             entry_to_spec,
             read_manifest,
         )
@@ -194,6 +195,13 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         _check_layout_servable(model_path, model_dir, specs)
         # the model is built from the manifest, the bytes come from the shards: they must agree (headers only)
         check_manifest_matches_files(model_dir, manifest)
+        bad_parts = check_parts_order(specs, family)
+        if bad_parts:
+            raise LayoutError(f"{model_dir / MANIFEST_NAME}: {bad_parts[0]}"
+                              + (f" (+{len(bad_parts) - 1} more)" if len(bad_parts) > 1 else "")
+                              + "; the engine would split the fused tensor at the wrong rows (the manifest was "
+                              f"edited?); `atomtool verify {model_path}` checks the layout, converting again "
+                              "rewrites it")
         _check_layout_shapes(model_path, arch, config, specs)  # before building (allocating) the model
         torch_dtype = resolve_dtype(dtype, config, dev)
         config = _with_fp8_block(config, layout_fp8_block(model_path, config, specs))
