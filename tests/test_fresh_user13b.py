@@ -144,7 +144,6 @@ def test_undamaged_layout_matches_the_raw_checkpoint(ckpts):
     assert json.loads(a.stdout)[0]["token_ids"] == json.loads(b.stdout)[0]["token_ids"]
 
 
-@pytest.mark.xfail(strict=True, reason="a failed fsync after the rename reports 'nothing was written'")
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
 def test_directory_sync_failing_after_the_rename_does_not_claim_nothing_was_written(ckpts, tmp_path, monkeypatch,
                                                                                     overwrite):

@@ -357,10 +357,13 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
             print(json.dumps({"out": str(result.out), "tensors": result.tensors, "shards": result.shards,
                               "bytes": result.bytes, "seconds": round(result.seconds, 3),
                               "gb_per_s": round(rate / 1e9, 3), "bytes_per_s": round(rate),
-                              "warnings": forced + plan.warnings, "notes": plan.notes,
+                              "warnings": forced + plan.warnings + ([result.sync_warning] if result.sync_warning
+                                                                     else []), "notes": plan.notes,
                               "carried_files": [e["path"] for e in result.manifest["carried_files"]],
                               "not_carried": result.manifest["not_carried"]}, indent=1), flush=True)
         else:
+            if result.sync_warning:
+                _warn([result.sync_warning])
             _warn([n for n in (carried_note(result.manifest["carried_files"]),
                                not_carried_note(result.manifest["not_carried"])) if n], "note")
             print(f"wrote {result.out}: {result.tensors} tensors in {result.shards} shard(s), "

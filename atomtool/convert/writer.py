@@ -368,6 +368,9 @@ class WriteResult:
     manifest: dict[str, Any]
     #: a SIGINT/SIGTERM arrived after OUT was complete (deferred: the conversion succeeded anyway)
     interrupted: bool = False
+    #: OUT is in place but syncing its parent directory afterwards failed (the rename may not survive a
+    #: power loss); a warning, not a failure: the layout is complete
+    sync_warning: str | None = None
 
 
 def _fsync_file(path: Path) -> None:
@@ -766,10 +769,10 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         # From here on SIGINT/SIGTERM are deferred: once the rename is done the conversion has succeeded, and
         # an interrupt landing between the rename and the summary must not turn it into a failure (exit 130).
         with deferred_interrupts() as received:
-            _commit(tmp, out_abs, out, overwrite=overwrite, token=token)
+            sync_warning = _commit(tmp, out_abs, out, overwrite=overwrite, token=token)
             committed = True
             result = WriteResult(out_abs, len(shards), len(plan.tensors), total, time.perf_counter() - start,
-                                 manifest)
+                                 manifest, sync_warning=sync_warning)
             if on_commit is not None:
                 on_commit(result)
         result.interrupted = bool(received)
@@ -887,7 +890,7 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(dst))
 
 
-def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str) -> None:
+def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str) -> str | None:
     """Move the complete layout ``tmp`` to ``out_abs`` without ever replacing an OUT we may not replace.
 
     Without ``overwrite``: plain ``rename(2)``. POSIX renames a directory onto an existing directory only
@@ -902,6 +905,13 @@ def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str)
     one if the second rename fails; only a hard kill between those two renames leaves OUT missing, with the
     old layout kept whole as ``.OUT.old-*`` next to it.
 
+    Once the new layout is renamed into place the conversion has succeeded: syncing OUT's parent directory
+    afterwards is best effort (:func:`_sync_after_rename`), and a failure there is returned as a warning
+    line, never raised (the caller would report "nothing was written" over a complete OUT, after an
+    exchange with the old layout already gone).
+
+    Returns:
+        None, or the warning line when a sync after the rename failed.
     Raises:
         ConversionError: OUT appeared meanwhile (no ``overwrite``), or became a non-layout (``overwrite``).
         OSError: other rename failures.
@@ -915,16 +925,16 @@ def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str)
                                       "convert into the same OUT?); it was left as is and nothing was written; "
                                       "pass --overwrite to replace it") from None
             raise
-        _fsync_dir(out_abs.parent)
-        return
+        return _sync_after_rename(out_abs, out)
     if out_abs.is_dir() and any(out_abs.iterdir()) and not is_layout(out_abs):
         raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
                               f"(no {MANIFEST_NAME}); remove it yourself if it should go")
     if not out_abs.exists():
         os.rename(tmp, out_abs)
     elif _renameat2(tmp, out_abs, RENAME_EXCHANGE):  # tmp now holds the old layout
-        _fsync_dir(out_abs.parent)
+        warning = _sync_after_rename(out_abs, out)
         shutil.rmtree(tmp, ignore_errors=True)
+        return warning
     else:
         old = out_abs.parent / f".{out_abs.name}.old-{token}"
         os.rename(out_abs, old)
@@ -937,6 +947,18 @@ def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str)
                 raise ConversionError(f"replacing {out} failed ({exc}); the previous layout is kept "
                                       f"whole at {old}") from None
             raise
-        _fsync_dir(out_abs.parent)
+        warning = _sync_after_rename(out_abs, out)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(out_abs.parent)
+        return warning
+    return _sync_after_rename(out_abs, out)
+
+
+def _sync_after_rename(out_abs: Path, out: Path) -> str | None:
+    """fsync OUT's parent directory once OUT is renamed into place; None when that worked, else a warning
+    line (the layout is complete; only the rename's durability across a power loss is in doubt)."""
+    try:
+        _fsync_dir(out_abs.parent)
+    except OSError as exc:
+        return (f"{out} is complete and in place, but syncing its directory {out_abs.parent} failed "
+                f"({exc.strerror or exc}): after a power loss the rename may be lost; run `atomtool verify {out}`")
+    return None
