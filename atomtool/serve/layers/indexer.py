@@ -43,7 +43,9 @@ def fp32_head_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class Indexer(nn.Module):
-    """Lightning indexer: writes this step's index keys into the ``index_k`` plane and selects top-k.
+    """Lightning indexer: writes this step's index keys into the ``index_k`` plane and selects top-k, in three
+    steps the attention layer schedules on two streams (:meth:`store_keys` on its own stream;
+    :meth:`project_queries` then :meth:`select` beside its query path, :mod:`atomtool.serve.layers.overlap`).
 
     Args:
         cfg: flattened config (hidden_size, q_lora_rank, index_n_heads, index_head_dim, index_topk,
@@ -119,18 +121,3 @@ class Indexer(nn.Module):
         return get_op("indexer_topk", q.device)(q, weights, index_k_cache, batch.cu_seqlens_q, batch.seq_lens,
                                                 batch.block_tables, self.topk, cos if r else None,
                                                 sin if r else None, self.interleaved)
-
-    def forward(self, x: torch.Tensor, c_q: torch.Tensor, k_raw: torch.Tensor | None, w_raw: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                index_k_cache: torch.Tensor) -> torch.Tensor | None:
-        """Store the step's index keys, then select (:meth:`store_keys`, :meth:`project_queries`,
-        :meth:`select` in one stream; the attention layer runs the query half beside its own query path).
-
-        x: [T, hidden] attention input; c_q: [T, q_lora_rank] normed q latent; k_raw [T, Di] / w_raw [T, Hi]:
-        the fused projection's indexer outputs (None when not fused); cos, sin: [T, index_rope_dim/2]
-        float32; index_k_cache: [N, bs, Di].
-        Returns [T, index_topk] int32 request-local positions (-1 padded), or None when every sequence of
-        the batch has at most ``index_topk`` tokens (attention is then dense; the keys are still written).
-        """
-        weights = self.store_keys(x, k_raw, w_raw, cos, sin, batch, index_k_cache)
-        return self.select(self.project_queries(c_q), weights, cos, sin, batch, index_k_cache)
