@@ -356,7 +356,7 @@ def test_indexer_topk_rotates_unrotated_queries_as_the_rope_store_would(interlea
     T = q.shape[0]
     ang = torch.rand(T, rope // 2, generator=torch.Generator().manual_seed(2)) * 40
     cos, sin = ang.cos(), ang.sin()
-    q_rot = torch_ref_mla.rope_index_queries(q, cos, sin, interleaved)
+    q_rot = torch_ref_mla.index_rope(q, cos, sin, interleaved)
     k_raw, w_raw = torch.randn(T, Di), torch.randn(T, Hi)  # the rope store's own inputs (keys: unused here)
     q_store, _ = fused_rope.indexer_rope_store(q, k_raw, w_raw, 1.0, torch.ones(Di), torch.zeros(Di), 1e-6, cos,
                                                sin, interleaved, torch.zeros(2, 4, Di), torch.full((T,), -1))

@@ -113,11 +113,12 @@ def check_query_rope(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tenso
                          f"{None if sin is None else tuple(sin.shape)} do not fit q {tuple(q.shape)}")
 
 
-def rope_index_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """The indexer's query rope: rotary on the first ``R = 2 * cos.shape[-1]`` dims of every head ("pe first"),
-    the rest unchanged. q: [T, Hi, Di]; cos, sin: [T, R/2] float32. Returns [T, Hi, Di] in q's dtype."""
+def index_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The indexer's rope: rotary on the first ``R = 2 * cos.shape[-1]`` dims of every head ("pe first"), the
+    rest unchanged. x: [T, Hi, Di] queries (or [T, 1, Di] keys); cos, sin: [T, R/2] float32. Returns x's shape
+    and dtype."""
     r = 2 * cos.shape[-1]
-    return torch.cat((rotary_embedding(q[..., :r], cos, sin, interleaved), q[..., r:]), dim=-1)
+    return torch.cat((rotary_embedding(x[..., :r], cos, sin, interleaved), x[..., r:]), dim=-1)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor,
@@ -140,7 +141,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
         index_k_cache: [N, bs, Di] paged plane holding every cached token's index key (this step's included);
         cu_seqlens_q, seq_lens, block_tables: as in :func:`mla_attention`; topk: K;
         cos, sin: [T, R/2] float32 or None: the query rope of :func:`indexer_rope_store`
-        (:func:`rope_index_queries`) applied first, with ``interleaved`` pairing.
+        (:func:`index_rope`) applied first, with ``interleaved`` pairing.
     Returns:
         [T, K] int32 request-local positions, -1 padded.
     Raises:
@@ -148,7 +149,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     """
     check_query_rope(q, cos, sin)
     if cos is not None and cos.shape[-1]:
-        q = rope_index_queries(q, cos, sin, interleaved)
+        q = index_rope(q, cos, sin, interleaved)
     T = q.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     for b, s, e, L in query_spans(cu_seqlens_q, seq_lens):
@@ -289,7 +290,7 @@ def indexer_rope_store(q: torch.Tensor | None, k_raw: torch.Tensor, w_raw: torch
     - keys: ``k = LayerNorm(k_raw)`` (with bias; computed in float32, rounded to k_raw's dtype), rotary on
       its *first* ``R = 2 * cos.shape[-1]`` dims ("pe first"; none when cos is None), stored to the
       ``index_k`` plane with :func:`store_cache`;
-    - queries: the same rope on the first R dims of every head, the rest unchanged (:func:`rope_index_queries`;
+    - queries: the same rope on the first R dims of every head, the rest unchanged (:func:`index_rope`;
       q None: no queries, as the engine calls it: it rotates them inside :func:`indexer_topk` instead);
     - head weights: ``float32(w_raw) * weight_scale`` (dsa.md §5.2: float32 before scaling).
 
@@ -300,9 +301,9 @@ def indexer_rope_store(q: torch.Tensor | None, k_raw: torch.Tensor, w_raw: torch
     D = k_raw.shape[-1]
     k = F.layer_norm(k_raw.float(), (D,), ln_weight.float(), ln_bias.float(), eps).to(k_raw.dtype)
     if cos is not None and cos.shape[-1]:
-        k = rope_index_queries(k[:, None], cos, sin, interleaved)[:, 0]
+        k = index_rope(k[:, None], cos, sin, interleaved)[:, 0]
         if q is not None:
-            q = rope_index_queries(q, cos, sin, interleaved)
+            q = index_rope(q, cos, sin, interleaved)
     store_cache(k, index_k_cache, slot_mapping)
     return q, w_raw.float() * weight_scale
 
