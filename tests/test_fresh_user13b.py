@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -156,14 +157,15 @@ def test_directory_sync_failing_after_the_rename_does_not_claim_nothing_was_writ
     if overwrite:
         assert CliRunner().invoke(app, ["convert", str(ckpts["qwen3"]), str(out)]).exit_code == 0
         _edit_manifest(out, lambda m: m.update(created="old"))
-    orig, parent = W._fsync_dir, out.resolve().parent
+    orig, parent = os.fsync, os.stat(out.resolve().parent)
 
-    def fsync_dir(path):
-        if path == parent:
+    def fsync(fd):  # the disk fails the fsync of OUT's parent directory (the real sync path runs)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (parent.st_dev, parent.st_ino):
             raise OSError(errno.EIO, "Input/output error")
-        return orig(path)
+        return orig(fd)
 
-    monkeypatch.setattr(W, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(W.os, "fsync", fsync)
     res = CliRunner().invoke(app, ["convert", str(ckpts["qwen3"]), str(out)] + (["--overwrite"] if overwrite else []))
     monkeypatch.undo()
     assert "nothing was written" not in res.output

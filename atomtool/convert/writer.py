@@ -383,17 +383,25 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir_or_raise(path: Path) -> None:
+    """fsync a directory; a platform that cannot open directories (no directory fsync there) is skipped.
+    Raises OSError when the fsync itself fails (EIO: the directory's entries may not be on disk)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Best-effort :func:`_fsync_dir_or_raise` (the staging directory: its files are fsynced themselves)."""
+    try:
+        _fsync_dir_or_raise(path)
+    except OSError:
+        pass
 
 
 #: seconds between progress-bar redraws (tqdm's default)
@@ -957,7 +965,7 @@ def _sync_after_rename(out_abs: Path, out: Path) -> str | None:
     """fsync OUT's parent directory once OUT is renamed into place; None when that worked, else a warning
     line (the layout is complete; only the rename's durability across a power loss is in doubt)."""
     try:
-        _fsync_dir(out_abs.parent)
+        _fsync_dir_or_raise(out_abs.parent)
     except OSError as exc:
         return (f"{out} is complete and in place, but syncing its directory {out_abs.parent} failed "
                 f"({exc.strerror or exc}): after a power loss the rename may be lost; run `atomtool verify {out}`")
