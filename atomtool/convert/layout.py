@@ -195,13 +195,16 @@ def _raise_problems(where: str, problems: list[str], hint: str) -> None:
         raise LayoutError(f"{where}: {'; '.join(problems[:_MAX_SHOWN_PROBLEMS])}{more}; {hint}")
 
 
-def check_manifest_matches_files(layout_dir: str | Path, manifest: dict[str, Any]) -> None:
+def check_manifest_matches_files(layout_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The manifest against what the loader will read, from headers only (no tensor data): the index lists
     exactly the manifest's tensors, each in the shard the manifest's ``file`` names, and every shard header
     declares each tensor with the manifest's dtype and shape. The engine model is built from the manifest
     while the bytes come from the shards, so a manifest edited after convert (or copied from another model)
     must not load. Tensor *bytes* are not hashed here (``atomtool verify`` does that).
 
+    Returns:
+        The shard headers read, by file name (:class:`~atomtool.inspect.safetensors_header.SafetensorsHeader`),
+        for the weight loader to reuse instead of parsing them again.
     Raises:
         LayoutError: one line naming the manifest, the first mismatches (tensor, file, both values).
         HeaderError: a shard's header is corrupt or truncated.
@@ -219,11 +222,12 @@ def check_manifest_matches_files(layout_dir: str | Path, manifest: dict[str, Any
         entry = specs.get(name)
         if isinstance(entry, dict) and entry.get("file") is not None and entry.get("file") != fname:
             problems.append(f"{name}: the manifest puts it in {entry.get('file')}, {INDEX_NAME} in {fname}")
+    headers: dict[str, Any] = {}
     for fname, names in by_file.items():
         path = root / fname
         if not path.is_file():
             continue  # the loader names missing shards itself
-        header = read_header_file(path, file=fname)
+        header = headers[fname] = read_header_file(path, file=fname)
         for name in names:
             entry, info = specs.get(name), header.tensors.get(name)
             if not isinstance(entry, dict) or info is None:
@@ -235,6 +239,7 @@ def check_manifest_matches_files(layout_dir: str | Path, manifest: dict[str, Any
     _raise_problems(f"{root / MANIFEST_NAME}", problems,
                     "the manifest does not describe this layout's files (edited, or from another conversion?); "
                     f"`atomtool verify {layout_dir}` lists every problem, and converting again rewrites it")
+    return headers
 
 
 def check_parts_order(specs: dict[str, OutputTensor], family: Any) -> list[str]:

@@ -36,11 +36,15 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from atomtool.errors import EngineError
 from atomtool.serve.models.base import CausalLM, torch_dtype_of
+
+if TYPE_CHECKING:
+    from atomtool.inspect.safetensors_header import SafetensorsHeader
 
 #: iovecs per preadv (Linux IOV_MAX is 1024)
 _MAX_IOV = 512
@@ -203,7 +207,8 @@ def default_workers() -> int:
 
 def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
                         chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
-                        staged: bool | None = None, direct_io: bool | None = None) -> dict[str, int]:
+                        staged: bool | None = None, direct_io: bool | None = None,
+                        headers: dict[str, SafetensorsHeader] | None = None) -> dict[str, int]:
     """Load every tensor of the layout at ``model_dir`` into ``model`` (then ``model.post_load()``).
 
     Args:
@@ -212,6 +217,8 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
         workers: reader threads (default :func:`default_workers`).
         staged: read through staging buffers (default: only when parameters are not on the CPU; True on CPU
             exercises the CUDA path's chunking in tests).
+        headers: shard headers already read, by file name (the loader's manifest check,
+            ``convert.layout.check_manifest_matches_files``); shards not in it are read here.
         direct_io: with staging, read shards with O_DIRECT (no page cache: a cold load skips the kernel's
             copy, a warm one re-reads the disk); default: environment ``ATOMTOOL_LOAD_DIRECT_IO=1``. Files
             that refuse O_DIRECT are read buffered.
@@ -252,7 +259,7 @@ def load_layout_weights(model: CausalLM, model_dir: str | os.PathLike, *,
             path = model_dir / fname
             if not path.is_file():
                 raise EngineError(f"{path}: layout shard is missing (tensors {', '.join(names[:5])}, ...)")
-            header = read_header_file(path, file=fname)
+            header = (headers or {}).get(fname) or read_header_file(path, file=fname)
             fd = os.open(path, os.O_RDONLY)
             fds.append(fd)
             pieces: list[_Piece] = []

@@ -194,7 +194,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         specs = {name: entry_to_spec(name, entry) for name, entry in manifest["tensors"].items()}
         _check_layout_servable(model_path, model_dir, specs)
         # the model is built from the manifest, the bytes come from the shards: they must agree (headers only)
-        check_manifest_matches_files(model_dir, manifest)
+        headers = check_manifest_matches_files(model_dir, manifest)
         bad_parts = check_parts_order(specs, family)
         if bad_parts:
             raise LayoutError(f"{model_dir / MANIFEST_NAME}: {bad_parts[0]}"
@@ -211,7 +211,7 @@ def load_model(model_path: str | os.PathLike, *, dtype: str | torch.dtype = "aut
         from atomtool.serve.layout_load import load_layout_weights
 
         with _name_defaults(defaulted, config_path):
-            load_layout_weights(model, model_dir)
+            load_layout_weights(model, model_dir, headers=headers)
     else:
         from atomtool.convert.materialize import iter_output_tensors
         from atomtool.convert.plan import build_plan
