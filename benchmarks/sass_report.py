@@ -84,8 +84,14 @@ def _split_consts() -> dict[str, Any]:
 
 def _merge_consts() -> dict[str, Any]:
     return dict(SPARSE=True, SPAN_MIN=_mla().SPLIT_CHUNK_SPARSE, N_CHUNKS=2048 // _mla().SPLIT_CHUNK_SPARSE,
-                BLOCK_M=_mla().MERGE_UV_BLOCK_M, BLOCK_R=_mla().MERGE_UV_BLOCK_R, DV_PAD=128, DOT_DTYPE=_bf16(),
-                USE_PDL=True)
+                BLOCK_M=_mla().MERGE_UV_BLOCK_M, BLOCK_R=_mla().MERGE_UV_BLOCK_R, N_RB=512 // _mla().MERGE_UV_BLOCK_R,
+                DV_PAD=128, DOT_DTYPE=_bf16(), HAS_SCALE=True, USE_PDL=True)
+
+
+def _absorb_consts() -> dict[str, Any]:
+    return dict(BLOCK_M=_mla().MERGE_UV_BLOCK_M, DN_PAD=128, BLOCK_R=_mla().MERGE_UV_BLOCK_R,
+                N_RB=512 // _mla().MERGE_UV_BLOCK_R, ROW_BLOCKS=_mla().ABSORB_ROW_BLOCKS, DOT_DTYPE=_bf16(),
+                HAS_SCALE=True, USE_PDL=True)
 
 
 def _gemm_consts(w8a8: bool) -> dict[str, Any]:
@@ -168,13 +174,22 @@ KERNELS: dict[str, KernelSpec] = {
         lambda: dict(H=128, R=512, P=64, K=2048, block_size=64, n_chunks=2048 // _mla().SPLIT_CHUNK_SPARSE,
                      s_qnt=128 * 512, s_qnh=512, s_qpt=128 * 192, s_qph=192, s_lb=64 * 576, s_ls=576,
                      s_bt=_S // 64, s_tk=2048)),
+    "mla_absorb": KernelSpec(
+        "mla_absorb", "atomtool.serve.ops.triton.mla", "_mla_absorb_kernel",
+        lambda: {"q_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "o_ptr": "*bf16"},
+        _absorb_consts, lambda: {"num_warps": 8, "num_stages": 1},
+        lambda: f"W_UK 128 x 512 FP8 (row scales) preloaded, {_mla().MERGE_UV_BLOCK_M}-row blocks",
+        lambda: dict(T=1, DN=128, R=512, bk=128, s_qt=128 * 192, s_qh=192, s_wh=256 * 512, s_wd=512, s_sh=256 * 4,
+                     s_sd=4, s_ot=128 * 512, s_oh=512)),
     "mla_merge_uv": KernelSpec(
         "mla_merge_uv", "atomtool.serve.ops.triton.mla", "_mla_merge_uv_kernel",
-        lambda: {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "w_ptr": "*bf16", "o_ptr": "*bf16",
+        lambda: {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "o_ptr": "*bf16",
                  "cu_q_ptr": "*i32", "seq_lens_ptr": "*i32"},
         _merge_consts, lambda: {"num_warps": 8, "num_stages": 1},
-        lambda: f"{_mla().MERGE_UV_BLOCK_M} rows, W_UV 128 x 512 in steps of {_mla().MERGE_UV_BLOCK_R}",
-        lambda: dict(B=1, H=128, R=512, DV=128, K=2048, s_wh=256 * 512, s_wv=512, s_ot=128 * 128, s_oh=128)),
+        lambda: (f"{_mla().MERGE_UV_BLOCK_M} rows, W_UV 128 x 512 FP8 (row scales) in steps of "
+                 f"{_mla().MERGE_UV_BLOCK_R}, preloaded"),
+        lambda: dict(B=1, H=128, R=512, DV=128, K=2048, bk=128, s_wh=256 * 512, s_wv=512, s_sh=256 * 4, s_sv=4,
+                     s_ot=128 * 128, s_oh=128)),
     "fp8_linear_w8a8": _gemm_spec(True),
     "fp8_linear_weight_only": _gemm_spec(False),
     "moe_gemm_w8a8": _moe_spec(True),

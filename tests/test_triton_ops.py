@@ -310,6 +310,66 @@ def test_mla_attention_with_w_uv_fuses_the_merge_and_keeps_batch_invariance():
         tri.mla_attention(*args, 0.3, w_uv=w_kvb[:, nope:, :23])
 
 
+def _fp8_kv_b(H, dn, dv, R, bn, bk, seed):
+    """An FP8 block kv_b_proj [H * (dn + dv), R] as the layer views it: (W_UK, W_UV) as HeadWeights and the
+    dequantized float [H, dn + dv, R] (``dequant_fp8_block``)."""
+    g = torch.Generator().manual_seed(seed)
+    n = H * (dn + dv)
+    w8 = (torch.randn(n, R, generator=g) * 3).to(torch.float8_e4m3fn)
+    sc = (torch.rand(-(-n // bn), -(-R // bk), generator=g) + 0.5) / R ** 0.5
+    dq = torch_ref.dequant_fp8_block(w8, sc, (bn, bk), torch.float32).view(H, dn + dv, R)
+    rows = sc.repeat_interleave(bn, 0)[:n].view(H, dn + dv, -1)
+    w = w8.view(H, dn + dv, R)
+    uk = torch_ref_mla.HeadWeights(w[:, :dn], rows[:, :dn], bk, torch.float32)
+    uv = torch_ref_mla.HeadWeights(w[:, dn:], rows[:, dn:], bk, torch.float32)
+    return uk, uv, dq
+
+
+@pytest.mark.parametrize("R,bn,bk", [(96, 16, 16), (64, 8, 32), (40, 24, 128)])
+def test_mla_absorb_q_widens_fp8_head_weights_like_the_dequantized_weight(R, bn, bk):
+    """``mla_absorb_q`` (q_nope @ W_UK per head) with FP8 W_UK read as stored: bitwise the result of the
+    dequantized float weight (the kernel widens fp8 * scale exactly as ``dequant_fp8_block``), close to the
+    reference einsum, a token's row the same alone and among 300 (two programs of 256 rows), with latent
+    blocks preloaded (up to 4) and loaded after the wait (R 96 in 16-wide blocks: 6)."""
+    H, dn, dv = 3, 20, 12
+    uk, _, dq = _fp8_kv_b(H, dn, dv, R, bn, bk, seed=31)
+    assert torch.equal(uk.dequantized(), dq[:, :dn])
+    g = torch.Generator().manual_seed(32)
+    q = torch.randn(300, H, dn + 7, generator=g)[..., :dn]  # a strided view, as the layer's q_b output
+    fp8 = tri.mla_absorb_q(q, uk)
+    assert fp8.shape == (300, H, R)
+    assert torch.equal(fp8, tri.mla_absorb_q(q, dq[:, :dn]))
+    _close(fp8, torch_ref_mla.mla_absorb_q(q, uk), 2e-5, 1e-5)
+    assert torch.equal(tri.mla_absorb_q(q[270:271], uk), fp8[270:271])
+    assert tri.mla_absorb_q(q[:0], uk).shape == (0, H, R)
+    for backend in (tri.mla_absorb_q, torch_ref_mla.mla_absorb_q):
+        with pytest.raises(ValueError, match=r"mla_absorb_q: q_nope \(300, 3, 19\) does not fit W_UK"):
+            backend(q[..., :19], uk)
+
+
+@pytest.mark.parametrize("R,bk", [(96, 16), (48, 32)])
+def test_mla_attention_with_fp8_w_uv_matches_the_reference_and_stays_batch_invariant(R, bk):
+    """The fused merge + W_UV with W_UV as FP8 HeadWeights (widened in the kernel, some latent blocks
+    preloaded before the PDL wait and some after): equal to the reference on the dequantized weight, to the
+    float-weight kernel within float32 rounding, and a decode row's bits the same alone and in the batch."""
+    from atomtool.serve.ops.triton.mla import SPLIT_CHUNK_SPARSE
+
+    H, P, dn, dv, bs = 3, 8, 12, 20, 16
+    seq_lens = [1, 9, 2 * SPLIT_CHUNK_SPARSE + 5, 40]
+    q_lens = [1] * len(seq_lens)
+    args = _mla_inputs(q_lens, seq_lens, H, R, P, bs, seed=33)
+    _, uv, dq = _fp8_kv_b(H, dn, dv, R, 8, bk, seed=34)
+    topk = _random_topk(q_lens, seq_lens, K=SPLIT_CHUNK_SPARSE + 9, n_sel=SPLIT_CHUNK_SPARSE + 2, seed=35)
+    for tk in (None, topk):
+        fused = tri.mla_attention(*args, 0.3, tk, w_uv=uv)
+        _close(fused, torch_ref_mla.mla_attention(*args, 0.3, tk, w_uv=dq[:, dn:]), 2e-5, 1e-5)
+        _close(fused, tri.mla_attention(*args, 0.3, tk, w_uv=dq[:, dn:]), 2e-5, 1e-5)
+        b = 2
+        alone = (args[0][b:b + 1], args[1][b:b + 1], args[2], _cu([1]), args[4][b:b + 1], args[5][b:b + 1])
+        assert torch.equal(tri.mla_attention(*alone, 0.3, None if tk is None else tk[b:b + 1], w_uv=uv),
+                           fused[b:b + 1])
+
+
 # ---------------------------------------------------------------- DSA indexer top-k
 
 def _indexer_inputs(q_lens, seq_lens, Hi, Di, bs, seed=4, mb_extra=0):

@@ -195,6 +195,44 @@ def test_mla_split_kv_decode_batch_invariant(tri):
         assert torch.equal(mixed[300:], full[4:5])
 
 
+
+def _fp8_kv_b_gpu(H=128, dn=128, dv=128, R=512, seed=13):
+    """DeepSeek-V3.2's kv_b_proj as FP8 128x128 blocks: (W_UK, W_UV) as HeadWeights and the dequantized bf16
+    [H, dn + dv, R] the engine used to cache (``dequant_fp8_block``)."""
+    g = torch.Generator().manual_seed(seed)
+    n = H * (dn + dv)
+    w8 = (torch.randn(n, R, generator=g) * 2).to(torch.float8_e4m3fn).to(DEV)
+    sc = (torch.rand(n // 128, R // 128, generator=g) / 64).to(DEV)
+    dq = torch_ref.dequant_fp8_block(w8, sc, (128, 128), torch.bfloat16).view(H, dn + dv, R)
+    rows = sc.repeat_interleave(128, 0).view(H, dn + dv, -1)
+    w = w8.view(H, dn + dv, R)
+    return (torch_ref_mla.HeadWeights(w[:, :dn], rows[:, :dn], 128, torch.bfloat16),
+            torch_ref_mla.HeadWeights(w[:, dn:], rows[:, dn:], 128, torch.bfloat16), dq)
+
+
+def test_mla_fp8_head_weights_give_the_bits_of_the_dequantized_weight(tri):
+    """The engine's absorbed form reads kv_b_proj as FP8 (W_UK in ``mla_absorb_q``, W_UV in the fused merge,
+    both preloaded before the PDL wait and widened in the kernel): close to the dequantized bf16 weight's
+    results and the reference at DeepSeek-V3.2 sizes (not bitwise: the H200 run showed the compiled FP8 and
+    bf16 forms differ in the last bits), and the absorb batch-invariant (a row alone, among 8, among 300)."""
+    uk, uv, dq = _fp8_kv_b_gpu()
+    g = torch.Generator().manual_seed(14)
+    q = torch.randn(300, 128, 192, generator=g).to(DEV, torch.bfloat16)[..., :128]
+    qa = tri.mla_absorb_q(q, uk)
+    _close(qa, tri.mla_absorb_q(q, dq[:, :128]), 1e-2, 1e-2)
+    _close(qa, torch_ref_mla.mla_absorb_q(q, dq[:, :128]), 1e-2, 1e-2)
+    for rows in (slice(7, 8), slice(0, 8)):
+        assert torch.equal(tri.mla_absorb_q(q[rows], uk), qa[rows])
+    H, scale = 128, 192 ** -0.5
+    q_lens, seq_lens = [1, 1, 1], [1, 2049, 5000]
+    args = _mla_inputs(torch.bfloat16, H, q_lens, seq_lens)
+    topk = _topk_like(q_lens, seq_lens, 2048)
+    for tk in (None, topk):
+        fp8 = tri.mla_attention(*args, scale, tk, w_uv=uv)
+        _close(fp8, tri.mla_attention(*args, scale, tk, w_uv=dq[:, 128:]), 1e-2, 1e-2)
+        _close(fp8, torch_ref_mla.mla_attention(*args, scale, tk, w_uv=dq[:, 128:]), 1e-2, 1e-2)
+
+
 def _indexer_inputs(q_lens, seq_lens, integer, Hi=64, Di=128, bs=64, seed=6):
     g = torch.Generator().manual_seed(seed)
     nb, bt = _paged(seq_lens, bs, g)

@@ -28,11 +28,10 @@ from atomtool.serve.layers.indexer import Indexer, fp32_head_weight
 from atomtool.serve.layers.linear import fused_row_ranges, make_linear
 from atomtool.serve.layers.norm import RMSNorm
 from atomtool.serve.layers.overlap import fork
-from atomtool.serve.ops import (
-    get_op,
-    torch_ref_mla,  # noqa: F401  (registers mla_attention)
+from atomtool.serve.ops import get_op
+from atomtool.serve.ops.torch_ref_mla import (
+    HeadWeights,  # (importing it registers mla_attention / mla_absorb_q)
 )
-from atomtool.serve.ops.torch_ref import dequant_fp8_block
 
 #: names of the parts of ``fused_qkv_a_proj`` (module paths under ``self_attn``), in the converter's order
 Q_A, KV_A, IDX_WK, IDX_WPROJ = "q_a_proj", "kv_a_proj_with_mqa", "indexer.wk", "indexer.weights_proj"
@@ -134,23 +133,31 @@ class MLAAttention(nn.Module):
                 raise EngineError(f"{fused}: indexer.wk and indexer.weights_proj must both be fused or both not")
             self.indexer = Indexer(cfg, f"{prefix}.indexer", specs, fused_idx, indexer_rope_interleaved,
                                    dtype, device)
-        self._w_kvb: torch.Tensor | None = None
+        self._w_uk: torch.Tensor | HeadWeights | None = None  # post_load
+        self._w_uv: torch.Tensor | HeadWeights | None = None
         self._w_heads32: torch.Tensor | None = None  # fused indexer weights_proj rows in float32 (post_load)
 
     def post_load(self) -> None:
-        """Cache kv_b_proj as a float [H, dn + dv, kv_lora_rank] tensor for the absorbed form (W_UK, W_UV);
-        FP8 block weights are dequantized once here. Also caches the indexer's float32 ``weights_proj``
-        (fused rows here, or the indexer's own; :func:`fp32_head_weight`) so a step does not re-cast it."""
+        """Views of kv_b_proj as the absorbed form's per-head weights, W_UK [H, dn, R] and W_UV [H, dv, R]
+        (:class:`HeadWeights`: FP8 block weights stay FP8, with their scales repeated per row, and are widened
+        inside the kernels; nothing is copied). Also caches the indexer's float32 ``weights_proj`` (fused rows
+        here, or the indexer's own; :func:`fp32_head_weight`) so a step does not re-cast it."""
         if self.indexer is not None:
             self.indexer.post_load()
             if self.indexer.fused:
                 s, e = self.splits[IDX_WPROJ]
                 self._w_heads32 = fp32_head_weight(self.fused_qkv_a_proj.weight[s:e])
-        w = self.kv_b_proj.weight
-        if self.kv_b_proj.block_size is not None:
-            w = dequant_fp8_block(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.block_size,
-                                  self.q_a_layernorm.weight.dtype)
-        self._w_kvb = w.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+        H, dn, R = self.num_heads, self.nope, self.kv_lora_rank
+        n = H * (dn + self.v_head_dim)
+        w = self.kv_b_proj.weight[:n].view(H, dn + self.v_head_dim, R)
+        if self.kv_b_proj.block_size is None:
+            self._w_uk, self._w_uv = w[:, :dn], w[:, dn:]
+            return
+        bn, bk = self.kv_b_proj.block_size
+        rows = self.kv_b_proj.weight_scale_inv.float().repeat_interleave(bn, 0)[:n].view(H, dn + self.v_head_dim, -1)
+        dtype = self.q_a_layernorm.weight.dtype
+        self._w_uk = HeadWeights(w[:, :dn], rows[:, :dn], bk, dtype)
+        self._w_uv = HeadWeights(w[:, dn:], rows[:, dn:], bk, dtype)
 
     def _part(self, y: torch.Tensor, name: str) -> torch.Tensor:
         s, e = self.splits[name]
@@ -177,7 +184,7 @@ class MLAAttention(nn.Module):
         dev = x.device
         T = x.shape[0]
         H = self.num_heads
-        if self._w_kvb is None:
+        if self._w_uv is None:
             self.post_load()
         y = self.fused_qkv_a_proj(x)
         c_q = self.q_a_layernorm(self._part(y, Q_A))
@@ -199,12 +206,11 @@ class MLAAttention(nn.Module):
         q_pe = get_op("mla_rope_store", dev)(q[..., self.nope:], self._part(y, KV_A), self.kv_a_layernorm.weight,
                                              self.kv_a_layernorm.eps, cos, sin, self.rope_interleaved, latent,
                                              batch.slot_mapping)
-        w_kvb = self._w_kvb
-        q_abs = torch.einsum("thd,hdr->thr", q_nope, w_kvb[:, : self.nope])
+        q_abs = get_op("mla_absorb_q", dev)(q_nope, self._w_uk)
         topk = selection.join() if selection is not None else prev_topk if self.role == "shared" else None
         # o[t, h] = W_UV[h] o_lat[t, h] inside the op (the Triton backend folds it into the split-KV merge)
         o = get_op("mla_attention", dev)(q_abs, q_pe, latent, batch.cu_seqlens_q, batch.seq_lens,
-                                         batch.block_tables, self.scale, topk, w_uv=w_kvb[:, self.nope:])
+                                         batch.block_tables, self.scale, topk, w_uv=self._w_uv)
         return self.o_proj(o.view(T, H * self.v_head_dim)), topk
 
 

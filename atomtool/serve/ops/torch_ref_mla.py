@@ -7,12 +7,14 @@ Math: research/dsa.md §5 (MLA absorbed form, indexer, selection, sparse attenti
 ``noaux_tc`` router (HF transformers ``DeepseekV3TopkRouter``, whose float32 computation these mirror).
 
 Registered in the op dispatch (:func:`atomtool.serve.ops.get_op`) under the names ``mla_attention``,
-``indexer_topk``, ``grouped_topk``, ``fused_moe``, and the fused per-token prologues ``mla_rope_store`` /
+``mla_absorb_q``, ``indexer_topk``, ``grouped_topk``, ``fused_moe``, and the fused per-token prologues ``mla_rope_store`` /
 ``indexer_rope_store`` and ``add_rms_norm`` (compositions of torch_ref ops, one kernel each on the Triton
 backend).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,7 @@ from atomtool.serve.ops.torch_ref import (
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   scale: float, topk_indices: torch.Tensor | None = None,
-                  w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                  w_uv: torch.Tensor | HeadWeights | None = None) -> torch.Tensor:
     """Multi-head Latent Attention over a paged latent cache, absorbed form (DeepSeek-V2 §2.1; dsa.md §5.1/5.4).
 
     Every query head attends to one shared latent key/value per token (MQA over the latent):
@@ -50,7 +52,8 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         scale: softmax scale, ``qk_head_dim**-0.5 * mscale**2`` (not (R+P)**-0.5).
         topk_indices: optional [T, K] int32 request-local positions selected by the DSA indexer, -1 padded;
             query t then attends only to those positions (and still only causally). None: dense causal.
-        w_uv: optional [H, dv, R] W_UV (kv_b_proj's value rows per head, the model dtype; last dim contiguous).
+        w_uv: optional [H, dv, R] W_UV (kv_b_proj's value rows per head; the model dtype or FP8 as
+            :class:`HeadWeights`; last dim contiguous).
     Returns:
         [T, H, R] in q_nope_absorbed's dtype (logits and softmax in float32), or [T, H, dv] with ``w_uv``.
     """
@@ -75,15 +78,65 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
         scores.masked_fill_(invalid[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[s:e] = torch.einsum("qhk,kr->qhr", probs, ckv).to(out.dtype)
-    return out if w_uv is None else mla_output_uv(out, w_uv)
+    return out if w_uv is None else mla_output_uv(out, head_weight_tensor(w_uv))
 
 
-def check_mla_w_uv(w_uv: torch.Tensor | None, H: int, R: int) -> None:
-    """The ``w_uv`` argument of ``mla_attention`` (every backend): None, or [H, dv, R] with a contiguous last
-    dim. Raises ValueError naming the shape otherwise."""
-    if w_uv is not None and (w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R or w_uv.stride(-1) != 1):
-        raise ValueError(f"mla_attention: w_uv {tuple(w_uv.shape)} must be [H={H}, dv, R={R}] with a contiguous "
+@dataclass(frozen=True)
+class HeadWeights:
+    """One per-head weight of MLA's absorbed form (W_UK or W_UV, DeepSeek-V2 §2.1), as stored: a float
+    ``[H, rows, R]`` tensor, or FP8 e4m3 with a float32 scale per row and ``block_k`` latent columns (the
+    DeepSeek-V3 FP8 block format's ``weight_scale_inv`` repeated over each block's rows; so any row block size
+    works). Kernels read the FP8 bytes and widen them exactly as :meth:`dequantized` does, so the products see
+    the same bf16/fp16 values either way (a rounding of ``fp8 * scale`` in float32, the ``dequant_fp8_block``
+    formula), from half the bytes.
+
+    weight: [H, rows, R], last dim contiguous (a strided view of kv_b_proj is fine); scale: None or
+    [H, rows, ceil(R / block_k)] float32; dtype: the dequantized (model) dtype.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    block_k: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def dequantized(self) -> torch.Tensor:
+        """[H, rows, R] in ``dtype`` (the weight itself when it is not FP8)."""
+        if self.scale is None:
+            return self.weight
+        s = self.scale.repeat_interleave(self.block_k, -1)[..., : self.weight.shape[-1]]
+        return (self.weight.float() * s).to(self.dtype)
+
+
+def head_weight_tensor(w: torch.Tensor | HeadWeights) -> torch.Tensor:
+    """The float [H, rows, R] tensor of a head weight given either way."""
+    return w.dequantized() if isinstance(w, HeadWeights) else w
+
+
+def check_mla_w_uv(w_uv: torch.Tensor | HeadWeights | None, H: int, R: int) -> None:
+    """The ``w_uv`` argument of ``mla_attention`` (every backend): None, or [H, dv, R] (a tensor or
+    :class:`HeadWeights`) with a contiguous last dim. Raises ValueError naming the shape otherwise."""
+    w = w_uv.weight if isinstance(w_uv, HeadWeights) else w_uv
+    if w is not None and (w.dim() != 3 or w.shape[0] != H or w.shape[2] != R or w.stride(-1) != 1):
+        raise ValueError(f"mla_attention: w_uv {tuple(w.shape)} must be [H={H}, dv, R={R}] with a contiguous "
                          "last dim")
+
+
+def mla_absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor | HeadWeights) -> torch.Tensor:
+    """Absorb W_UK into the no-rope query (DeepSeek-V2 §2.1): ``q_abs[t, h] = q_nope[t, h] @ W_UK[h]``.
+
+    q_nope: [T, H, dn] (any strides; the layer passes a view of q_b_proj's output); w_uk: [H, dn, R]
+    (kv_b_proj's key rows per head), a tensor or :class:`HeadWeights`. Returns [T, H, R] in q_nope's dtype.
+    Raises ValueError when the shapes do not fit.
+    """
+    w = head_weight_tensor(w_uk)
+    if q_nope.dim() != 3 or w.dim() != 3 or q_nope.shape[1:] != w.shape[:2]:
+        raise ValueError(f"mla_absorb_q: q_nope {tuple(q_nope.shape)} does not fit W_UK {tuple(w.shape)} "
+                         "([T, H, dn] and [H, dn, R])")
+    return torch.einsum("thd,hdr->thr", q_nope, w)
 
 
 def mla_output_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
@@ -317,7 +370,7 @@ def add_rms_norm(x: torch.Tensor, extra: torch.Tensor, weight: torch.Tensor, eps
     return rms_norm(x + extra, weight, eps, residual)
 
 
-for _name, _fn in (("mla_attention", mla_attention), ("indexer_topk", indexer_topk), ("grouped_topk", grouped_topk),
+for _name, _fn in (("mla_attention", mla_attention), ("mla_absorb_q", mla_absorb_q), ("indexer_topk", indexer_topk), ("grouped_topk", grouped_topk),
                    ("fused_moe", fused_moe), ("mla_rope_store", mla_rope_store),
                    ("indexer_rope_store", indexer_rope_store), ("add_rms_norm", add_rms_norm)):
     register_op(_name, "torch", _fn)

@@ -21,7 +21,7 @@ from atomtool.serve.ops.triton.activation import silu_and_mul
 from atomtool.serve.ops.triton.attention import paged_attention, store_cache, store_kv
 from atomtool.serve.ops.triton.indexer import indexer_topk
 from atomtool.serve.ops.triton.linear import linear
-from atomtool.serve.ops.triton.mla import mla_attention
+from atomtool.serve.ops.triton.mla import mla_absorb_q, mla_attention
 from atomtool.serve.ops.triton.moe import fused_moe
 from atomtool.serve.ops.triton.norm import rms_norm
 from atomtool.serve.ops.triton.rotary import rotary_embedding
@@ -38,6 +38,7 @@ OPS = {
     "store_cache": store_cache,
     "paged_attention": paged_attention,
     "mla_attention": mla_attention,
+    "mla_absorb_q": mla_absorb_q,
     "indexer_topk": indexer_topk,
     "fused_moe": fused_moe,
     "grouped_topk": grouped_topk,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atomtool.serve.ops.torch_ref_mla import check_mla_w_uv, mla_output_uv
+from atomtool.serve.ops.torch_ref_mla import HeadWeights, check_mla_w_uv, head_weight_tensor, mla_output_uv
 from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
@@ -38,7 +38,6 @@ from atomtool.serve.ops.triton._common import (
     online_softmax_step,
     paged_rows,
     pow2,
-    prefetch_l2,
     token_sequence,
 )
 from atomtool.serve.ops.triton.split_kv import chunk_span, merge_grid, split_kv_merge_kernel
@@ -210,19 +209,68 @@ def _mla_split_kernel(
     tl.store(ws_ml_ptr + base * 2 + 1, l_i, mask=h_ok)
 
 
-#: rows per program of the fused merge + W_UV kernel (the dot's tile height: one value for every batch, so a
-#: row's bits never depend on its batch) and latent features per step of its W_UV product
+#: rows per program of the fused merge + W_UV kernel and of the W_UK absorb (the dot's tile height: one value for
+#: every batch, so a row's bits never depend on its batch) and latent features per step of their W products
 MERGE_UV_BLOCK_M = 16
 MERGE_UV_BLOCK_R = 128
+#: latent blocks of a head's W_UV / W_UK the kernels load before their PDL wait (held in registers while the
+#: previous kernel runs; DeepSeek's 512-wide latent is 4 blocks of 128); further blocks load after the wait
+PRELOAD_R_BLOCKS: tl.constexpr = tl.constexpr(4)
+#: row blocks of MERGE_UV_BLOCK_M rows one absorb program walks (its W_UK stays in registers across them)
+ABSORB_ROW_BLOCKS = 16
+
+
+@triton.jit
+def _head_tile(w_ptr, s_ptr, h, rows, rows_ok, rb, R, s_wh, s_wr, s_sh, s_sr, bk,
+               BLOCK_R: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Head h's weight rows ``rows`` x latent columns [rb * BLOCK_R, + BLOCK_R), as stored (FP8 or the model
+    dtype; zero outside), and the rows' scales of that column block ([rows], FP8 only; the block lies within
+    one scale block: BLOCK_R divides bk). Immutable data: may be loaded before the PDL wait."""
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    w = tl.load(w_ptr + h.to(tl.int64) * s_wh + rows[:, None] * s_wr + r[None, :],
+                mask=rows_ok[:, None] & (r < R)[None, :], other=0.0)
+    if HAS_SCALE:
+        sc = tl.load(s_ptr + h.to(tl.int64) * s_sh + rows * s_sr + (rb * BLOCK_R) // bk, mask=rows_ok, other=0.0)
+    else:
+        sc = tl.zeros_like(rows).to(tl.float32)
+    return w, sc
+
+
+@triton.jit
+def _widen(w, sc, OUT: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """A :func:`_head_tile` tile in the model dtype: ``fp8 * scale`` rounded once from float32 (the
+    ``dequant_fp8_block`` formula, so the same values as the dequantized weight), or the tile itself."""
+    if HAS_SCALE:
+        w = (w.to(tl.float32) * sc[:, None]).to(OUT)
+    return w
+
+
+@triton.jit
+def _merge_uv_block(out, w, sc, rb, ws_acc_ptr, ws_ml_ptr, row0, n_row, m_safe, l_all, dec, H, R,
+                    N_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    OUT: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Latent block rb of the merge (chunk partials in chunk order, rounded to the model dtype as the unfused
+    merge stores o_lat) times that block of W_UV, accumulated into ``out`` [BLOCK_M, DV_PAD]."""
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for c in tl.static_range(N_CHUNKS):
+        rc = row0 + c * H
+        ok = c < n_row
+        wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=ok, other=float("-inf")) - m_safe)
+        acc += wgt[:, None] * tl.load(ws_acc_ptr + rc[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :],
+                                      other=0.0)
+    o_lat = tl.where(dec[:, None], acc / l_all[:, None], 0.0).to(OUT)
+    return dot_acc(o_lat, tl.trans(_widen(w, sc, OUT, HAS_SCALE)), out, DOT_DTYPE)
 
 
 @triton.jit
 def _mla_merge_uv_kernel(
-    ws_acc_ptr, ws_ml_ptr, w_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, B, H, R, DV, K,
-    s_wh, s_wv, s_ot, s_oh,
+    ws_acc_ptr, ws_ml_ptr, w_ptr, s_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, B, H, R, DV, K, bk,
+    s_wh, s_wv, s_sh, s_sv, s_ot, s_oh,
     SPARSE: tl.constexpr, SPAN_MIN: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, PF_LINES: tl.constexpr = 8,
-    USE_PDL: tl.constexpr = False,
+    BLOCK_R: tl.constexpr, N_RB: tl.constexpr, DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # program (block of BLOCK_M sequences, head h): the split-KV merge of split_kv_merge_kernel for each decode
     # row (same per-element formula and chunk order, so o_lat has the same bits), rounded to the output dtype
@@ -231,15 +279,26 @@ def _mla_merge_uv_kernel(
     # flight at once: a rolled loop waits one memory round trip per chunk, which made this kernel slower than
     # the two it replaces at batch 1. num_stages=1: pipelining the R loop would stage every unrolled chunk
     # load in shared memory (332 KB for 16 chunks, over the H200's 227 KB; sm90 SASS: no spills at 1).
+    # W_UV is immutable: the head's first PRELOAD_R_BLOCKS latent blocks are loaded into registers before the
+    # PDL wait, while the split kernel runs (latency-bound, the memory mostly idle), so after the wait only
+    # the chunk partials are fetched (an L2 prefetch hint instead left ~10 us of W_UV reads after the wait).
     h = tl.program_id(1)
     v = tl.arange(0, DV_PAD)
     v_ok = v < DV
-    if USE_PDL:
-        # W_UV is immutable: while the split kernel runs (latency-bound, the memory mostly idle), pull this
-        # head's [DV, R] slice into L2, one hint per 128 bytes of bf16 (addresses clamped in bounds)
-        for p0 in range(0, R, 64 * PF_LINES):
-            pr = tl.minimum(p0 + tl.arange(0, PF_LINES) * 64, R - 1)
-            prefetch_l2(w_ptr + h.to(tl.int64) * s_wh + tl.minimum(v, DV - 1)[:, None] * s_wv + pr[None, :])
+    OUT: tl.constexpr = o_ptr.dtype.element_ty
+    w0, s0 = _head_tile(w_ptr, s_ptr, h, v, v_ok, 0, R, s_wh, s_wv, s_sh, s_sv, bk, BLOCK_R, HAS_SCALE)
+    if N_RB > 1:
+        w1, s1 = _head_tile(w_ptr, s_ptr, h, v, v_ok, 1, R, s_wh, s_wv, s_sh, s_sv, bk, BLOCK_R, HAS_SCALE)
+    else:
+        w1, s1 = w0, s0
+    if N_RB > 2:
+        w2, s2 = _head_tile(w_ptr, s_ptr, h, v, v_ok, 2, R, s_wh, s_wv, s_sh, s_sv, bk, BLOCK_R, HAS_SCALE)
+    else:
+        w2, s2 = w0, s0
+    if N_RB > 3:
+        w3, s3 = _head_tile(w_ptr, s_ptr, h, v, v_ok, 3, R, s_wh, s_wv, s_sh, s_sv, bk, BLOCK_R, HAS_SCALE)
+    else:
+        w3, s3 = w0, s0
     grid_dependency_wait(USE_PDL)
     b = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     b_ok = b < B
@@ -263,27 +322,133 @@ def _mla_merge_uv_kernel(
         l_all += wgt * tl.load(ws_ml_ptr + rc * 2 + 1, mask=c < n_row, other=0.0)
     l_all = tl.where(dec, l_all, 1.0)
     out = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = r < R
-        w = tl.load(w_ptr + h.to(tl.int64) * s_wh + v[:, None] * s_wv + r[None, :], mask=v_ok[:, None] & r_ok[None, :],
-                    other=0.0)
-        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for c in tl.static_range(N_CHUNKS):
-            rc = row0 + c * H
-            ok = c < n_row
-            wgt = tl.exp2(tl.load(ws_ml_ptr + rc * 2, mask=ok, other=float("-inf")) - m_safe)
-            acc += wgt[:, None] * tl.load(ws_acc_ptr + rc[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :],
-                                          other=0.0)
-        o_lat = tl.where(dec[:, None], acc / l_all[:, None], 0.0).to(o_ptr.dtype.element_ty)
-        out = dot_acc(o_lat, tl.trans(w), out, DOT_DTYPE)
-    tl.store(o_ptr + q_start[:, None].to(tl.int64) * s_ot + h * s_oh + v[None, :], out.to(o_ptr.dtype.element_ty),
+    out = _merge_uv_block(out, w0, s0, 0, ws_acc_ptr, ws_ml_ptr, row0, n_row, m_safe, l_all, dec, H, R,
+                          N_CHUNKS, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+    if N_RB > 1:
+        out = _merge_uv_block(out, w1, s1, 1, ws_acc_ptr, ws_ml_ptr, row0, n_row, m_safe, l_all, dec, H, R,
+                              N_CHUNKS, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+    if N_RB > 2:
+        out = _merge_uv_block(out, w2, s2, 2, ws_acc_ptr, ws_ml_ptr, row0, n_row, m_safe, l_all, dec, H, R,
+                              N_CHUNKS, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+    if N_RB > 3:
+        out = _merge_uv_block(out, w3, s3, 3, ws_acc_ptr, ws_ml_ptr, row0, n_row, m_safe, l_all, dec, H, R,
+                              N_CHUNKS, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+    for rb in range(PRELOAD_R_BLOCKS, N_RB):
+        w, sc = _head_tile(w_ptr, s_ptr, h, v, v_ok, rb, R, s_wh, s_wv, s_sh, s_sv, bk, BLOCK_R, HAS_SCALE)
+        out = _merge_uv_block(out, w, sc, rb, ws_acc_ptr, ws_ml_ptr, row0, n_row, m_safe, l_all, dec, H, R,
+                              N_CHUNKS, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+    tl.store(o_ptr + q_start[:, None].to(tl.int64) * s_ot + h * s_oh + v[None, :], out.to(OUT),
              mask=dec[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _mla_absorb_kernel(
+    q_ptr, w_ptr, s_ptr, o_ptr, T, DN, R, bk, s_qt, s_qh, s_wh, s_wd, s_sh, s_sd, s_ot, s_oh,
+    BLOCK_M: tl.constexpr, DN_PAD: tl.constexpr, BLOCK_R: tl.constexpr, N_RB: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    # program (ROW_BLOCKS blocks of BLOCK_M tokens, head h): q_abs[t, h] = q_nope[t, h] @ W_UK[h], one dot
+    # [BLOCK_M, DN] x [DN, BLOCK_R] per latent block (fixed tiles and order whatever T is: batch-invariant).
+    # W_UK[h]'s first PRELOAD_R_BLOCKS blocks are loaded before the PDL wait (immutable), as in the merge.
+    h = tl.program_id(1)
+    d = tl.arange(0, DN_PAD)
+    d_ok = d < DN
+    OUT: tl.constexpr = o_ptr.dtype.element_ty
+    w0, s0 = _head_tile(w_ptr, s_ptr, h, d, d_ok, 0, R, s_wh, s_wd, s_sh, s_sd, bk, BLOCK_R, HAS_SCALE)
+    if N_RB > 1:
+        w1, s1 = _head_tile(w_ptr, s_ptr, h, d, d_ok, 1, R, s_wh, s_wd, s_sh, s_sd, bk, BLOCK_R, HAS_SCALE)
+    else:
+        w1, s1 = w0, s0
+    if N_RB > 2:
+        w2, s2 = _head_tile(w_ptr, s_ptr, h, d, d_ok, 2, R, s_wh, s_wd, s_sh, s_sd, bk, BLOCK_R, HAS_SCALE)
+    else:
+        w2, s2 = w0, s0
+    if N_RB > 3:
+        w3, s3 = _head_tile(w_ptr, s_ptr, h, d, d_ok, 3, R, s_wh, s_wd, s_sh, s_sd, bk, BLOCK_R, HAS_SCALE)
+    else:
+        w3, s3 = w0, s0
+    grid_dependency_wait(USE_PDL)
+    t0 = tl.program_id(0) * ROW_BLOCKS * BLOCK_M
+    for i in range(0, tl.minimum(ROW_BLOCKS, (T - t0 + BLOCK_M - 1) // BLOCK_M)):
+        t = t0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        q = tl.load(q_ptr + t64[:, None] * s_qt + h * s_qh + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        o_row = o_ptr + t64[:, None] * s_ot + h * s_oh
+        _absorb_block(q, w0, s0, 0, o_row, t_ok, R, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+        if N_RB > 1:
+            _absorb_block(q, w1, s1, 1, o_row, t_ok, R, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+        if N_RB > 2:
+            _absorb_block(q, w2, s2, 2, o_row, t_ok, R, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+        if N_RB > 3:
+            _absorb_block(q, w3, s3, 3, o_row, t_ok, R, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+        for rb in range(PRELOAD_R_BLOCKS, N_RB):
+            w, sc = _head_tile(w_ptr, s_ptr, h, d, d_ok, rb, R, s_wh, s_wd, s_sh, s_sd, bk, BLOCK_R, HAS_SCALE)
+            _absorb_block(q, w, sc, rb, o_row, t_ok, R, BLOCK_M, BLOCK_R, DOT_DTYPE, OUT, HAS_SCALE)
+
+
+@triton.jit
+def _absorb_block(q, w, sc, rb, o_row, t_ok, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, OUT: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Latent block rb of q @ W_UK[h] stored at ``o_row`` (row pointers [BLOCK_M, 1])."""
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    o = dot_acc(q, _widen(w, sc, OUT, HAS_SCALE), tl.zeros([BLOCK_M, BLOCK_R], tl.float32), DOT_DTYPE)
+    tl.store(o_row + r[None, :], o.to(OUT), mask=t_ok[:, None] & (r < R)[None, :])
+
+
+def _head_weight_args(w: torch.Tensor | HeadWeights, R: int) -> tuple:
+    """(weight, scale pointer, block_k, scale strides (head, row), BLOCK_R, N_RB, HAS_SCALE) for the kernels'
+    :func:`_head_tile`. An FP8 weight whose scale blocks are not a whole number of 16-wide latent steps is
+    widened on the host (:meth:`HeadWeights.dequantized`) and passed as a float weight."""
+    block_r = min(MERGE_UV_BLOCK_R, pow2(R, 16))
+    if isinstance(w, HeadWeights):
+        bk = w.block_k
+        if w.scale is not None and bk % 16 == 0:
+            block_r = min(block_r, bk & -bk)  # a power of two dividing bk: each block within one scale block
+            sc = w.scale
+            return w.weight, sc, bk, sc.stride(0), sc.stride(1), block_r, triton.cdiv(R, block_r), True
+        w = w.dequantized()
+    return w, w, 1, 0, 0, block_r, triton.cdiv(R, block_r), False
+
+
+def mla_absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor | HeadWeights) -> torch.Tensor:
+    """``q_abs[t, h] = q_nope[t, h] @ W_UK[h]``; same contract as ``torch_ref_mla.mla_absorb_q``.
+
+    q_nope: [T, H, dn] with a contiguous last dim (a view of q_b_proj's output); w_uk: [H, dn, R] (tensor or
+    :class:`HeadWeights`, FP8 read as stored and widened in the kernel). Returns [T, H, R] in q_nope's dtype.
+    One program per (block of up to 256 tokens, head), W_UK[h] loaded before the PDL wait. Raises ValueError
+    when the shapes do not fit.
+    """
+    wt = w_uk.weight if isinstance(w_uk, HeadWeights) else w_uk
+    if q_nope.dim() != 3 or wt.dim() != 3 or q_nope.shape[1:] != wt.shape[:2]:
+        raise ValueError(f"mla_absorb_q: q_nope {tuple(q_nope.shape)} does not fit W_UK {tuple(wt.shape)} "
+                         "([T, H, dn] and [H, dn, R])")
+    T, H, DN = q_nope.shape
+    R = wt.shape[2]
+    out = q_nope.new_empty(T, H, R)
+    if T == 0:
+        return out
+    if q_nope.stride(-1) != 1:
+        q_nope = q_nope.contiguous()
+    w, sc, bk, s_sh, s_sd, block_r, n_rb, has_scale = _head_weight_args(w_uk, R)
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    rows = MERGE_UV_BLOCK_M * ABSORB_ROW_BLOCKS
+    _mla_absorb_kernel[(triton.cdiv(T, rows), H)](
+        q_nope, w, sc, out, T, DN, R, bk, q_nope.stride(0), q_nope.stride(1), w.stride(0), w.stride(1),
+        s_sh, s_sd, out.stride(0), out.stride(1),
+        BLOCK_M=MERGE_UV_BLOCK_M, DN_PAD=pow2(DN, 16), BLOCK_R=block_r, N_RB=n_rb, ROW_BLOCKS=ABSORB_ROW_BLOCKS,
+        DOT_DTYPE=dot_dtype(q_nope.dtype), HAS_SCALE=has_scale, num_warps=8, num_stages=1,
+        **launch_pdl_args(q_nope.device),
+    )
+    return out
+
 
 def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   scale: float, topk_indices: torch.Tensor | None = None,
-                  w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                  w_uv: torch.Tensor | HeadWeights | None = None) -> torch.Tensor:
     """Absorbed-form MLA attention; same contract as ``torch_ref_mla.mla_attention``.
 
     q_nope_absorbed: [T, H, R]; q_pe: [T, H, P]; latent_cache: [N, bs, R + P] (row = c_kv ‖ k_pe, stored
@@ -364,11 +529,13 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     DV = w_uv.shape[1]
     # multi-token rows (prefill) were written to lat_out above: un-absorb them by the reference's GEMM (its
     # decode rows are garbage there and overwritten below); a decode-only step skips it
-    out = mla_output_uv(lat_out, w_uv) if T > B else q_nope_absorbed.new_empty(T, H, DV)
+    out = mla_output_uv(lat_out, head_weight_tensor(w_uv)) if T > B else q_nope_absorbed.new_empty(T, H, DV)
+    w, sc, bk, s_sh, s_sv, block_r, n_rb, has_scale = _head_weight_args(w_uv, R)
     _mla_merge_uv_kernel[(triton.cdiv(B, MERGE_UV_BLOCK_M), H)](
-        ws_acc, ws_ml, w_uv, out, cu_seqlens_q, seq_lens, B, H, R, DV, K,
-        w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-        SPARSE=sparse, SPAN_MIN=span_min, N_CHUNKS=n_chunks, BLOCK_M=MERGE_UV_BLOCK_M, BLOCK_R=min(MERGE_UV_BLOCK_R, r_pad),
-        DV_PAD=pow2(DV, 16), DOT_DTYPE=dot, num_warps=8, num_stages=1, **launch_pdl_args(ws_acc.device),
+        ws_acc, ws_ml, w, sc, out, cu_seqlens_q, seq_lens, B, H, R, DV, K, bk,
+        w.stride(0), w.stride(1), s_sh, s_sv, out.stride(0), out.stride(1),
+        SPARSE=sparse, SPAN_MIN=span_min, N_CHUNKS=n_chunks, BLOCK_M=MERGE_UV_BLOCK_M, BLOCK_R=block_r, N_RB=n_rb,
+        DV_PAD=pow2(DV, 16), DOT_DTYPE=dot, HAS_SCALE=has_scale, num_warps=8, num_stages=1,
+        **launch_pdl_args(ws_acc.device),
     )
     return out
