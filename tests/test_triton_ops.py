@@ -40,9 +40,9 @@ _interpreted_only, test_suite_in_a_fresh_process = harness(__file__, _TRITON_PRE
 # ---------------------------------------------------------------- registration and signatures
 
 def test_every_triton_op_has_the_reference_signature_and_is_registered():
-    refs = {**{n: getattr(torch_ref, n) for n in dir(torch_ref)}, "mla_attention": torch_ref_mla.mla_attention,
-            "indexer_topk": torch_ref_mla.indexer_topk, "fused_moe": torch_ref_mla.fused_moe,
-            "grouped_topk": torch_ref_mla.grouped_topk}
+    refs = {**{n: getattr(torch_ref, n) for n in dir(torch_ref)},
+            **{n: getattr(torch_ref_mla, n) for n in ("mla_attention", "mla_absorb_q", "indexer_topk", "fused_moe",
+                                                     "grouped_topk")}}
     for name, fn in tri.OPS.items():
         ref_params = list(inspect.signature(refs[name]).parameters)
         ours = list(inspect.signature(fn).parameters)
