@@ -67,6 +67,42 @@ def test_add_rms_norm():
         fused_norm.add_rms_norm(x, eb, w, 1e-6, r)
 
 
+def test_add_rms_norm_sums_float32_planes_first():
+    """x as [S, T, H] float32 planes: summed in plane order, rounded to the dtype, then the same formula, on
+    both backends (the Triton kernel bitwise equal to the reference and to the unfused sum + op); bad planes
+    (wrong dtype, shape, none) raise the op's ValueError on both."""
+    g = torch.Generator().manual_seed(5)
+    planes = torch.randn(3, 4, 2 * 37 + 3, generator=g)
+    e, r = (torch.randn(4, planes.shape[2], generator=g).bfloat16() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(planes.shape[2], generator=g)).bfloat16()
+    from atomtool.serve.ops.triton.linear import sum_planes
+
+    # each backend against its own unfused form, bitwise (the interpreter's bf16 casts truncate, so the
+    # backends only agree within rounding, checked last)
+    summed = ((planes[0] + planes[1]) + planes[2]).bfloat16()
+    tri_summed = sum_planes(planes, torch.empty_like(summed))
+    for got, want in ((ref.add_rms_norm(planes, e, w, 1e-6, r), ref.add_rms_norm(summed, e, w, 1e-6, r)),
+                      (fused_norm.add_rms_norm(planes, e, w, 1e-6, r),
+                       fused_norm.add_rms_norm(tri_summed, e, w, 1e-6, r))):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(fused_norm.add_rms_norm(planes, e, w, 1e-6, r), ref.add_rms_norm(planes, e, w, 1e-6, r),
+                    strict=True):
+        _close(a, b, 0.1, 0.03)
+    for backend in (ref.add_rms_norm, fused_norm.add_rms_norm):
+        with pytest.raises(ValueError, match="planes are float32"):
+            backend(planes.bfloat16(), e, w, 1e-6, r)
+        with pytest.raises(ValueError, match="do not fit"):
+            backend(planes[:, :3], e, w, 1e-6, r)
+        with pytest.raises(ValueError, match="do not fit"):
+            backend(planes[:0], e, w, 1e-6, r)
+    # no extra: rms_norm with a residual, of the summed planes
+    for got, want in ((ref.add_rms_norm(planes, None, w, 1e-6, r), ref.rms_norm(summed, w, 1e-6, r)),
+                      (fused_norm.add_rms_norm(planes, None, w, 1e-6, r),
+                       fused_norm.add_rms_norm(tri_summed, torch.zeros_like(r), w, 1e-6, r))):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def _tables(T, half, seed=0):
     g = torch.Generator().manual_seed(seed)
     ang = torch.rand(T, half, generator=g) * 40

@@ -516,6 +516,41 @@ def test_fp8_block_linear_small_m_split_k(N, K, block, monkeypatch):
     _close(tri.linear(xb, w, bb, s, block), torch_ref.linear(xb, w, bb, s, block), 0.3, 0.02)
 
 
+def test_fp8_linear_split_planes_summed_by_the_next_norm(monkeypatch):
+    """``sum_splits=False``: a split-K FP8 linear returns its float32 planes [S, M, N] (here 13), which
+    ``add_rms_norm`` without an extra sums into the bits of ``rms_norm(linear(x), residual)``; with a bias,
+    one split, rows beyond one workspace chunk or a 3-d x it returns the summed output (the reference always
+    does); the RMSNorm layer routes planes to that op."""
+    from atomtool.serve.layers.norm import RMSNorm
+    from atomtool.serve.ops.triton import fused_norm
+    from atomtool.serve.ops.triton.norm import rms_norm
+
+    tri_linear = sys.modules["atomtool.serve.ops.triton.linear"]
+    g = torch.Generator().manual_seed(17)
+    N, K, block = 70, 200, (16, 16)
+    x = torch.randn(5, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-N // 16), -(-K // 16), generator=g) + 0.5
+    r = torch.randn(5, N, generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(N, generator=g)).bfloat16()
+    planes = tri.linear(x, w, None, s, block, None, False)
+    assert planes.shape == (13, 5, N) and planes.dtype == torch.float32
+    summed = tri.linear(x, w, None, s, block)
+    want = rms_norm(summed, nw, 1e-6, r)
+    for got in (fused_norm.add_rms_norm(planes, None, nw, 1e-6, r), fused_norm.add_rms_norm(summed, None, nw, 1e-6, r)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(torch_ref.linear(x, w, None, s, block, None, False), torch_ref.linear(x, w, None, s, block))
+    bias = torch.randn(N, generator=g).bfloat16()
+    assert tri.linear(x, w, bias, s, block, None, False).shape == (5, N)
+    assert tri.linear(x.view(5, 1, K), w, None, s, block, None, False).shape == (5, 1, N)
+    monkeypatch.setattr(tri_linear, "SPLIT_ROWS", 4)
+    assert torch.equal(tri.linear(x, w, None, s, block, None, False), summed)
+    norm = RMSNorm(N, 1e-6, torch.bfloat16, "cpu")
+    norm.weight.data.copy_(nw)
+    norm._add_op = fused_norm.add_rms_norm
+    assert all(torch.equal(a, b) for a, b in zip(norm(planes, r), want, strict=True))
+
+
 def test_act_quant_fp8_reference_follows_deepseek_act_quant():
     """The reference quantizer against DeepSeek-V3's act_quant written out by hand: per token and 128-wide
     group, s = amax / 448 (floor 1e-4), q = e4m3(x / s); ue8m0 rounds s up to a power of two."""
@@ -626,6 +661,30 @@ def _moe_inputs(T, H, inter, E, k, seed=7):
 def test_fused_moe_fp32(T, H, inter, E, k):
     x, w13, w2, tw, ids = _moe_inputs(T, H, inter, E, k)
     _close(tri.fused_moe(x, w13, w2, tw, ids), torch_ref_mla.fused_moe(x, w13, w2, tw, ids), 2e-5, 1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_fused_moe_slot_planes_sum_to_the_output_in_the_next_norm(T):
+    """``sum_slots=False`` returns the per-slot float32 planes; ``add_rms_norm`` summing them gives the bits of
+    ``add_rms_norm`` on the summed output (both backends), with foreign / padded expert ids, at T == 1 (the
+    direct launch, planes not zero-filled) and above; bf16 so the rounding of the sum shows."""
+    x, w13, w2, tw, ids = (t.bfloat16() if t.is_floating_point() and i < 3 else t
+                           for i, t in enumerate(_moe_inputs(T, 32, 16, 4, 2, seed=12)))
+    from atomtool.serve.ops.triton import fused_norm
+
+    ids[0, 1] = -1
+    g = torch.Generator().manual_seed(13)
+    shared, residual = (torch.randn(T, 32, generator=g).bfloat16() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(32, generator=g)).bfloat16()
+    for backend in (tri, torch_ref_mla):
+        planes = backend.fused_moe(x, w13, w2, tw, ids, sum_slots=False)
+        assert planes.dtype == torch.float32 and planes.dim() == 3 and planes.shape[1:] == (T, 32)
+        summed = backend.fused_moe(x, w13, w2, tw, ids)
+        norm = fused_norm.add_rms_norm if backend is tri else torch_ref_mla.add_rms_norm
+        for got, want in zip(norm(planes, shared, w, 1e-6, residual), norm(summed, shared, w, 1e-6, residual),
+                             strict=True):
+            assert torch.equal(got, want)
+    assert tri.fused_moe(x[:0], w13, w2, tw[:0], ids[:0], sum_slots=False).shape == (2, 0, 32)
 
 
 def test_fused_moe_skips_experts_not_served_here():

@@ -19,7 +19,8 @@ from atomtool.serve.ops import get_op
 class Linear(nn.Module):
     """``y = x W^T + b`` through the ``linear`` op.
 
-    x: [T, in_features] in the activation dtype -> [T, out_features] same dtype. ``fp8_block``: weight is
+    x: [T, in_features] in the activation dtype -> [T, out_features] same dtype (or, asked for, float32
+    split-K planes, :meth:`forward`). ``fp8_block``: weight is
     float8_e4m3fn [out, in] with ``weight_scale_inv`` [ceil(out/bn), ceil(in/bk)] float32, dequantized by the
     op (``W = fp8 * scale_inv[i // bn, j // bk]``), or run W8A8 when ``act_quant`` is set
     (:mod:`.fp8_activations`; None: weight-only).
@@ -47,10 +48,13 @@ class Linear(nn.Module):
         self.act_quant: str | None = None
         self._op = get_op("linear", device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sum_splits: bool = True) -> torch.Tensor:
+        """``sum_splits=False``: an FP8 layer may return float32 split-K planes [S, T, out] for the next norm to
+        sum (``RMSNorm(planes, residual)``; the ``linear`` op's contract)."""
         if self.block_size is None:
             return self._op(x, self.weight, self.bias)
-        return self._op(x, self.weight, self.bias, self.weight_scale_inv, self.block_size, self.act_quant)
+        return self._op(x, self.weight, self.bias, self.weight_scale_inv, self.block_size, self.act_quant,
+                        sum_splits)
 
 
 def fp8_block_size(config_flat: dict[str, Any]) -> tuple[int, int]:

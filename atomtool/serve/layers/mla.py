@@ -179,8 +179,9 @@ class MLAAttention(nn.Module):
         """x: [T, hidden] (post input_layernorm); cos/sin: [T, rope/2] MLA rotary tables; idx_cos/idx_sin:
         the indexer's; kv_cache: this layer's planes; prev_topk: the previous full layer's selection
         (used by shared layers); aux_stream: where a full layer runs its indexer beside the query path
-        (:mod:`atomtool.serve.layers.overlap`; None: in order). Returns (out [T, hidden], the top-k this
-        layer used or None for dense)."""
+        (:mod:`atomtool.serve.layers.overlap`; None: in order). Returns (out [T, hidden], or o_proj's float32
+        split-K planes [S, T, hidden] for the next ``RMSNorm(out, residual)`` to sum, and the top-k this layer
+        used or None for dense)."""
         dev = x.device
         T = x.shape[0]
         H = self.num_heads
@@ -211,7 +212,8 @@ class MLAAttention(nn.Module):
         # o[t, h] = W_UV[h] o_lat[t, h] inside the op (the Triton backend folds it into the split-KV merge)
         o = get_op("mla_attention", dev)(q_abs, q_pe, latent, batch.cu_seqlens_q, batch.seq_lens,
                                          batch.block_tables, self.scale, topk, w_uv=self._w_uv)
-        return self.o_proj(o.view(T, H * self.v_head_dim)), topk
+        # o_proj's split-K planes go unsummed to the next norm, which sums them (one launch fewer per layer)
+        return self.o_proj(o.view(T, H * self.v_head_dim), sum_splits=False), topk
 
 
 def _part_key(source: str) -> str:

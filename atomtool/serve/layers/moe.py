@@ -44,11 +44,13 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = make_linear(f"{prefix}.down_proj", intermediate_size, hidden, bias=False, dtype=dtype,
                                      device=device, specs=specs, config_flat=cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sum_splits: bool = True) -> torch.Tensor:
+        """x: [T, H] -> [T, H]; ``sum_splits=False``: possibly the down projection's float32 split-K planes
+        [S, T, H], for the next norm to sum (:meth:`atomtool.serve.layers.linear.Linear.forward`)."""
         h = self.gate_up_proj(x)
         if not self._contiguous:  # FP8 alignment padding between gate and up rows
             h = torch.cat((h[:, self._gate], h[:, self._up]), dim=-1)
-        return self.down_proj(get_op("silu_and_mul", x.device)(h))
+        return self.down_proj(get_op("silu_and_mul", x.device)(h), sum_splits)
 
 
 class TopkRouter(nn.Module):
@@ -169,7 +171,8 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, split: bool = False, aux_stream: torch.cuda.Stream | None = None):
         """x: [T, H] -> routed + shared [T, H]; ``split``: the pair ``(routed, shared or None)`` unsummed, for
-        a caller that folds the sum into the next residual add (``RMSNorm(h, residual, extra)``);
+        a caller that folds the sum into the next residual add (``RMSNorm(h, residual, extra)``), routed as
+        float32 per-slot planes [S, T, H] when there is a shared expert (``add_rms_norm`` sums them);
         ``aux_stream``: where the shared expert runs beside the routed ones (:mod:`.overlap`; None: in order)."""
         logits = self.gate(x)
         weights, ids = get_op("grouped_topk", x.device)(
@@ -178,8 +181,11 @@ class DeepseekMoE(nn.Module):
         # forked after the (latency-bound) routing, so the shared expert's GEMVs share the SMs with the routed
         # experts' GEMMs and fill their last partial wave, not delay the router's small kernels
         shared = fork(aux_stream, self.shared_experts, x) if self.shared_experts is not None else None
+        # split with a shared expert: the routed output stays as float32 per-slot planes, summed by the next
+        # norm's kernel (``add_rms_norm``), which saves the sum's launch on the step's critical path
+        planes = split and shared is not None
         out = get_op("fused_moe", x.device)(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids,
-                                            **self.experts.scales())
+                                            **self.experts.scales(), sum_slots=not planes)
         shared = shared.join() if shared is not None else None
         if split:
             return out, shared

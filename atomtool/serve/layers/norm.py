@@ -16,7 +16,10 @@ class RMSNorm(nn.Module):
 
     ``forward(x)`` -> normed x; ``forward(x, residual)`` -> ``(normed(x + residual), x + residual)``;
     ``forward(x, residual, extra)`` -> the same with ``x + extra`` (rounded) in place of x, in one op
-    (``add_rms_norm``: a MoE block's routed and shared outputs added inside the next norm).
+    (``add_rms_norm``: a MoE block's routed and shared outputs added inside the next norm; x may then be the
+    routed experts' float32 per-slot planes [S, T, H], summed in that op). With a residual, x with one dim
+    more than the residual is float32 planes (a split-K projection's, ``Linear(..., sum_splits=False)``),
+    summed by ``add_rms_norm`` without an extra.
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -27,7 +30,8 @@ class RMSNorm(nn.Module):
         self._add_op = get_op("add_rms_norm", device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, extra: torch.Tensor | None = None):
-        if extra is not None:
+        planes = residual is not None and x.dim() == residual.dim() + 1  # float32 planes summed by the op
+        if extra is not None or planes:
             if residual is None:
                 raise ValueError("RMSNorm: extra needs a residual")
             return self._add_op(x, extra, self.weight, self.eps, residual)

@@ -161,6 +161,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         # The residual adds ride in the RMSNorm op (``rms_norm(x, residual)`` -> (norm(x + residual),
         # x + residual)): one kernel instead of an add and a norm, bit-identical to ``h = h + x; norm(h)``.
         # A MoE block hands back (routed, shared) and the next norm adds ``residual + (routed + shared)``.
+        # Attention, a dense MLP and the routed experts may hand back float32 planes (split-K partials, expert
+        # slots) that the next norm sums in order: the same bits as summing first, one launch fewer.
         residual = extra = None
         for i, layer in enumerate(self.model.layers):
             role = self.roles[i]
@@ -176,7 +178,7 @@ class DeepseekV3ForCausalLM(CausalLM):
             if isinstance(layer.mlp, DeepseekMoE):
                 h, extra = layer.mlp(x, split=True, aux_stream=self.aux_stream)
             else:
-                h, extra = layer.mlp(x), None
+                h, extra = layer.mlp(x, sum_splits=False), None
         if residual is None:
             return self.model.norm(h)
         return self.model.norm(h, residual, extra)[0]

@@ -155,10 +155,13 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale_inv: torch.Tensor | None = None,
-           block_size: tuple[int, int] = (128, 128), act_quant: str | None = None) -> torch.Tensor:
+           block_size: tuple[int, int] = (128, 128), act_quant: str | None = None,
+           sum_splits: bool = True) -> torch.Tensor:
     """``y = x @ W^T + b``. x: [T, K]; weight: [N, K] in x's dtype, or float8_e4m3fn with ``weight_scale_inv``
     [ceil(N/bn), ceil(K/bk)] float32 (FP8 block quantization: dequantized with :func:`dequant_fp8_block`, or
-    W8A8 under ``act_quant``, :func:`fp8_matmul`); bias: [N] or None. Returns [T, N] in x's dtype."""
+    W8A8 under ``act_quant``, :func:`fp8_matmul`); bias: [N] or None. Returns [T, N] in x's dtype.
+    ``sum_splits=False``: the caller also takes float32 split-K planes [S, T, N] whose in-order sum rounded to
+    x's dtype is y (``add_rms_norm`` sums them); this reference has no split and returns y itself."""
     if weight_scale_inv is None:
         return F.linear(x, weight, bias)
     return fp8_matmul(x, weight, weight_scale_inv, block_size, act_quant, bias)

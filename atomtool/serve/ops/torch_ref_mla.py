@@ -280,7 +280,7 @@ def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
               w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
-              act_quant: str | None = None) -> torch.Tensor:
+              act_quant: str | None = None, sum_slots: bool = True) -> torch.Tensor:
     """Routed SwiGLU experts: ``y[t] = Σ_j w[t,j] · W2[e] (silu(G[e] x[t]) * U[e] x[t])``, ``e = ids[t,j]``.
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32;
@@ -288,8 +288,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     [E, ceil(2I/bn), ceil(H/bk)] and ``w2_scale_inv`` [E, ceil(H/bn), ceil(I/bk)] float32, ``block_size``
     (bn, bk); each hit expert is dequantized (``W = fp8 * scale_inv[i // bn, j // bk]``). Experts are visited
     in ascending id and accumulated in x's dtype (HF ``DeepseekV3Experts`` order). ``act_quant``: W8A8 for
-    FP8 experts (``torch_ref.fp8_matmul``). Returns [T, H] in x's dtype. Raises ValueError for shapes that
-    do not fit (:func:`check_fused_moe`).
+    FP8 experts (``torch_ref.fp8_matmul``). Returns [T, H] in x's dtype; ``sum_slots=False``: float32
+    planes [S, T, H] whose in-order sum rounded to x's dtype is that output (here one plane; the Triton op's
+    are its per-slot outputs), for :func:`add_rms_norm` to sum. Raises ValueError for shapes that do not fit
+    (:func:`check_fused_moe`).
     """
     check_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv)
     out = torch.zeros_like(x)
@@ -308,7 +310,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         # weighted in float32, rounded once (HF: bf16 activations * fp32 router weights promote to fp32)
         y = y.float() * topk_weights[tok, slot, None].float()
         out.index_add_(0, tok, y.to(out.dtype))
-    return out
+    return out if sum_slots else out.float().unsqueeze(0)
 
 
 def mla_rope_store(q_pe: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -361,13 +363,38 @@ def indexer_rope_store(q: torch.Tensor | None, k_raw: torch.Tensor, w_raw: torch
     return q, w_raw.float() * weight_scale
 
 
-def add_rms_norm(x: torch.Tensor, extra: torch.Tensor, weight: torch.Tensor, eps: float,
+def check_add_rms_norm(x: torch.Tensor, extra: torch.Tensor | None, weight: torch.Tensor,
+                       residual: torch.Tensor) -> None:
+    """Raise ValueError unless ``add_rms_norm``'s inputs fit: residual [T, H], extra None or [T, H] of its
+    dtype, weight [H], x [T, H] of that dtype or [S >= 1, T, H] float32 planes."""
+    planes = x.dim() == 3
+    e_shape = residual.shape if extra is None else extra.shape
+    if (x.dim() not in (2, 3) or x.shape[-2:] != e_shape or e_shape != residual.shape
+            or residual.dim() != 2 or residual.shape[-1] != weight.shape[0] or (planes and x.shape[0] == 0)):
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, extra {tuple(e_shape)}, residual "
+                         f"{tuple(residual.shape)} and weight {tuple(weight.shape)} do not fit")
+    e_dtype = residual.dtype if extra is None else extra.dtype
+    if e_dtype != residual.dtype or x.dtype != (torch.float32 if planes else residual.dtype):
+        raise ValueError(f"add_rms_norm: dtypes {x.dtype}{' planes' if planes else ''}, {e_dtype}, "
+                         f"{residual.dtype} differ (planes are float32)")
+
+
+def add_rms_norm(x: torch.Tensor, extra: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE block's output combination fused into the next RMSNorm's residual add:
     ``s = residual + (x + extra)`` (``x + extra`` rounded to the dtype first, as the unfused model adds
     ``routed + shared`` and then the residual), returns ``(rms_norm(s), s)`` like :func:`rms_norm` with a
-    residual. x, extra, residual: [T, H] same dtype; weight: [H]."""
-    return rms_norm(x + extra, weight, eps, residual)
+    residual. extra, residual: [T, H] same dtype (extra None: nothing added, :func:`rms_norm` with a residual);
+    weight: [H]; x: [T, H] of that dtype, or [S, T, H] float32 planes (``fused_moe(..., sum_slots=False)``, a
+    split-K ``linear(..., sum_splits=False)``) summed in plane order and rounded to the dtype first.
+    Raises ValueError for inputs that do not fit (:func:`check_add_rms_norm`)."""
+    check_add_rms_norm(x, extra, weight, residual)
+    if x.dim() == 3:
+        acc = x[0]
+        for plane in x[1:]:
+            acc = acc + plane
+        x = acc.to(residual.dtype)
+    return rms_norm(x if extra is None else x + extra, weight, eps, residual)
 
 
 for _name, _fn in (("mla_attention", mla_attention), ("mla_absorb_q", mla_absorb_q), ("indexer_topk", indexer_topk), ("grouped_topk", grouped_topk),

@@ -306,12 +306,14 @@ def split_k_plan(N: int, K: int, block_n: int, block_k: int, target: int | None 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      bias: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
-                     act_quant: str | None = None) -> torch.Tensor:
+                     act_quant: str | None = None, sum_splits: bool = True) -> torch.Tensor:
     """x: [..., K] (bf16/fp16/fp32); weight: [N, K] float8_e4m3fn; weight_scale_inv: [ceil(N/bn), ceil(K/bk)]
     float32; bias: [N] or None; act_quant: None (weights widened, activations kept) or an
     ``torch_ref.ACT_QUANT_MODES`` mode (W8A8: activations quantized per token and 1 x bk group inside the kernel, see
-    ``_act_quant``; needs bk in 32 / 64 / 128). Returns [..., N] in x's dtype. Raises ValueError on
-    mismatched shapes or an unusable act_quant."""
+    ``_act_quant``; needs bk in 32 / 64 / 128). Returns [..., N] in x's dtype; ``sum_splits=False`` with a 2-d
+    x of at most SPLIT_ROWS rows, no bias and a K split: the split-K planes [S, M, N] float32 unsummed instead,
+    for a consumer that sums them in split order itself (``add_rms_norm``: one launch fewer). Raises
+    ValueError on mismatched shapes or an unusable act_quant."""
     bn, bk = block_size
     N, K = weight.shape
     if x.shape[-1] != K or tuple(weight_scale_inv.shape) != (triton.cdiv(N, bn), triton.cdiv(K, bk)):
@@ -373,6 +375,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                                          out_r.stride(0), HAS_BIAS=kernel_bias, SWAP_AB=swap_ab,
                                          FUSED_SUM=fused, **opts)
         if n_splits > 1 and not fused:
+            if not sum_splits and not has_bias and rows == M and len(lead) == 1:
+                return c
             sum_planes(c, out_r, bias)
     return out.view(*lead, N)
 
@@ -423,9 +427,10 @@ def sum_planes(planes: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | Non
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
-           act_quant: str | None = None) -> torch.Tensor:
+           act_quant: str | None = None, sum_splits: bool = True) -> torch.Tensor:
     """``y = x @ W^T + b``; same contract as ``torch_ref.linear`` (FP8 block weights with ``weight_scale_inv``,
-    W8A8 under ``act_quant``)."""
+    W8A8 under ``act_quant``; ``sum_splits=False``: FP8 split-K planes may come back unsummed,
+    :func:`fp8_block_linear`)."""
     if weight_scale_inv is None:
         return F.linear(x, weight, bias)
-    return fp8_block_linear(x, weight, weight_scale_inv, bias, tuple(block_size), act_quant)
+    return fp8_block_linear(x, weight, weight_scale_inv, bias, tuple(block_size), act_quant, sum_splits)

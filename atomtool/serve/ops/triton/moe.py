@@ -228,7 +228,7 @@ MOE_BLOCK_M = 16
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
               w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128),
-              act_quant: str | None = None) -> torch.Tensor:
+              act_quant: str | None = None, sum_slots: bool = True) -> torch.Tensor:
     """Routed experts; same contract as ``torch_ref_mla.fused_moe``, plus optional FP8 block weights (W8A8
     under ``act_quant``, as in ``linear.fp8_block_linear``).
 
@@ -240,14 +240,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     Launches: the expert layout (``moe_align``; skipped at T == 1, see the module doc), the gate_up GEMM,
     ``silu_and_mul``, the down GEMM (it writes each slot's weighted output to a float32 plane [k, T, H],
-    zero-filled first unless T == 1) and ``sum_planes``.
+    zero-filled first unless T == 1) and ``sum_planes``, or, ``sum_slots=False``, returns those planes
+    [k, T, H] float32 for the next norm to sum (``add_rms_norm``: one launch fewer per MoE layer).
     """
     return _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size, act_quant,
-                      direct=x.shape[0] == 1)
+                      direct=x.shape[0] == 1, sum_slots=sum_slots)
 
 
 def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size, act_quant, *,
-               direct: bool) -> torch.Tensor:
+               direct: bool, sum_slots: bool = True) -> torch.Tensor:
     """``fused_moe`` with its launch choice explicit (tests compare both bitwise): ``direct``, one row block
     per pair instead of the aligned layout (any T; fused_moe picks it at T == 1)."""
     check_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv)
@@ -255,7 +256,8 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, 
     E, two_i, _ = w13.shape
     k = topk_ids.shape[1]
     if T == 0:
-        return torch.zeros((T, H), dtype=x.dtype, device=x.device)
+        return (torch.zeros((T, H), dtype=x.dtype, device=x.device) if sum_slots
+                else torch.zeros((max(k, 1), T, H), dtype=torch.float32, device=x.device))
     x = x if x.stride(-1) == 1 else x.contiguous()
     n_pairs = T * k
     block_m = MOE_BLOCK_M
@@ -276,4 +278,4 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, 
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(act, w2, w2_scale_inv, y.view(n_pairs, H), sorted_pairs, block_expert, n_pairs, k, False,
                   weights, block_m, block_size, act_quant, direct)
-    return sum_planes(y, torch.empty((T, H), dtype=x.dtype, device=x.device))
+    return sum_planes(y, torch.empty((T, H), dtype=x.dtype, device=x.device)) if sum_slots else y
