@@ -103,9 +103,10 @@ def summarize(step: list[Kernel]) -> dict:
             "per_name": {n: (int(c), t) for n, (c, t) in per_name.items()}}
 
 
-def layer_spans(step: list[Kernel], marker: str) -> list[tuple[float, float]]:
-    """[start, end) of each layer: from one launch of ``marker`` to the next (the last ends at the step's end)."""
-    starts = [k.start for k in step if k.name == marker]
+def layer_spans(step: list[Kernel], marker: str, every: int = 1) -> list[tuple[float, float]]:
+    """[start, end) of each layer: from one launch of ``marker`` to the ``every``-th next (the last ends at
+    the step's end); ``every`` 2 where the marker runs twice per layer (the DSA models' two residual norms)."""
+    starts = [k.start for k in step if k.name == marker][::every]
     end = max(k.end for k in step)
     return [(s, starts[i + 1] if i + 1 < len(starts) else end) for i, s in enumerate(starts)]
 
@@ -114,12 +115,14 @@ def _short(name: str, width: int = 72) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def report(path: str | Path, marker: str = "_add_rms_norm_kernel", layer: int | None = None, top: int = 25) -> str:
+def report(path: str | Path, marker: str = "_add_rms_norm_kernel", layer: int | None = None, top: int = 25,
+           every: int = 1) -> str:
     """Text report of the fullest step (most kernels; the last of equals) of the trace at ``path`` (a graph
     replay; partial ones at the profile's edges have fewer kernels): totals, exposed time per kernel name (the
     ``top`` largest), and the timeline of layer ``layer`` (default: the middle one of those the marker
     delimits; "layer 0" is the span after the marker's first launch, i.e. the model's second layer) with each
-    kernel's start, end and exposed time relative to the layer's start. Raises TraceError (see
+    kernel's start, end and exposed time relative to the layer's start; ``every``: marker launches per layer
+    (:func:`layer_spans`). Raises TraceError (see
     :func:`load_kernels`) and for a ``layer`` out of range."""
     steps = split_steps(load_kernels(path))
     if not steps:
@@ -131,7 +134,7 @@ def report(path: str | Path, marker: str = "_add_rms_norm_kernel", layer: int | 
              "", f"{'exposed us':>10} {'n':>4} {'per call':>8}  kernel"]
     for name, (n, t) in sorted(s["per_name"].items(), key=lambda x: -x[1][1])[:top]:
         lines.append(f"{t:10.1f} {n:4d} {t / n:8.1f}  {_short(name)}")
-    spans = layer_spans(step, marker)
+    spans = layer_spans(step, marker, every)
     if not spans:
         lines += ["", f"no kernel named {marker} in the step: no layer timeline (see --marker)"]
     else:
@@ -153,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace")
     ap.add_argument("--marker", default="_add_rms_norm_kernel", help="the kernel that opens each layer")
     ap.add_argument("--layer", type=int, default=None, help="which layer's timeline (default: the middle one)")
+    ap.add_argument("--every", type=int, default=1,
+                    help="marker launches per layer (2 for a DSA model whose two residual norms are both the marker)")
     args = ap.parse_args(argv)
     try:
-        print(report(args.trace, args.marker, args.layer))
+        print(report(args.trace, args.marker, args.layer, every=args.every))
     except TraceError as exc:
         raise SystemExit(f"error: {exc}") from None
     return 0

@@ -164,6 +164,7 @@ def test_trace_report_charges_each_instant_to_the_kernel_that_ends_first(tmp_pat
     assert (s["span_us"], s["busy_us"], s["idle_us"]) == (35, 30, 5)
     assert s["per_name"]["mark"] == (2, 5)
     assert trace_report.layer_spans(step, "mark") == [(20, 30), (30, 35)]
+    assert trace_report.layer_spans(step, "mark", every=2) == [(20, 35)]
     text = trace_report.report(path, marker="mark", layer=1)
     assert "busy 30.0 us, idle 5.0 us" in text and "layer 1 of 2 (mark to the next): 5.0 us" in text
     assert text.splitlines()[-1].split() == ["1.0", "5.0", "3.0", "E"]

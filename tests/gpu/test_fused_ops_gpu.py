@@ -150,6 +150,23 @@ def test_add_rms_norm_bf16(tri):
     assert torch.equal(s, rs)
 
 
+def test_add_rms_norm_sums_planes_as_sum_planes_does(tri):
+    """Float32 planes (split-K partials / MoE slots, 13 of them) summed inside the norm: bitwise the separate
+    ``sum_planes`` kernel then the norm, with and without an extra, at DeepSeek-V3.2's hidden size."""
+    from atomtool.serve.ops.triton.linear import sum_planes
+
+    t, _, fn = tri
+    g = torch.Generator().manual_seed(3)
+    planes = torch.randn(13, 5, 7168, generator=g).to(DEV)
+    e, r = (torch.randn(5, 7168, generator=g).to(DEV, BF16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(7168, generator=g)).to(DEV, BF16)
+    summed = sum_planes(planes, torch.empty(5, 7168, dtype=BF16, device=DEV))
+    for extra in (e, None):
+        got = fn.add_rms_norm(planes, extra, w, 1e-6, r)
+        want = fn.add_rms_norm(summed, extra, w, 1e-6, r) if extra is not None else t.rms_norm(summed, w, 1e-6, r)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_fused_ops_replay_in_a_cuda_graph(tri):
     _, fr, fn = tri
     g = torch.Generator().manual_seed(3)
