@@ -7,6 +7,10 @@ equal hand-derived formulas for a dense model.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 
 from benchmarks import common as C
@@ -168,3 +172,76 @@ def test_trace_report_charges_each_instant_to_the_kernel_that_ends_first(tmp_pat
     text = trace_report.report(path, marker="mark", layer=1)
     assert "busy 30.0 us, idle 5.0 us" in text and "layer 1 of 2 (mark to the next): 5.0 us" in text
     assert text.splitlines()[-1].split() == ["1.0", "5.0", "3.0", "E"]
+
+
+# ---------------------------------------------------------------- benchmarks/ab.py (A/B of engine constants)
+def _fake_module(tmp_path, monkeypatch):
+    """A module ``abfake`` importable here and in child processes: a Triton-like constexpr and a plain int."""
+    (tmp_path / "abfake.py").write_text("class constexpr:\n    def __init__(self, value):\n        self.value = value\n\n"
+                                        "X = constexpr(1)\nY = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{Path(__file__).resolve().parent.parent}")
+    import importlib
+
+    return importlib.import_module("abfake")
+
+
+def test_ab_parses_variants_and_applies_settings_in_the_modules_namespace(tmp_path, monkeypatch):
+    from benchmarks import ab
+
+    fake = _fake_module(tmp_path, monkeypatch)
+    v = ab.parse_variant("fast=abfake.X=5; abfake.Y = Y * 3")
+    assert (v.name, v.settings) == ("fast", [("abfake", "X", "5"), ("abfake", "Y", "Y * 3")])
+    assert ab.parse_variant("base=").settings == []
+    ab.apply_settings(v.settings)
+    assert type(fake.X).__name__ == "constexpr" and fake.X.value == 5 and fake.Y == 6
+    for bad in ("noequals", "=x.Y=1", "a b=x.Y=1"):
+        with pytest.raises(ab.AbError, match="variant"):
+            ab.parse_variant(bad)
+    for bad in ("x=Y=1", "x=abfake.Y=", "x=abfake.1Y=2"):
+        with pytest.raises(ab.AbError, match="expected module.attribute=expression"):
+            ab.parse_variant(bad)
+    with pytest.raises(ab.AbError, match="has no attribute 'Z'"):
+        ab.check_settings(ab.parse_settings("abfake.Z=1"))
+    with pytest.raises(ab.AbError, match="cannot import"):
+        ab.apply_settings(ab.parse_settings("no_such_module_xyz.A=1"))
+    with pytest.raises(ab.AbError, match="NameError"):
+        ab.apply_settings(ab.parse_settings("abfake.Y=undefined_name"))
+
+
+def test_ab_alternates_and_compares_medians():
+    from benchmarks import ab
+
+    a, b = ab.Variant("a"), ab.Variant("b")
+    assert [(r, v.name) for r, v in ab.schedule([a, b], 3)] == [(1, "a"), (1, "b"), (2, "b"), (2, "a"), (3, "a"),
+                                                                  (3, "b")]
+    rows = {"a": [{"bench": "decode", "batch": 1, "gpu_ms": x} for x in (2.0, 4.0, 3.0)] +
+                 [{"bench": "other", "batch": 1, "gpu_ms": 100.0}],
+            "b": [{"bench": "decode", "batch": 1, "gpu_ms": x} for x in (1.5, 1.5)] +
+                 [{"bench": "decode", "batch": 8, "gpu_ms": 9.0}]}
+    table = {r["batch"]: r for r in ab.compare(rows, ["a", "b"], "decode", ["batch"], "gpu_ms")}
+    assert table[1]["a"] == 3.0 and table[1]["b"] == 1.5 and table[1]["b/a"] == 0.5 and table[1]["a_runs"] == "2 4 3"
+    assert table[8]["a"] is None and "b/a" not in table[8]
+
+
+def test_ab_runs_a_benchmark_per_variant_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
+    from benchmarks import ab
+
+    _fake_module(tmp_path, monkeypatch)
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path / "out"))
+    bench = ["--", "decode_bench", "--model", "qwen3", "--smoke", "--batches", "1", "--contexts", "64", "--iters", "1"]
+    assert ab.main(["--variant", "base=", "--variant", "y=abfake.Y=7", "--rounds", "1", *bench]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r["bench"] == "ab"]
+    assert row["variants"] == {"base": "", "y": "abfake.Y=7"} and row["model"] == "qwen3" and row["batch"] == 1
+    assert row["base"] > 0 and row["y"] > 0 and row["y/base"] == pytest.approx(row["y"] / row["base"])
+    assert {p.name for p in (tmp_path / "out" / "ab").iterdir()} == {"base_1", "y_1"}
+    capsys.readouterr()
+    assert ab.main(["--variant", "base=", *bench]) == 2
+    assert "at least two --variant" in capsys.readouterr().err
+    assert ab.main(["--variant", "base=", "--variant", "z=abfake.Z=1", *bench]) == 2
+    assert "has no attribute 'Z'" in capsys.readouterr().err
+    assert ab.main(["--variant", "a=", "--variant", "b=", "--", "no_such_bench"]) == 2
+    assert "no_such_bench" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--variant", "a=", "--variant", "b="])
