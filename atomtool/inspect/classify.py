@@ -7,6 +7,7 @@ I/O (:class:`atomtool.inspect.source.CheckpointSource`: local directory or Hub r
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from typing import Any
@@ -488,6 +489,12 @@ def build_report(
                                 f"{arch} (model_type {model_type}) is a transformers architecture that atomtool "
                                 f"does not serve; inspect reports what it can from config.json and the headers; "
                                 f"serve supports: {', '.join(supported_architectures())}"))
+    elif fam is None and config is not None and arch == "unknown" and raw.get("architectures") not in (None, []):
+        given = raw.get("architectures")
+        hint = f"[{json.dumps(given)}]" if isinstance(given, str) else '["LlamaForCausalLM"]'
+        findings.append(Finding("unknown-architecture", "error", None,
+                                f"config.json: 'architectures' must be a list of model class names, got "
+                                f"{type(given).__name__} {given!r}; write \"architectures\": {hint}"))
     elif fam is None and config is not None and arch == "unknown":
         findings.append(Finding("unknown-architecture", "error", None,
                                 f"config.json has no 'architectures' (model_type {model_type!r}): name the model "
@@ -600,9 +607,12 @@ def build_report(
             if scheme in totals["by_scheme"]:
                 totals["by_scheme"][scheme]["parameters"] -= elements
         weights_bytes = totals["bytes"]
+        config_mtp_bytes = 0
     else:
         est = mem.estimate_parameters(flat, roles) if config is not None and not config_bad else None
         nbytes = est * mem.TAG_BYTES.get(model_dtype or "BF16", 2) if est is not None and spec is None else None
+        trunk = mem.estimate_parameters({**flat, "num_nextn_predict_layers": 0}, roles) if nbytes else None
+        config_mtp_bytes = (nbytes - trunk * mem.TAG_BYTES.get(model_dtype or "BF16", 2)) if trunk else 0
         totals = {"parameters": est, "bytes": nbytes, "by_dtype": {}, "by_scheme": {}, "estimated": True}
         weights_bytes = nbytes
         if config is not None:
@@ -635,6 +645,7 @@ def build_report(
                     return t.nbytes - _served_bytes(name, t, kv_tag, keep)
 
                 loaded = weights_bytes - sum(saved(name, t) for name, t in tensors.items())
+                loaded -= config_mtp_bytes  # a config-only estimate counts the MTP layers' weights too
                 memory["weights_exceed_gpu_memory"] = loaded >= int(gpu_memory_gb * 1e9)
                 memory["max_context_tokens"] = mem.max_context_tokens(
                     gpu_memory_gb, loaded, memory["kv_bytes_per_token"],

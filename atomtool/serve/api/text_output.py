@@ -5,8 +5,11 @@ cut at stop strings, so streamed pieces join to exactly the non-streamed respons
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
+import os
+import threading
 from typing import Any
 
 
@@ -144,24 +147,98 @@ class TokenText:
         return b
 
 
+#: per thread, the byte ranges the last ``atomtool_replace_spans`` decode replaced (one U+FFFD each)
+_SPANS = threading.local()
+
+
+def _replace_recording_span(err: UnicodeDecodeError) -> tuple[str, int]:
+    """``errors="replace"`` that also notes the replaced byte range (thread-local, read by TextOffsets)."""
+    _SPANS.spans.append((err.start, err.end))
+    return "\ufffd", err.end
+
+
+codecs.register_error("atomtool_replace_spans", _replace_recording_span)
+
+
 class TextOffsets:
-    """OpenAI's completions ``text_offset``: where in the request's text each generated token starts, i.e.
-    the length of the text decoded before it, by the engine's own incremental detokenizer over the same
-    prompt (a token inside a multi-byte character starts at that character; special tokens, skipped in the
-    text, take no room)."""
+    """OpenAI's completions ``text_offset``: where in the request's text each generated token starts, by the
+    engine's own incremental detokenizer over the same prompt (special tokens, skipped in the text, take no
+    room).
+
+    A token whose bytes do not end a character yet is held back by the detokenizer, with any tokens after it,
+    until the text grows; only then is it known where each of them starts, so their offsets are revised then:
+    token i of such a group starts where the decoded text of the tokens before it (``P_i``) stops agreeing with
+    the decoded text of the whole group (``R``), i.e. ``len(commonprefix(P_i, R))``. A token inside a valid
+    multi-byte character therefore starts at that character (``P_i`` ends in U+FFFD where ``R`` has the
+    character), and bytes that never form one (each a U+FFFD in the final text) start at their own U+FFFD.
+    :attr:`offsets` holds every offset so far, revised in place."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
         from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
 
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
+        self.offsets: list[int] = []
+        self._group: list[int] = []  # indices (into offsets) of the tokens held back since the text last grew
+        self._context: list[int] = []  # a few ids before the group: left context for decoding it
+        self._bytes = None  # TokenText(tokenizer).raw_bytes, made at the first held-back group
 
     def next(self, token_ids: list[int]) -> list[int]:
-        """Offsets of ``token_ids`` (the request's next generated tokens, in order)."""
-        offsets = []
+        """Offsets of ``token_ids`` (the request's next generated tokens, in order), as known after them; an
+        offset of a token still held back may be revised by a later call (read :attr:`offsets` then)."""
+        first = len(self.offsets)
         for t in token_ids:
-            offsets.append(len(self.detok.text(final=True)))
-            self.detok.add([int(t)], check_stop=False)
-        return offsets
+            t = int(t)
+            before = len(self.detok.text(final=True))
+            self.offsets.append(before)
+            if t in self.detok.skipped:
+                continue
+            if not self._group:
+                self._context = self.detok.ids[-8:]
+            self._group.append(len(self.offsets) - 1)
+            self.detok.add([t], check_stop=False)
+            if len(self.detok.text(final=True)) > before:
+                if len(self._group) > 1:
+                    self._revise()
+                self._group = []
+        return self.offsets[first:]
+
+    def _revise(self) -> None:
+        ids = self.detok.ids[len(self.detok.ids) - len(self._group):]
+        decode = self.detok._decode
+        whole = decode(self._context + ids)
+        skip = len(decode(self._context))
+        base = self.offsets[self._group[0]]
+        end = len(self.detok.text(final=True))
+        starts = self._by_bytes(ids, whole[skip:])
+        for i, k in enumerate(self._group[1:], start=1):
+            if starts is not None:
+                at = starts[i]
+            else:  # where the text of the tokens before it stops agreeing with the group's text
+                at = len(os.path.commonprefix([decode(self._context + ids[:i]), whole])) - skip
+            self.offsets[k] = min(end, max(base, base + at, self.offsets[self._group[i - 1]]))
+
+    def _by_bytes(self, ids: list[int], text: str) -> list[int] | None:
+        """Per token of a held-back group, the index in ``text`` (the group's decoded text) of the character
+        holding its first byte, from the tokens' own bytes decoded as the tokenizer does (invalid bytes: one
+        U+FFFD per maximal ill-formed subsequence); None when the tokens' bytes are not known or do not decode
+        to ``text`` (then :meth:`_revise` compares decoded prefixes instead). Exact where the prefix rule is
+        not: a token continuing a truncated sequence (``e2 | 82 | o``) lies inside that sequence's U+FFFD."""
+        if self._bytes is None:
+            self._bytes = TokenText(self.detok.tokenizer).raw_bytes
+        raw = [self._bytes(t) for t in ids]
+        _SPANS.spans = []
+        if b"".join(raw).decode("utf-8", "atomtool_replace_spans") != text:
+            return None
+        char_at, q, bad = [], 0, dict(_SPANS.spans)  # char_at[byte] = index of the character holding that byte
+        for n, ch in enumerate(text):
+            width = bad[q] - q if q in bad else len(ch.encode("utf-8"))
+            char_at += [n] * width
+            q += width
+        pos, starts = 0, []
+        for b in raw:
+            starts.append(char_at[pos] if pos < len(char_at) else len(text))
+            pos += len(b)
+        return starts
 
 
 def kept_at_stop(offsets: list[int], text_len: int, already: int = 0) -> int:
@@ -179,24 +256,27 @@ class StreamedLogProbs:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
         self.offsets = TextOffsets(tokenizer, prompt_token_ids)
-        self.pending: list[tuple[dict, int]] = []  # (entry, text_offset) not streamed yet
+        self.pending: list[tuple[dict, int]] = []  # (entry, its index in offsets.offsets) not streamed yet
         self.released = 0  # entries streamed so far
         self.text_len = 0  # characters streamed so far
 
     def next(self, out: Any, entries: list[dict], delta: str) -> tuple[list[dict], list[int]]:
         """The entries (and their offsets) to send with ``delta``, the text chunk of output ``out``."""
-        self.pending += zip(entries, self.offsets.next([e["token_id"] for e in entries]), strict=True)
+        first = len(self.offsets.offsets)
+        self.offsets.next([e["token_id"] for e in entries])
+        self.pending += zip(entries, range(first, first + len(entries)), strict=True)
+        offsets = self.offsets.offsets  # read at release: a held-back token's offset is revised when it resolves
         self.text_len += len(delta)
         if not out.finished:
             n = 0
-            while n < len(self.pending) and self.pending[n][1] < self.text_len:
+            while n < len(self.pending) and offsets[self.pending[n][1]] < self.text_len:
                 n += 1
         elif isinstance(out.stop_reason, str):  # the whole text has been streamed: text_len is its length
-            n = kept_at_stop([o for _, o in self.pending], self.text_len, self.released)
+            n = kept_at_stop([offsets[i] for _, i in self.pending], self.text_len, self.released)
         else:
             n = len(self.pending)
         send, self.pending = self.pending[:n], self.pending[n:]
         self.released += len(send)
-        return [e for e, _ in send], [o for _, o in send]
+        return [e for e, _ in send], [offsets[i] for _, i in send]
 
 
