@@ -45,15 +45,19 @@ class EngineError(AtomtoolError):
 class InvalidRequestError(AtomtoolError):
     """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ...
 
-    ``param``: the request field at fault when there is one (the server's OpenAI-style error object names it).
+    ``param``: the request field at fault when there is one (the server's OpenAI-style error object names it);
+    ``code``: OpenAI's error code when one applies (``context_length_exceeded``).
     """
 
     param: str | None = None  # a subclass may fix it (chat.TemplateBudgetExceeded)
+    code: str | None = None
 
-    def __init__(self, message: str = "", param: str | None = None) -> None:
+    def __init__(self, message: str = "", param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         if param is not None:
             self.param = param
+        if code is not None:
+            self.code = code
 
 
 class Terminated(KeyboardInterrupt):

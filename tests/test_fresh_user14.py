@@ -141,3 +141,4 @@ def test_console_script_is_the_light_entry_point():
 
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     assert project["project"]["scripts"]["atomtool"] == "atomtool.entry:main"
+

@@ -1,5 +1,7 @@
 """vLLM's ``include_stop_str_in_output`` (a SamplingParams extra, default False): a stop *string* that ends
-generation stays at the end of the text; a stop *token* is unchanged (it is never in the text).
+generation stays at the end of the text, and so does the text of a stop *token* (vLLM's v1 detokenizer
+decodes the stop token too when the flag is set: ``if stop_terminated and not include_stop_str_in_output``
+is its only case that leaves it out).
 
 Oracle: vLLM's documented semantics, checked against the same request without the flag on the demo model
 (greedy: it recites the Zen of Python), so the expected text is ``text without the flag + stop string``.
@@ -42,13 +44,15 @@ def test_llm_keeps_a_stop_string_that_spans_tokens(llm):
     assert len(last) < len(STOP) and not tok.decode(with_.token_ids).endswith(STOP)
 
 
-def test_llm_stop_token_is_unchanged_by_the_flag(llm):
+def test_llm_keeps_a_stop_tokens_text_with_the_flag(llm):
     first = llm.generate(DEMO_PROMPT, greedy(max_tokens=8))[0]
     stop_id = first.token_ids[3]
     without = llm.generate(DEMO_PROMPT, greedy(stop_token_ids=[stop_id]))[0]
     with_ = llm.generate(DEMO_PROMPT, greedy(stop_token_ids=[stop_id], include_stop_str_in_output=True))[0]
     assert (without.finish_reason, without.stop_reason) == ("stop", stop_id)
-    assert (with_.text, with_.token_ids, with_.stop_reason) == (without.text, without.token_ids, stop_id)
+    assert (with_.token_ids, with_.stop_reason) == (without.token_ids, stop_id)
+    piece = llm.tokenizer.decode([stop_id])
+    assert piece and with_.text == without.text + piece  # before: the flag left the stop token's text out
 
 
 def test_sampling_params_validates_the_flag():

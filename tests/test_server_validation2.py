@@ -263,7 +263,8 @@ REFUSED = "I can't help with that."
     ({"content": "", "refusal": REFUSED}, REFUSED),
     ({"content": "Sure.", "refusal": REFUSED}, "Sure."),  # content of its own wins (OpenAI never sends both)
     ({"content": [{"type": "refusal", "refusal": "No."}]}, "No."),  # a refusal part (assistant messages only)
-    ({"content": [{"type": "text", "text": "Well, "}, {"type": "refusal", "refusal": "no."}]}, "Well, no."),
+    # parts joined by a newline, as vLLM joins them
+    ({"content": [{"type": "text", "text": "Well,"}, {"type": "refusal", "refusal": "no."}]}, "Well,\nno."),
 ])
 def test_assistant_refusal_reaches_the_template_as_what_it_said(served, tok, assistant, said):
     messages = [*USER, {"role": "assistant", **assistant}, {"role": "user", "content": "why?"}]

@@ -228,10 +228,11 @@ class SamplingParams:
                 not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        given = self.stop  # named as the client sent it
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise bad("stop", f"stop must be a non-empty string or a list of non-empty strings, got {given!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, f"{name} must be true or false, got {getattr(self, name)!r}")

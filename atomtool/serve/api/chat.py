@@ -194,7 +194,7 @@ def _message_text(index: int, content: Any, role: str = "user") -> str:
         if not isinstance(part.get(kind), str):
             raise _invalid(f"{path}: a {kind} part needs a {kind!r} string", path)
         parts.append(part[kind])
-    return "".join(parts)
+    return "\n".join(parts)  # as vLLM joins a message's text parts (its "string" content format)
 
 
 def _invalid(message: str, param: str) -> InvalidRequestError:
@@ -411,6 +411,10 @@ def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | Non
         raise InvalidRequestError("the chat template did not render to a string")
     limit = min(max_chars, MAX_RENDERED_CHARS)
     if len(text) > limit:
-        raise InvalidRequestError(f"the rendered chat prompt has {len(text)} characters, more than the model's "
-                                  f"context can hold (at most {limit} characters)", param="messages")
+        # the same code as a prompt over max_model_len tokens: clients test for it (this text is known too
+        # long before it is tokenized, so the message counts characters)
+        raise InvalidRequestError(f"This model's maximum context length is exceeded: the rendered chat prompt has "
+                                  f"{len(text)} characters, more than the model's context can hold (at most {limit} "
+                                  "characters). Please reduce the length of the messages.", param="messages",
+                                  code="context_length_exceeded")
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -36,7 +36,7 @@ class APIError(Exception):
 
 def bad_request(exc: InvalidRequestError) -> APIError:
     """The 400 for an engine-side validation error, naming its ``param``."""
-    return APIError(400, str(exc), param=getattr(exc, "param", None))
+    return APIError(400, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
 
 
 def _loc_name(loc: list[Any]) -> str:

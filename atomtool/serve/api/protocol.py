@@ -524,7 +524,9 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         if req.functions or req.function_call is not None:
             param = "functions" if req.functions else "function_call"
-            return param, "function calling is not supported by this server yet"
+            return param, (f"{param} (OpenAI's deprecated function calling) is not supported by this server; "
+                           "send the functions as tools (tools: [{\"type\": \"function\", \"function\": {...}}]) "
+                           "and tool_choice instead")
         if req.modalities and any(m != "text" for m in req.modalities):
             other = ", ".join(repr(m) for m in req.modalities if m != "text")
             return "modalities", f"only the 'text' modality is supported (this server serves text only), got {other}"
@@ -548,8 +550,8 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputsParams
     Sources: vLLM's ``structured_outputs`` object and its ``guided_json`` / ``guided_regex`` /
     ``guided_choice`` / ``guided_grammar`` fields, and OpenAI's chat ``response_format``: ``{"type": "text"}``
     (no constraint), ``{"type": "json_object"}`` (one JSON object) or ``{"type": "json_schema", "json_schema":
-    {"name": ..., "schema": {...}, "strict": ...}}`` (the schema; ``name`` and ``strict`` are not needed to
-    serve it: the output always follows the schema).
+    {"name": ..., "schema": {...}, "strict": ...}}`` (the schema; ``name`` is required, as OpenAI and vLLM
+    require it, though serving does not use it; ``strict`` changes nothing: the output always follows the schema).
 
     Raises:
         InvalidRequestError: (``param`` = the field) several sources at once, an unknown ``response_format``
@@ -574,6 +576,9 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputsParams
                 raise InvalidRequestError("response_format json_schema needs a 'json_schema' object with a "
                                           "'schema' (the JSON Schema the output must follow)",
                                           param="response_format")
+            if not isinstance(spec.get("name"), str) or not spec["name"]:  # required by OpenAI and vLLM
+                raise InvalidRequestError("response_format json_schema needs a 'name' (a string naming the "
+                                          "schema, e.g. \"answer\")", param="response_format.json_schema.name")
             given.append(("response_format", {"json": schema}))
         elif kind != "text":
             raise InvalidRequestError(f"response_format type {kind!r} is not supported; use 'text', "

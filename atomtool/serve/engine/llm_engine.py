@@ -298,9 +298,11 @@ class LLMEngine:
         # ignore_eos cannot go on past that) or if it refuses the token (only when every token was masked, e.g.
         # min_tokens banning the EOS a complete output needs); that token is then a stop token
         grammar_end = seq.grammar is not None and (not seq.grammar.accept(token) or seq.grammar.is_terminated)
-        # a stop token's id is kept in token_ids but its text is not (vLLM; stop strings are cut the same way)
+        # a stop token's (EOS's, a stop_token_ids one's) id is kept in token_ids but its text is not, unless
+        # include_stop_str_in_output asks for it (vLLM's v1 detokenizer; stop strings are cut the same way)
+        keep_text = p.include_stop_str_in_output and not grammar_end
         hit = (seq.detok.add([token], check_stop=may_stop)
-               if seq.detok is not None and not (eos or stop_id or grammar_end) else None)
+               if seq.detok is not None and (keep_text or not (eos or stop_id or grammar_end)) else None)
         reason = stop_reason = None
         if eos:
             reason = "stop"
