@@ -8,6 +8,8 @@ Oracles:
   counted"; a directory holding only config.json is estimated from the config.
 - transformers: ``architectures`` is a list of class names (a string fails its config validation).
 - README: every command ends a Ctrl-C with ``error: interrupted`` and exit status 130.
+- vLLM's ``stream_options.continuous_usage_stats`` (the README claims vLLM's serve behaviour): with
+  ``include_usage``, every chunk carries the usage so far.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from atomtool.serve.api.text_output import TextOffsets
 from atomtool.serve.demo import demo_model_path
 from tests.inspect_cli import config_only, inspect_json
 from tests.test_fresh_user7b import streamed_completion
-from tests.test_server_support import ScriptedEngine
+from tests.test_server_support import ScriptedEngine, sse_events
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
@@ -142,3 +144,25 @@ def test_console_script_is_the_light_entry_point():
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     assert project["project"]["scripts"]["atomtool"] == "atomtool.entry:main"
 
+
+
+# ---------------------------------------------------------------- vLLM's stream_options.continuous_usage_stats
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tok, path):
+    ids = tok.encode(" ugly.\nExplicit", add_special_tokens=False)
+    body = {"model": "m", "max_tokens": len(ids), "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]})
+    with ServerThread(create_app(ScriptedEngine(tok, ids, max_model_len=128), "m", chat_template=TEMPLATE)) as url:
+        events = sse_events(httpx.post(url + path, json=body, timeout=30).text.splitlines())
+        plain = sse_events(httpx.post(url + path, json={**body, "stream_options": {"include_usage": True}},
+                                      timeout=30).text.splitlines())
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    usages = [c["usage"] for c in chunks]  # observed: 400 "Unrecognized request argument supplied"
+    prompt = last["usage"]["prompt_tokens"]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(ids)
+    assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == len(ids) and 0 <= done[0] <= 1
+    assert all(c.get("usage") is None for c in plain[:-2]) and plain[-2]["usage"] == last["usage"]

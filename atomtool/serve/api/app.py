@@ -565,10 +565,16 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                             usage=usage_of(finals, n))
         return Response(body.model_dump_json(), media_type="application/json")
 
+    def continuous_usage(req: Any) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage in every chunk."""
+        opts = req.stream_options
+        return bool(opts is not None and opts.include_usage and opts.continuous_usage_stats)
+
     async def stream_events(group: RequestGroup, make_chunks: Any, usage_chunk: Any,
-                            view: Any = None) -> AsyncIterator[str]:
+                            view: Any = None, continuous: bool = False) -> AsyncIterator[str]:
         """SSE body shared by both endpoints: chunks per output, optional usage, ``[DONE]``. ``view``: see
-        :func:`collect`."""
+        :func:`collect`. ``continuous``: each chunk also carries its choice's usage so far (the prompt's
+        tokens and the tokens generated until that output), as vLLM's ``continuous_usage_stats`` does."""
         texts: dict[str, StreamText] = {rid: StreamText() for rid in group.request_ids}
         finals: dict[str, Any] = {}
         try:
@@ -580,6 +586,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     if out.finished:
                         finals[out.request_id] = out
                     for chunk in make_chunks(out, delta):
+                        if continuous:
+                            prompt, done = len(out.prompt_token_ids), num_output_tokens(out)
+                            chunk.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=done,
+                                                    total_tokens=prompt + done)
                         yield sse_event(chunk)
             except EngineError as exc:
                 abort_group(group, "error")
@@ -709,7 +719,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                            choices=[choice])]
 
             usage = usage_chunk_builder(req, CompletionResponse, response_id, created)
-            return EngineStream(stream_events(group, make_chunks, usage, view), lambda: close_group(group))
+            return EngineStream(stream_events(group, make_chunks, usage, view, continuous_usage(req)),
+                                lambda: close_group(group))
 
         def make_choice(index: int, out: Any, entries: list[dict]) -> CompletionChoice:
             lp = None
@@ -830,7 +841,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 return chunks
 
             usage = usage_chunk_builder(req, ChatCompletionChunk, response_id, created)
-            return EngineStream(stream_events(group, make_chunks, usage), lambda: close_group(group))
+            return EngineStream(stream_events(group, make_chunks, usage, continuous=continuous_usage(req)),
+                                lambda: close_group(group))
 
         def make_choice(index: int, out: Any, entries: list[dict]) -> ChatCompletionChoice:
             message, reason = (ChatResponseMessage(content=out.text), out.finish_reason) if tool_out is None \

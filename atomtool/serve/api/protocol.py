@@ -110,6 +110,7 @@ class ErrorResponse(BaseModel):
 # ----------------------------------------------------------------------------------------------- shared
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk carries the usage so far
     include_obfuscation: bool | None = None  # OpenAI's stream padding; accepted, nothing to obfuscate
 
 
