@@ -8,6 +8,8 @@ Oracles:
   counted"; a directory holding only config.json is estimated from the config.
 - transformers: ``architectures`` is a list of class names (a string fails its config validation).
 - README: every command ends a Ctrl-C with ``error: interrupted`` and exit status 130.
+- vLLM's offline ``LLM.chat`` (a conversation, or a list of them, rendered by the chat template; here as the
+  server renders a chat request, so the prompt ids equal transformers' ``apply_chat_template``).
 - vLLM's ``stream_options.continuous_usage_stats`` (the README claims vLLM's serve behaviour): with
   ``include_usage``, every chunk carries the usage so far.
 """
@@ -166,3 +168,42 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tok, path):
     done = [u["completion_tokens"] for u in usages]
     assert done == sorted(done) and done[-1] == len(ids) and 0 <= done[0] <= 1
     assert all(c.get("usage") is None for c in plain[:-2]) and plain[-2]["usage"] == last["usage"]
+
+
+# ---------------------------------------------------------------- LLM.chat (vLLM's offline chat API)
+@pytest.fixture(scope="module")
+def llm():
+    from atomtool.serve.llm import LLM
+
+    return LLM(str(demo_model_path()), device="cpu", dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+
+
+def test_llm_chat_renders_like_the_server_and_generates(llm):
+    from atomtool.errors import InvalidRequestError
+    from atomtool.serve.demo import DEMO_CHAT_MESSAGE
+    from atomtool.serve.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    convo = [{"role": "user", "content": DEMO_CHAT_MESSAGE}]
+    ids = llm.tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+    ids = llm.tokenizer.encode(ids, add_special_tokens=False)
+    (out,) = llm.chat(convo, greedy)  # observed: AttributeError, LLM had no chat
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == llm.generate([ids], greedy)[0].token_ids
+    other = [{"role": "user", "content": "Recite"}]
+    both = llm.chat([convo, other], greedy)
+    assert [o.token_ids for o in both] == [out.token_ids, llm.chat(other, greedy)[0].token_ids]
+    with pytest.raises(InvalidRequestError, match=r"^conversation 1: messages\[0\]: a message is a dict with a 'role'"):
+        llm.chat([convo, [{"content": "no role"}]], greedy)
+    with pytest.raises(InvalidRequestError, match="a conversation is a non-empty list"):
+        llm.chat([], greedy)
+
+
+def test_llm_chat_without_a_template_says_what_to_pass(llm, monkeypatch):
+    from atomtool.errors import InvalidRequestError
+
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(InvalidRequestError, match="no chat template: pass chat_template="):
+        llm.chat([{"role": "user", "content": "x"}])
+    (out,) = llm.chat([{"role": "user", "content": "x"}], chat_template="{{ messages[0]['content'] }}!")
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "x!"

@@ -115,6 +115,54 @@ class LLM:
         return [final[rid] for rid in ids]
 
 
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to chat conversations (vLLM's ``LLM.chat``): each conversation (a list of OpenAI-style
+        message dicts; or a list of such lists) is rendered by the model's chat template, exactly as the
+        server renders a ``/v1/chat/completions`` request (:func:`atomtool.serve.api.chat.render_chat`: the
+        same message checks, tool calls and bounds), then run by :meth:`generate`.
+
+        ``chat_template``: a template string replacing the tokenizer's; ``tools``: function tools (JSON-schema
+        dicts) given to the template; ``chat_template_kwargs``: extra template variables. Returns one
+        :class:`RequestOutput` per conversation, in order.
+
+        Raises:
+            InvalidRequestError: no chat template, a message or conversation the template or the checks refuse
+                (of several conversations, named by index: ``conversation 1: messages[0]: ...``), or what :meth:`generate`
+                raises.
+        """
+        from atomtool.serve.api.chat import render_chat
+
+        if not (chat_template or getattr(self.tokenizer, "chat_template", None)):
+            raise InvalidRequestError("the model's tokenizer has no chat template: pass chat_template=... or "
+                                      "call generate() with the prompt text", param="chat_template")
+        single = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
+        convos = [messages] if single else list(messages)
+        prompts = []
+        for i, convo in enumerate(convos):
+            if not isinstance(convo, (list, tuple)) or not convo:
+                where = "messages" if single else f"conversation {i}"
+                raise InvalidRequestError(f"{where}: a conversation is a non-empty list of message dicts",
+                                          param="messages")
+            try:
+                for j, msg in enumerate(convo):  # what the server's request model checks before rendering
+                    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                        raise InvalidRequestError(f"messages[{j}]: a message is a dict with a 'role' string",
+                                                  param="messages")
+                prompts.append(render_chat(self.tokenizer, list(convo), chat_template=chat_template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           template_kwargs=chat_template_kwargs, tools=tools))
+            except InvalidRequestError as exc:
+                if single:
+                    raise
+                raise InvalidRequestError(f"conversation {i}: {exc}", param=exc.param) from None
+        return self.generate(prompts, sampling_params)
+
+
 def _single_prompt(prompts: object) -> bool:
     """True for one prompt (text, a list / tuple starting with an integer, a 1-d array or tensor), False for
     a list of prompts."""
