@@ -81,9 +81,14 @@ def _target(module: str, attr: str):
 
 
 def check_settings(settings: list[tuple[str, str, str]]) -> None:
-    """Raise AbError unless every ``module.attribute`` exists (done before any run starts)."""
-    for module, attr, _ in settings:
+    """Raise AbError unless every ``module.attribute`` exists and every expression parses (done before any run
+    starts; the expression is evaluated in the child)."""
+    for module, attr, expr in settings:
         _target(module, attr)
+        try:
+            compile(expr, f"<{module}.{attr}>", "eval")
+        except SyntaxError as exc:
+            raise AbError(f"setting {module}.{attr}={expr}: not a Python expression ({exc.msg})") from None
 
 
 def apply_settings(settings: list[tuple[str, str, str]]) -> None:
@@ -156,12 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     bench, bench_args = bench_argv[0], bench_argv[1:]
     try:
         if args.child is not None:
-            return run_child(args.child, bench, bench_args)
+            try:
+                return run_child(args.child, bench, bench_args)
+            except KeyboardInterrupt:  # the parent says so once
+                return 130
         variants = [parse_variant(v) for v in args.variant]
         if len(variants) < 2:
             raise AbError("give at least two --variant (the first is the base; 'base=' is the tree as it is)")
         if len({v.name for v in variants}) != len(variants):
             raise AbError("variant names must differ")
+        if not [k for k in args.keys.split(",") if k]:
+            raise AbError("--keys names no field: give the fields that name a measurement point, e.g. model,batch,ctx")
         importlib.import_module(f"benchmarks.{bench}")  # a misspelt benchmark fails here, not once per run
         for v in variants:
             check_settings(v.settings)
@@ -170,7 +180,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     root = C.out_dir() / "ab"
     rows: dict[str, list[dict[str, Any]]] = {}
-    failed, ceilings = [], None
+    failed: list[str] = []
+    try:
+        _run_all(variants, args, bench, bench_args, root, rows, failed)
+    except KeyboardInterrupt:
+        print("ab: interrupted", file=sys.stderr)
+        return 130
+    names = [v.name for v in variants]
+    keys = [k for k in args.keys.split(",") if k]
+    table = compare(rows, names, args.row, keys, args.metric)
+    cols = keys + names + [f"{n}/{names[0]}" for n in names[1:]] + [f"{n}_runs" for n in names]
+    C.print_table(f"ab: {args.metric} of '{args.row}' rows, median over {args.rounds} round(s)", table, cols)
+    for row in table:
+        C.record("ab", metric=args.metric, variants={v.name: v.spec for v in variants}, **row)
+    if failed:
+        print(f"ab: failed runs: {', '.join(failed)}", file=sys.stderr)
+    if not table:
+        print(f"ab: no '{args.row}' result row with a numeric '{args.metric}' field (see --row / --metric)",
+              file=sys.stderr)
+    return 1 if failed or not table else 0
+
+
+def _run_all(variants: list[Variant], args: argparse.Namespace, bench: str, bench_args: list[str], root,
+             rows: dict[str, list[dict[str, Any]]], failed: list[str]) -> None:
+    """Every run of :func:`schedule`, each in its own process; their result rows into ``rows``."""
+    ceilings = None
     for rnd, v in schedule(variants, args.rounds):
         out = root / f"{v.name}_{rnd}"
         if out.exists():
@@ -188,16 +222,6 @@ def main(argv: list[str] | None = None) -> int:
             rows.setdefault(v.name, []).extend(json.loads(line) for line in results.read_text().splitlines() if line)
         if ceilings is None and (out / "ceilings.json").is_file():
             ceilings = out / "ceilings.json"
-    names = [v.name for v in variants]
-    keys = [k for k in args.keys.split(",") if k]
-    table = compare(rows, names, args.row, keys, args.metric)
-    cols = keys + names + [f"{n}/{names[0]}" for n in names[1:]] + [f"{n}_runs" for n in names]
-    C.print_table(f"ab: {args.metric} of '{args.row}' rows, median over {args.rounds} round(s)", table, cols)
-    for row in table:
-        C.record("ab", metric=args.metric, variants={v.name: v.spec for v in variants}, **row)
-    if failed:
-        print(f"ab: failed runs: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed or not table else 0
 
 
 if __name__ == "__main__":

@@ -243,5 +243,9 @@ def test_ab_runs_a_benchmark_per_variant_and_refuses_bad_input(tmp_path, monkeyp
     assert "has no attribute 'Z'" in capsys.readouterr().err
     assert ab.main(["--variant", "a=", "--variant", "b=", "--", "no_such_bench"]) == 2
     assert "no_such_bench" in capsys.readouterr().err
+    assert ab.main(["--variant", "base=", "--variant", "z=abfake.Y==1", *bench]) == 2  # before any run
+    assert "abfake.Y==1: not a Python expression" in capsys.readouterr().err
+    assert ab.main(["--variant", "a=", "--variant", "b=", "--keys", "", *bench]) == 2
+    assert "--keys names no field" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.main(["--variant", "a=", "--variant", "b="])

@@ -121,9 +121,10 @@ class LLM:
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to chat conversations (vLLM's ``LLM.chat``): each conversation (a list of OpenAI-style
-        message dicts; or a list of such lists) is rendered by the model's chat template, exactly as the
-        server renders a ``/v1/chat/completions`` request (:func:`atomtool.serve.api.chat.render_chat`: the
-        same message checks, tool calls and bounds), then run by :meth:`generate`.
+        message dicts; or a list of such lists) is checked by the server's request models (``ChatMessage``,
+        ``ToolDefinition``: roles, content, tool calls) and rendered by the model's chat template as the
+        server renders a ``/v1/chat/completions`` request (:func:`atomtool.serve.api.chat.render_chat`, with
+        its bounds), then run by :meth:`generate`.
 
         ``chat_template``: a template string replacing the tokenizer's; ``tools``: function tools (JSON-schema
         dicts) given to the template; ``chat_template_kwargs``: extra template variables. Returns one
@@ -135,10 +136,21 @@ class LLM:
                 raises.
         """
         from atomtool.serve.api.chat import render_chat
+        from atomtool.serve.api.protocol import ChatMessage, ToolDefinition
 
         if not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise InvalidRequestError("the model's tokenizer has no chat template: pass chat_template=... or "
                                       "call generate() with the prompt text", param="chat_template")
+        if messages is None or isinstance(messages, (str, bytes, dict)) or not hasattr(messages, "__iter__"):
+            raise InvalidRequestError("messages: a conversation (a list of message dicts) or a list of "
+                                      f"conversations; got {type(messages).__name__}", param="messages")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise InvalidRequestError("chat_template_kwargs must be a dict of template variables, got "
+                                      f"{type(chat_template_kwargs).__name__}", param="chat_template_kwargs")
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise InvalidRequestError(f"tools must be a list of function tools, got {type(tools).__name__}",
+                                      param="tools")
+        tool_defs = _validated("tools", tools or [], ToolDefinition)
         single = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
         convos = [messages] if single else list(messages)
         prompts = []
@@ -147,20 +159,34 @@ class LLM:
                 where = "messages" if single else f"conversation {i}"
                 raise InvalidRequestError(f"{where}: a conversation is a non-empty list of message dicts",
                                           param="messages")
-            try:
-                for j, msg in enumerate(convo):  # what the server's request model checks before rendering
-                    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-                        raise InvalidRequestError(f"messages[{j}]: a message is a dict with a 'role' string",
-                                                  param="messages")
-                prompts.append(render_chat(self.tokenizer, list(convo), chat_template=chat_template,
+            try:  # the server's request model checks every message before rendering (roles, content, ...)
+                checked = _validated("messages", convo, ChatMessage)
+                prompts.append(render_chat(self.tokenizer, checked, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
-                                           template_kwargs=chat_template_kwargs, tools=tools))
+                                           template_kwargs=chat_template_kwargs, tools=tool_defs or None))
             except InvalidRequestError as exc:
                 if single:
                     raise
                 raise InvalidRequestError(f"conversation {i}: {exc}", param=exc.param) from None
         return self.generate(prompts, sampling_params)
+
+
+def _validated(field: str, items: Seq, model) -> list:
+    """``items`` validated by the server's pydantic ``model``, a failure as the server words it (``messages[0].role:
+    unknown role 'robot'; ...``). Raises InvalidRequestError."""
+    from pydantic import ValidationError
+
+    from atomtool.serve.api.errors import validation_error
+
+    out = []
+    for j, item in enumerate(items):
+        try:
+            out.append(model.model_validate(item))
+        except ValidationError as exc:
+            err = validation_error([{**e, "loc": (field, j, *e["loc"])} for e in exc.errors()])
+            raise InvalidRequestError(err.message, param=err.param) from None
+    return out
 
 
 def _single_prompt(prompts: object) -> bool:

@@ -586,7 +586,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     if out.finished:
                         finals[out.request_id] = out
                     for chunk in make_chunks(out, delta):
-                        if continuous:
+                        if continuous and chunk.usage is None:  # a chunk may carry its own (chat's role chunk)
                             prompt, done = len(out.prompt_token_ids), num_output_tokens(out)
                             chunk.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=done,
                                                     total_tokens=prompt + done)
@@ -821,9 +821,12 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 chunks = []
                 if out.request_id not in started:
                     started.add(out.request_id)
+                    prompt = len(out.prompt_token_ids)  # the role chunk precedes every token (vLLM's usage: 0)
                     chunks.append(ChatCompletionChunk(id=response_id, created=created, model=served_model_name,
                                                       choices=[ChatStreamChoice(index=idx, delta=DeltaMessage(
-                                                          role="assistant", content=""))]))
+                                                          role="assistant", content=""))],
+                                                      usage=UsageInfo(prompt_tokens=prompt, total_tokens=prompt)
+                                                      if continuous_usage(req) else None))
                 lp = chat_logprobs(delta_logprobs(out), top_n) if top_n is not None else None
                 if tool_out is not None:
                     for delta_msg, reason, with_lp in tool_out.stream_deltas(out, delta, lp):

@@ -225,10 +225,16 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
           file=sys.stderr, flush=True)
 
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default handlers
-    # that would kill the process (exit -15) after a clean drain. Make the re-raise a no-op instead.
+    # that would kill the process (exit -15) after a clean drain. Make the re-raise a no-op instead. Until
+    # uvicorn installs its own handlers (while it sets up its event loop) a signal must not be lost either:
+    # it then asks the server to stop as soon as it has started.
+    def before_uvicorn(*_: object) -> None:
+        if not server.started:
+            server.should_exit = True
+
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, before_uvicorn) for sig in (signal.SIGTERM, signal.SIGINT)}
     quiet = _QuietCancelled()
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addFilter(quiet)

@@ -180,6 +180,7 @@ class TextOffsets:
         self.offsets: list[int] = []
         self._group: list[int] = []  # indices (into offsets) of the tokens held back since the text last grew
         self._context: list[int] = []  # a few ids before the group: left context for decoding it
+        self._skipped: list[tuple[int, int]] = []  # skipped (special) tokens inside the group: (index, tokens before)
         self._bytes = None  # TokenText(tokenizer).raw_bytes, made at the first held-back group
 
     def next(self, token_ids: list[int]) -> list[int]:
@@ -190,7 +191,9 @@ class TextOffsets:
             t = int(t)
             before = len(self.detok.text(final=True))
             self.offsets.append(before)
-            if t in self.detok.skipped:
+            if t in self.detok.skipped:  # no text: it starts where the next token with text does
+                if self._group:
+                    self._skipped.append((len(self.offsets) - 1, len(self._group)))
                 continue
             if not self._group:
                 self._context = self.detok.ids[-8:]
@@ -199,7 +202,7 @@ class TextOffsets:
             if len(self.detok.text(final=True)) > before:
                 if len(self._group) > 1:
                     self._revise()
-                self._group = []
+                self._group, self._skipped = [], []
         return self.offsets[first:]
 
     def _revise(self) -> None:
@@ -216,6 +219,8 @@ class TextOffsets:
             else:  # where the text of the tokens before it stops agreeing with the group's text
                 at = len(os.path.commonprefix([decode(self._context + ids[:i]), whole])) - skip
             self.offsets[k] = min(end, max(base, base + at, self.offsets[self._group[i - 1]]))
+        for k, n_before in self._skipped:  # a skipped token after n_before of the group's tokens
+            self.offsets[k] = self.offsets[self._group[n_before]] if n_before < len(self._group) else end
 
     def _by_bytes(self, ids: list[int], text: str) -> list[int] | None:
         """Per token of a held-back group, the index in ``text`` (the group's decoded text) of the character
