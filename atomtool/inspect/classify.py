@@ -610,9 +610,10 @@ def build_report(
         config_mtp_bytes = 0
     else:
         est = mem.estimate_parameters(flat, roles) if config is not None and not config_bad else None
-        nbytes = est * mem.TAG_BYTES.get(model_dtype or "BF16", 2) if est is not None and spec is None else None
+        per_param = mem.TAG_BYTES.get(model_dtype or "BF16", 2)
+        nbytes = est * per_param if est is not None and spec is None else None
         trunk = mem.estimate_parameters({**flat, "num_nextn_predict_layers": 0}, roles) if nbytes else None
-        config_mtp_bytes = (nbytes - trunk * mem.TAG_BYTES.get(model_dtype or "BF16", 2)) if trunk else 0
+        config_mtp_bytes = (est - trunk) * per_param if trunk else 0
         totals = {"parameters": est, "bytes": nbytes, "by_dtype": {}, "by_scheme": {}, "estimated": True}
         weights_bytes = nbytes
         if config is not None:

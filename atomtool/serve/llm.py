@@ -114,7 +114,6 @@ class LLM:
             raise
         return [final[rid] for rid in ids]
 
-
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,

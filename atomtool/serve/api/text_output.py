@@ -12,6 +12,8 @@ import os
 import threading
 from typing import Any
 
+from atomtool.serve.engine.detokenizer import IncrementalDetokenizer, decoder_for
+
 
 def new_tail(text: str, sent: int, finished: bool) -> str:
     """The part of ``text`` after ``sent`` characters that may be streamed now (see module doc)."""
@@ -174,8 +176,6 @@ class TextOffsets:
     :attr:`offsets` holds every offset so far, revised in place."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
-
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
         self.offsets: list[int] = []
         self._group: list[int] = []  # indices (into offsets) of the tokens held back since the text last grew
@@ -207,7 +207,11 @@ class TextOffsets:
 
     def _revise(self) -> None:
         ids = self.detok.ids[len(self.detok.ids) - len(self._group):]
-        decode = self.detok._decode
+        decode_ids = decoder_for(self.detok.tokenizer)
+
+        def decode(part: list[int]) -> str:  # as the detokenizer decodes (its special-token skipping)
+            return decode_ids(part, self.detok.skip)
+
         whole = decode(self._context + ids)
         skip = len(decode(self._context))
         base = self.offsets[self._group[0]]
