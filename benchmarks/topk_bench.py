@@ -23,12 +23,14 @@ graph-captured decode), the ratio old / ours, and whether the selections are equ
 Variants of ours: ``--split off`` (one program per row), ``on`` (several programs per row), ``auto``
 (``select_rows``' own choice), ``both`` (off and on, the default); ``--candidates``: a short list of tunings
 of both modes (a few seconds of compiling each), after which the module constants to set are printed;
+``--cuda both``: the one-program mode both as the CUDA kernel (``atomtool/serve/ops/cuda/topk.cu``, rows of
+at most 8192 keys) and as the Triton kernel;
 ``--sweep``: a grid of split x block x num_warps x bins (54 variants, several minutes; ``--block``,
 ``--num-warps``, ``--bins`` pin an axis), the 10 fastest per (T, ctx) printed.
 
 Run: ``python -m benchmarks.topk_bench [--rows 1,8,64] [--ctx 4096,32768] [--width 163840] [--topk 2048]
 [--iters 50] [--dist relu|ties|zeros] [--split both] [--block B] [--bins N] [--num-warps W] [--small-n N]
-[--cand-bins N]
+[--cand-bins N] [--cuda auto|on|off|both]
 [--candidates | --sweep] [--indexer] [--no-graph]``; ``--smoke``: CPU under Triton's interpreter, tiny
 sizes (checks that the script runs, times mean nothing).
 The lead's tuning run: ``python -m benchmarks.topk_bench --indexer --candidates --rows 1,8,64
@@ -65,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cand-bins", type=int, default=None, help="buckets of the register rounds")
     p.add_argument("--split", choices=["auto", "on", "off", "both"], default="both",
                    help="one program per row (off), several per row (on), select_rows' choice (auto)")
+    p.add_argument("--cuda", choices=["auto", "on", "off", "both"], default="auto",
+                   help="one program per row: the CUDA kernel (on), the Triton one (off), select_rows' choice "
+                        "(auto), or both")
     p.add_argument("--candidates", action="store_true",
                    help="time a short list of tunings of both modes and print the module defaults to set")
     p.add_argument("--sweep", action="store_true",
@@ -356,7 +361,13 @@ def make_variants(args: argparse.Namespace) -> dict[str, dict]:
         fixed.setdefault("block", 64)
         fixed.setdefault("cand_bins", 32)
         fixed.setdefault("small_n", 256)
-    return {f"split={'auto' if sp is None else int(sp)}": {"split": sp, **fixed} for sp in splits}
+    cudas = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.cuda]
+    out = {}
+    for sp in splits:
+        for cu in (cudas if sp is not True else [None]):  # the CUDA kernel serves the one-program mode only
+            name = f"split={'auto' if sp is None else int(sp)}" + ("" if cu is None else " cuda" if cu else " triton")
+            out[name] = {"split": sp, **fixed, **({} if cu is None else {"cuda": cu})}
+    return out
 
 
 def main(argv=None) -> int:

@@ -254,6 +254,8 @@ def test_bad_keys_or_tuning_are_refused():
         T.topk_positions(keys, lengths, 4, bins=16)
     with pytest.raises(ValueError, match="keys must be int32 with a contiguous last dim"):
         T.topk_positions(torch.zeros(8, 2, dtype=torch.int32).T, lengths, 4)
+    with pytest.raises(RuntimeError, match="the CUDA top-k kernel cannot serve these keys"):
+        T.topk_positions(keys, lengths, 4, split=False, cuda=True)  # CPU keys
 
 
 # ---------------------------------------------------------------- through the DSA indexer

@@ -206,3 +206,81 @@ def test_record_selection_time_vs_torch_topk(gpu_report):
     print_table(results)
     gpu_report["topk_us"] = [{k: v for k, v in r.items() if k != "tuning"} for r in results]
     assert all(r["equal"] for r in results)
+
+
+# ------------------------------------------------------------------------------ the CUDA one-CTA kernel
+
+def _cuda_topk_or_skip():
+    from atomtool.serve.ops.cuda.build import nvcc_path
+
+    if nvcc_path() is None:
+        pytest.skip("no nvcc: the CUDA top-k kernel cannot be built here")
+
+
+@pytest.mark.parametrize("dist", ["relu", "ties", "zeros"])
+@pytest.mark.parametrize("S", [2049, 4096, 4099, 6000, 8192])
+@pytest.mark.parametrize("rows", [1, 8, 130])
+def test_cuda_selection_equals_triton_and_a_stable_sort(T, rows, S, dist):
+    # S 4099 / 6000: rows not 16-byte aligned (the kernel's scalar loads) and widths between powers of two
+    _cuda_topk_or_skip()
+    scores = _scores(rows, S, dist, seed=3 * rows + S)
+    lengths = _lengths(rows, S)
+    keys = T.orderable_keys(scores)
+    want = _stable_topk(scores, lengths, K)
+    assert torch.equal(T.topk_positions(keys, lengths, K, split=False, cuda=True), want)
+    assert torch.equal(T.topk_positions(keys, lengths, K, split=False, cuda=False), want)
+    assert _accumulators_are_zero(T)
+
+
+def test_cuda_selection_of_a_row_view_with_a_wide_stride(T):
+    # keys as a column slice of a wider buffer (row stride 8200, rows start unaligned) and a small K
+    _cuda_topk_or_skip()
+    scores = _scores(3, 8200, "relu", seed=11)
+    keys = T.orderable_keys(scores)[:, 3:3 + 5000]
+    lengths = torch.tensor([5000, 4000, 33], dtype=torch.int32, device=DEV)
+    out = T.topk_positions(keys, lengths, 100, split=False, cuda=True)
+    assert torch.equal(out, _stable_topk(scores[:, 3:3 + 5000], lengths, 100))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_indexer_decode_exact_with_the_cuda_and_triton_selection(T, rows):
+    # the engine's path: the scoring kernel supplies each row's key range, lengths from cu_seqlens / seq_lens
+    _cuda_topk_or_skip()
+    from atomtool.serve.ops.triton import indexer_topk
+
+    seq_lens = [4096 - 29 * i for i in range(rows)]
+    if rows > 1:
+        seq_lens[-1] = 1000
+    args = _indexer_inputs([1] * rows, seq_lens)
+    want = torch_ref_mla.indexer_topk(*args, K)
+    for cuda in (True, False):
+        assert torch.equal(indexer_topk(*args, K, split=False, cuda=cuda), want)
+        assert _accumulators_are_zero(T)
+
+
+def test_indexer_prefill_over_8192_positions_exact_with_the_cuda_selection(T):
+    _cuda_topk_or_skip()
+    from atomtool.serve.ops.triton import indexer_topk
+
+    args = _indexer_inputs([3000, 1200], [8000, 5000], Hi=16)  # block tables 126 columns: 8064 keys
+    assert torch.equal(indexer_topk(*args, K, cuda=True), torch_ref_mla.indexer_topk(*args, K))
+    assert _accumulators_are_zero(T)
+
+
+def test_cuda_selection_replays_from_a_cuda_graph_with_new_lengths(T):
+    _cuda_topk_or_skip()
+    width = 8192
+    lengths = torch.tensor([8192, 5000, 2049, 17], dtype=torch.int32, device=DEV)
+    keys = _wide_keys(T, _scores(4, width, "relu", seed=1), lengths, width)
+    T.topk_positions(keys, lengths, K, split=False, cuda=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = T.topk_positions(keys, lengths, K, split=False, cuda=True)
+    for i, new in enumerate(([3000, 8192, 2048, 6000], [8000, 4096, 2500, 7000])):
+        scores = _scores(4, width, ("ties", "zeros")[i], seed=2 + i)
+        lengths.copy_(torch.tensor(new, dtype=torch.int32))
+        keys.copy_(_wide_keys(T, scores, lengths, width))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _stable_topk(scores, lengths, K))

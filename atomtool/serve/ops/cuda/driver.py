@@ -103,7 +103,7 @@ class Kernel:
         cfg.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         cfg.attrs = attrs
         cfg.num_attrs = n
-        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])  # kernelParams: arg addresses
         _check(lib.cuLaunchKernelEx(ctypes.byref(cfg), self.function, params, None), f"cuLaunchKernelEx({self.name})")
 
 

@@ -180,7 +180,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Te
     split = tuning.get("split")
     # errors before any key range is accumulated (the range buffer must be consumed once filled)
     resolve_tuning(use_split(min(T, rows_per_chunk), S) if split is None else split,
-                   **{k: v for k, v in tuning.items() if k != "split"})
+                   **{k: v for k, v in tuning.items() if k not in ("split", "cuda")})
     for row0 in range(0, T, rows_per_chunk):
         rows = min(rows_per_chunk, T - row0)
         rng = row_range_buffer(rows, q.device)

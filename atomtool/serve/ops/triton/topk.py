@@ -37,6 +37,10 @@ program of the first launch.
 ``SPLIT_MIN_WIDTH``); inside a mode the work follows each row's real length n (CUDA-graph decode pads the
 key width to the model's maximum length): no pass reads a position >= n, programs past n exit at once.
 
+On CUDA devices the one-program mode runs as a CUDA kernel instead (:mod:`atomtool.serve.ops.cuda.topk`: one
+CTA per row, the same steps with shared-memory histograms and block scans) for rows of up to 8192 keys: the
+same bits, as the selection is exact.
+
 No host sync: ``n`` per row comes from device tensors (``cu_seqlens_q``/``seq_lens`` or explicit lengths),
 every launch size from tensor shapes, so the selection can be captured in a CUDA graph.
 """
@@ -49,6 +53,7 @@ import triton.language as tl
 
 from atomtool.serve.ops.triton._common import (
     grid_dependency_wait,
+    interpreting,
     launch_pdl_args,
     pow2,
     programs_per_row,
@@ -705,7 +710,7 @@ def _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block
 def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
                 lengths: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                 seq_lens: torch.Tensor | None = None, split: bool | None = None,
-                row_range: torch.Tensor | None = None, **tuning) -> None:
+                row_range: torch.Tensor | None = None, cuda: bool | None = None, **tuning) -> None:
     """Top-``topk`` positions of key rows ``keys[r]`` into ``out[row0 + r]`` (contract: module doc).
 
     keys: [R, S] int32 orderable keys (:func:`orderable_key`), last dim contiguous; out: [T, topk] int32,
@@ -719,7 +724,10 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     module defaults, see :func:`resolve_tuning`): ``block`` (positions per chunk / per program), ``bins``
     (buckets of the first round), ``num_warps``, ``cand_bins`` (buckets of the register rounds), and in
     split mode ``small_n`` (rows with at most this many valid positions are selected whole by one program,
-    in registers, in the first launch; 0: none) and ``small_warps`` (that launch's warps).
+    in registers, in the first launch; 0: none) and ``small_warps`` (that launch's warps). ``cuda``: in
+    one-program mode, whether the CUDA kernel (:mod:`atomtool.serve.ops.cuda.topk`, one CTA per row, rows up to
+    its MAX_WIDTH keys) serves instead of the Triton one; None: when it is available (same bits either way:
+    the selection is exact); True where it is not available raises RuntimeError.
     Raises ValueError on non-int32 / strided keys or out-of-range tuning; TypeError on unknown tuning.
     """
     R, S = keys.shape
@@ -744,6 +752,12 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
     if split:
         _select_split(keys, out, row0, topk, rows, rng, range_given, row_lens, block_b, t)
         return
+    if cuda is not False and _cuda_serves(keys, rows, row_lens, cuda):
+        from atomtool.serve.ops.cuda.topk import select_rows_cuda
+
+        select_rows_cuda(keys, out, row0, topk, rng, range_given, *rows[:3], row_lens,
+                         pdl=bool(launch_pdl_args(keys.device)))
+        return
     scratch = torch.empty((R, 2 * S), dtype=torch.int32, device=keys.device)  # candidates, then fewer
     _radix_topk_kernel[(R,)](
         keys, scratch, rng, out, *rows, row0, S, topk, keys.stride(0), scratch.stride(0), rng.stride(0),
@@ -752,6 +766,23 @@ def select_rows(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, *,
         RANGE_GIVEN=range_given, num_warps=t["num_warps"],
         **launch_pdl_args(keys.device),
     )
+
+
+def _cuda_serves(keys: torch.Tensor, rows: tuple, row_lens: bool, cuda: bool | None) -> bool:
+    """Whether the one-program selection of ``keys`` goes to the CUDA kernel (``cuda``: select_rows' argument;
+    True raises RuntimeError where it cannot)."""
+    ok = keys.is_cuda and not interpreting()
+    lens, cu_q, seq_lens, _ = rows
+    ok = ok and all(x.dtype == torch.int32 and x.is_contiguous() for x in ((lens,) if row_lens else (cu_q, seq_lens)))
+    if ok:
+        from atomtool.serve.ops.cuda.topk import available
+
+        ok = available(keys.device, keys.shape[1])
+    if cuda and not ok:
+        raise RuntimeError("select_rows: the CUDA top-k kernel cannot serve these keys (needs a CUDA device of "
+                           "compute capability >= 8.0 with nvcc, int32 row lengths, rows of at most 8192 keys, "
+                           "ATOMTOOL_CUDA_TOPK not 0)")
+    return ok
 
 
 def topk_positions(keys: torch.Tensor, lengths: torch.Tensor, topk: int, **tuning) -> torch.Tensor:
