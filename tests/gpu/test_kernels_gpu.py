@@ -233,6 +233,41 @@ def test_mla_fp8_head_weights_give_the_bits_of_the_dequantized_weight(tri):
         _close(fp8, torch_ref_mla.mla_attention(*args, scale, tk, w_uv=dq[:, 128:]), 1e-2, 1e-2)
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+def test_mla_cuda_merge_matches_the_triton_merge_and_the_reference(tri, fp8, monkeypatch):
+    """The CUDA merge + W_UV kernel (atomtool/serve/ops/cuda/mla_merge_uv.cu: bf16, kv_lora_rank 512, v_head_dim
+    128) serves the decode rows on this GPU; it matches the Triton kernel and the reference within bf16
+    rounding, sparse and dense, one row tile and two (20 rows), a prefill chunk beside (its rows untouched), and
+    a row's bits are the same alone and in the batch."""
+    from atomtool.serve.ops.cuda import mla_merge_uv as cm
+    from atomtool.serve.ops.cuda.build import nvcc_path
+
+    if nvcc_path() is None:
+        pytest.skip("no nvcc: the CUDA merge cannot be built here")
+    uk, uv, dq = _fp8_kv_b_gpu()
+    w_uv = uv if fp8 else dq[:, 128:]
+    assert cm.serves(torch.bfloat16, uv.weight if fp8 else w_uv, uv.scale if fp8 else None, 128, 16,
+                     torch.device(DEV))
+    H, scale = 128, 192 ** -0.5
+    q_lens = [1] * 20 + [37]
+    seq_lens = [1, 300, 2049, 5000] * 5 + [3000]
+    args = _mla_inputs(torch.bfloat16, H, q_lens, seq_lens)
+    topk = _topk_like(q_lens, seq_lens, 2048)
+    for tk in (None, topk):
+        cuda = tri.mla_attention(*args, scale, tk, w_uv=w_uv)
+        _close(cuda, torch_ref_mla.mla_attention(*args, scale, tk, w_uv=dq[:, 128:]), 1e-2, 1e-2)
+        monkeypatch.setenv("ATOMTOOL_CUDA_MLA_MERGE", "0")
+        triton_out = tri.mla_attention(*args, scale, tk, w_uv=w_uv)
+        monkeypatch.delenv("ATOMTOOL_CUDA_MLA_MERGE")
+        _close(cuda, triton_out, 1e-2, 1e-2)
+        assert torch.equal(cuda[20:], triton_out[20:])  # prefill rows: the reference GEMM either way
+        qn, qp, lat, cu, sl, bt = args
+        for b in (0, 3, 17):
+            alone = tri.mla_attention(qn[b:b + 1], qp[b:b + 1], lat, _cu([1]), sl[b:b + 1], bt[b:b + 1], scale,
+                                      None if tk is None else tk[b:b + 1], w_uv=w_uv)
+            assert torch.equal(alone, cuda[b:b + 1])
+
+
 def _indexer_inputs(q_lens, seq_lens, integer, Hi=64, Di=128, bs=64, seed=6):
     g = torch.Generator().manual_seed(seed)
     nb, bt = _paged(seq_lens, bs, g)

@@ -15,7 +15,9 @@ each reduce a chunk of the row's key list (``SPLIT_CHUNK_SPARSE`` top-k entries;
 ``SPLIT_CHUNKS_DENSE`` chunks of >= ``SPLIT_SPAN_DENSE`` positions) to (max, sum, unnormalized output)
 partials, and a second kernel merges the row's chunks in chunk order: ``split_kv_merge_kernel`` (split_kv.py)
 for the latent output, or with ``w_uv`` :func:`_mla_merge_uv_kernel`, which also multiplies each merged head
-row by W_UV (multi-token rows: ``torch_ref_mla.mla_output_uv``). The chunk boundaries
+row by W_UV (multi-token rows: ``torch_ref_mla.mla_output_uv``; on CUDA devices, for bf16 models with
+kv_lora_rank 512 and v_head_dim 128, the CUDA kernel of :mod:`atomtool.serve.ops.cuda.mla_merge_uv` instead,
+whichever the batch). The chunk boundaries
 depend only on the row's own key count, and which path a row takes only on its own sequence's query
 length, so a row's result is deterministic and does not depend on the rest of the batch. Grids sized from
 shapes only: CUDA-graph capturable. Workspace: B x chunks x H x (R + 2) float32 per call.
@@ -34,6 +36,7 @@ from atomtool.serve.ops.triton._common import (
     dot_acc,
     dot_dtype,
     grid_dependency_wait,
+    interpreting,
     launch_pdl_args,
     online_softmax_step,
     paged_rows,
@@ -412,6 +415,26 @@ def _head_weight_args(w: torch.Tensor | HeadWeights, R: int) -> tuple:
     return w, w, 1, 0, 0, block_r, triton.cdiv(R, block_r), False
 
 
+def _cuda_merge(w_uv, out, n_chunks, sparse, K, span_min, ws_acc, ws_ml, cu_seqlens_q, seq_lens) -> bool:
+    """Merge + W_UV of the decode rows by the CUDA kernel (:mod:`atomtool.serve.ops.cuda.mla_merge_uv`) when it
+    serves this model (its dtype and shapes, never the batch: a row's bits stay batch-invariant); False when
+    the Triton kernel is to run."""
+    if (not out.is_cuda or interpreting() or out.stride(-1) != 1
+            or any(x.dtype != torch.int32 or not x.is_contiguous() for x in (cu_seqlens_q, seq_lens))):
+        return False
+    from atomtool.serve.ops.cuda import mla_merge_uv as cm
+
+    if isinstance(w_uv, HeadWeights):
+        weight, scale, bk = w_uv.weight, w_uv.scale, w_uv.block_k
+    else:
+        weight, scale, bk = w_uv, None, 1
+    if not cm.serves(out.dtype, weight, scale, bk, n_chunks, out.device):
+        return False
+    cm.mla_merge_uv_cuda(ws_acc, ws_ml, weight, scale, bk, out, cu_seqlens_q, seq_lens, K, sparse, span_min,
+                         pdl=bool(launch_pdl_args(out.device)))
+    return True
+
+
 def mla_absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor | HeadWeights) -> torch.Tensor:
     """``q_abs[t, h] = q_nope[t, h] @ W_UK[h]``; same contract as ``torch_ref_mla.mla_absorb_q``.
 
@@ -530,6 +553,8 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     # multi-token rows (prefill) were written to lat_out above: un-absorb them by the reference's GEMM (its
     # decode rows are garbage there and overwritten below); a decode-only step skips it
     out = mla_output_uv(lat_out, head_weight_tensor(w_uv)) if T > B else q_nope_absorbed.new_empty(T, H, DV)
+    if _cuda_merge(w_uv, out, n_chunks, sparse, K, span_min, ws_acc, ws_ml, cu_seqlens_q, seq_lens):
+        return out
     w, sc, bk, s_sh, s_sv, block_r, n_rb, has_scale = _head_weight_args(w_uv, R)
     _mla_merge_uv_kernel[(triton.cdiv(B, MERGE_UV_BLOCK_M), H)](
         ws_acc, ws_ml, w, sc, out, cu_seqlens_q, seq_lens, B, H, R, DV, K, bk,
