@@ -58,3 +58,15 @@ def test_the_merge_kernel_compiles_for_sm90(n_chunks, tmp_path, monkeypatch):
     compile_cubin.cache_clear()
     cubin = compile_cubin("mla_merge_uv.cu", "sm_90", (("N_CHUNKS", n_chunks),))
     assert cubin[:4] == b"\x7fELF" and b"mla_merge_uv" in cubin
+
+
+def test_the_device_guard_switches_only_to_another_device(monkeypatch):
+    import contextlib
+
+    from atomtool.serve.ops.cuda.driver import device_guard
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert isinstance(device_guard(torch.device("cuda", 0)), contextlib.nullcontext)
+    assert isinstance(device_guard(torch.device("cuda")), contextlib.nullcontext)
+    guard = device_guard(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1

@@ -13,7 +13,7 @@ from functools import cache
 import torch
 
 from atomtool.serve.ops.cuda.build import compile_cubin
-from atomtool.serve.ops.cuda.driver import Kernel, load_kernel
+from atomtool.serve.ops.cuda.driver import Kernel, device_guard, load_kernel
 
 BLOCK_N = 64
 MAX_CLUSTER = 8
@@ -82,6 +82,6 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch
             ctypes.c_void_p(bias.data_ptr() if bias is not None else 0), ctypes.c_void_p(out.data_ptr()),
             ctypes.c_longlong(out.stride(0)), ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(K),
             ctypes.c_int(k_chunk), ctypes.c_int(int(round_scale)), ctypes.c_int(int(early_weights))]
-    with torch.cuda.device(x.device):  # the launch goes to the current stream of x's device
+    with device_guard(x.device):  # the launch goes to the current stream of x's device
         kern.launch(grid, (128, 1, 1), shared, args, cluster=(S, 1, 1), pdl=pdl)
     return out

@@ -17,7 +17,7 @@ from functools import cache
 import torch
 
 from atomtool.serve.ops.cuda.build import CudaBuildError, compile_cubin
-from atomtool.serve.ops.cuda.driver import CudaDriverError, Kernel, load_kernel
+from atomtool.serve.ops.cuda.driver import CudaDriverError, Kernel, device_guard, load_kernel
 
 R = 512
 DV = 128
@@ -25,6 +25,8 @@ ROWS = 16
 THREADS = 256
 SHARED_BYTES = (DV + ROWS) * (R + 8) * 2
 _FAILED: dict[int, str] = {}
+#: (device index, chunks) whose kernel is loaded: later calls skip the capability query
+_READY: set[tuple[int, int]] = set()
 
 
 @cache
@@ -57,6 +59,8 @@ def serves(out_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | N
     elif weight.dtype != torch.bfloat16 or not _aligned(weight, 8):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if (index, n_chunks) in _READY:
+        return True
     if index in _FAILED or torch.cuda.get_device_capability(index) < (8, 0):
         return False
     try:
@@ -65,6 +69,7 @@ def serves(out_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | N
         _FAILED[index] = str(e)
         warnings.warn(f"CUDA MLA merge kernel unavailable, using the Triton kernel: {e}", RuntimeWarning, stacklevel=2)
         return False
+    _READY.add((index, n_chunks))
     return True
 
 
@@ -88,5 +93,5 @@ def mla_merge_uv_cuda(ws_acc: torch.Tensor, ws_ml: torch.Tensor, weight: torch.T
             ctypes.c_longlong(sc.stride(1) if scale is not None else 0), ctypes.c_longlong(out.stride(0)),
             ctypes.c_longlong(out.stride(1)), ctypes.c_int(int(sparse)), ctypes.c_int(span_min),
             ctypes.c_int(int(scale is not None)), ctypes.c_int(int(pdl))]
-    with torch.cuda.device(ws_acc.device):
+    with device_guard(ws_acc.device):
         kern.launch((-(-B // ROWS), H, 1), (THREADS, 1, 1), SHARED_BYTES, args, pdl=pdl)

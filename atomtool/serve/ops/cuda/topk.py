@@ -17,12 +17,14 @@ from functools import cache
 import torch
 
 from atomtool.serve.ops.cuda.build import CudaBuildError, compile_cubin
-from atomtool.serve.ops.cuda.driver import CudaDriverError, Kernel, load_kernel
+from atomtool.serve.ops.cuda.driver import CudaDriverError, Kernel, device_guard, load_kernel
 
 THREADS = 1024
 #: widest key row served (THREADS x 8 keys in registers)
 MAX_WIDTH = 8192
 _FAILED: dict[int, str] = {}
+#: (device index, keys per thread) whose kernel is loaded: later calls skip the capability query
+_READY: set[tuple[int, int]] = set()
 
 
 def items_for(width: int) -> int:
@@ -49,16 +51,18 @@ def available(device: torch.device, width: int) -> bool:
             or os.environ.get("ATOMTOOL_CUDA_TOPK", "1") in ("", "0")):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _FAILED:
-        return False
-    if torch.cuda.get_device_capability(index) < (8, 0):
+    key = (index, items_for(width))
+    if key in _READY:
+        return True
+    if index in _FAILED or torch.cuda.get_device_capability(index) < (8, 0):
         return False
     try:
-        _kernel(index, items_for(width))
+        _kernel(*key)
     except (CudaBuildError, CudaDriverError) as e:
         _FAILED[index] = str(e)
         warnings.warn(f"CUDA top-k kernel unavailable, using the Triton kernel: {e}", RuntimeWarning, stacklevel=2)
         return False
+    _READY.add(key)
     return True
 
 
@@ -81,5 +85,5 @@ def select_rows_cuda(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int
             ctypes.c_int(S), ctypes.c_int(topk), ctypes.c_longlong(keys.stride(0)), ctypes.c_longlong(rng.stride(0)),
             ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(row_lens)), ctypes.c_int(int(range_given)),
             ctypes.c_int(int(pdl))]
-    with torch.cuda.device(keys.device):
+    with device_guard(keys.device):
         kern.launch((R, 1, 1), (THREADS, 1, 1), 0, args, pdl=pdl)
