@@ -305,6 +305,15 @@ def serve_cmd(
         "--enable-auto-tool-choice",
         help="Accepted for vLLM command lines (tool_choice 'auto' is served either way); requires "
              "--tool-call-parser, as in vLLM.")] = False,
+    allowed_origins: Annotated[str | None, typer.Option(
+        help='CORS: origins browsers may call from, a JSON list (vLLM\'s flag), e.g. \'["https://app.example"]\'. '
+             'Default: \'["*"]\' (any).', show_default=False)] = None,
+    allowed_methods: Annotated[str | None, typer.Option(
+        help='CORS: allowed methods, a JSON list. Default: \'["*"]\'.', show_default=False)] = None,
+    allowed_headers: Annotated[str | None, typer.Option(
+        help='CORS: allowed request headers, a JSON list. Default: \'["*"]\'.', show_default=False)] = None,
+    allow_credentials: Annotated[bool, typer.Option(
+        "--allow-credentials", help="CORS: allow cookies and HTTP auth on cross-origin requests.")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     import os
@@ -323,7 +332,8 @@ def serve_cmd(
         fp8_activations=fp8_activations.value, trust_request_chat_template=trust_request_chat_template,
         enable_prefix_caching=enable_prefix_caching, generation_config=generation_config.value,
         tool_call_parser=tool_call_parser.value if tool_call_parser is not None else None,
-        enable_auto_tool_choice=enable_auto_tool_choice))
+        enable_auto_tool_choice=enable_auto_tool_choice, allowed_origins=allowed_origins,
+        allowed_methods=allowed_methods, allowed_headers=allowed_headers, allow_credentials=allow_credentials))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

@@ -110,7 +110,9 @@ class SamplingParams:
     this many tokens: EOS and stop_token_ids are masked for the first min_tokens tokens, and stop strings are
     looked for only in the text after them. include_stop_str_in_output (vLLM's extra of that name): a stop
     string that ends generation stays at the end of the text (the text after it is still dropped); stop
-    tokens (EOS, stop_token_ids) are unaffected, they are never in the text.
+    tokens (EOS, stop_token_ids) are unaffected, they are never in the text. skip_special_tokens (vLLM's field
+    of that name, default True): special tokens (chat markup, tool-call tags) are left out of the text; False
+    keeps their text (as ``tokenizer.decode(ids, skip_special_tokens=False)`` writes it).
 
     prompt_logprobs (vLLM's field of that name): number of top log-probs to return for every prompt token
     (None: none; 0..20). The engine then computes the logits of every prompt position during prefill and
@@ -163,6 +165,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -233,7 +236,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", f"stop must be a non-empty string or a list of non-empty strings, got {given!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, str) or self.output_kind not in OUTPUT_KINDS:

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import threading
 import time
@@ -44,6 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
 from atomtool.errors import AtomtoolError, EngineError, InvalidRequestError
@@ -57,7 +59,7 @@ from atomtool.serve.api.chat import (
 from atomtool.serve.api.errors import APIError, BodyTooLarge, bad_request, unparsed_body, validation_error
 from atomtool.serve.api.forced_tools import ForcedToolCalls, forced_choice_problem
 from atomtool.serve.api.metrics import ServerMetrics
-from atomtool.serve.api.middleware import DEFAULT_MAX_BODY_BYTES, AuthAndCount, Traffic
+from atomtool.serve.api.middleware import DEFAULT_MAX_BODY_BYTES, AuthAndCount, CorsPolicy, Traffic
 from atomtool.serve.api.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatChoiceLogProbs,
@@ -74,9 +76,13 @@ from atomtool.serve.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     PromptLogprob,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     structured_outputs_of,
     tool_definition_problem,
@@ -203,7 +209,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                trust_request_chat_template: bool = False,
                generation_defaults: GenerationDefaults | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, cors: CorsPolicy | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (an :class:`LLMEngine`) as ``served_model_name``.
 
     Args:
@@ -227,6 +233,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             ``--tool-call-parser``): chat requests with ``tools`` (and ``tool_choice`` not ``"none"``) get the
             calls the model writes as ``message.tool_calls`` / tool-call deltas, finish_reason
             ``"tool_calls"``. None: the generated text is always ``content``.
+        cors: the cross-origin policy (:class:`~atomtool.serve.api.middleware.CorsPolicy`); None: vLLM's
+            default (any origin, method and header; no credentials).
 
     Raises:
         ConfigError: ``chat_template`` looks like a path that does not exist, or ``tool_call_parser`` is not
@@ -308,6 +316,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
     app.state.traffic = Traffic()
     app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes,
                        traffic=app.state.traffic)
+    cors = cors or CorsPolicy()
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),  # added last: outermost
+                       allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                       allow_credentials=cors.allow_credentials)
 
     # --------------------------------------------------------------------------------- shared
     def check_model(name: str | None) -> None:
@@ -371,6 +383,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     "top_k": req.top_k, "seed": seed, "logprobs": logprobs, "stop": req.stop_list(),
                     "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
                     "min_tokens": req.min_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
+                    "skip_special_tokens": req.skip_special_tokens,
                     "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                     "repetition_penalty": req.repetition_penalty, "min_p": req.min_p,
                     "logit_bias": req.logit_bias, "allowed_token_ids": req.allowed_token_ids,
@@ -610,6 +623,54 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             return APIError(503, "the engine is not running", type="server_error").response()
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route: the answer of /health."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        from atomtool import __version__
+
+        return Response(json.dumps({"version": __version__}), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        """vLLM's /tokenize: the prompt ids a completions or chat request would get (not under /v1, so no API
+        key, as in vLLM)."""
+        check_unicode(req)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send either 'prompt' (a text) or 'messages' (a chat), not both or neither",
+                           param="prompt")
+        if req.prompt is not None:
+            if len(req.prompt) > max_prompt_chars:
+                raise APIError(400, f"prompt has {len(req.prompt)} characters, more than a context of "
+                               f"{max_model_len} tokens can hold", param="prompt", code="context_length_exceeded")
+            ids = await run_blocking(functools.partial(
+                tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens is not False))
+        else:
+            if req.add_special_tokens:
+                raise APIError(400, "add_special_tokens must be false with messages: the chat template places "
+                               "the special tokens itself", param="add_special_tokens")
+            ids = await run_blocking(functools.partial(
+                render_chat, tokenizer, req.messages, chat_template=template,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs, tools=req.tools, max_chars=max_prompt_chars))
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        body = TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+        return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        check_model(req.model)
+        vocab = len(tokenizer)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        text = await run_blocking(tokenizer.decode, req.tokens)
+        return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
@@ -640,7 +701,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if prompt_only and req.min_tokens > 0:
             raise APIError(400, f"min_tokens must be in [0, max_tokens] (max_tokens = 0), got {req.min_tokens}",
                            param="min_tokens")
-        prompts, lengths, prompt_texts = await run_blocking(completion_prompts, req.prompt)
+        prompts, lengths, prompt_texts = await run_blocking(completion_prompts, req.prompt, req.add_special_tokens,
+                                                            req.truncate_prompt_tokens)
         # engine prompt log-probs: echo with logprobs covers the prompt tokens; vLLM's prompt_logprobs asks directly
         wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
         engine_prompt_lps = max(wanted) if wanted else None
@@ -654,9 +716,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             per_prompt.append([sampling_params(req, max(max_tokens, 1), None if prompt_only else req.logprobs, i,
                                                prompt_logprobs=engine_prompt_lps, structured=constraint)
                                for i in range(req.n)])
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        engine_id = f"cmpl-{uuid.uuid4().hex}"  # engine request ids stay unique whatever the client's request_id
+        response_id = f"cmpl-{req.request_id}" if req.request_id else engine_id
         created = int(time.time())
-        group = await submit(response_id, prompts, per_prompt, scoring=prompt_only,
+        group = await submit(engine_id, prompts, per_prompt, scoring=prompt_only,
                              constraint_field=constraint_field)
         want_lp = req.logprobs is not None
         view = prompt_only_output if prompt_only else None
@@ -676,10 +739,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             ids = out.prompt_token_ids
             text = prompt_texts[p]
             if text is None:
-                text = tokenizer.decode(ids, skip_special_tokens=True)
+                text = tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
             if not want_lp:
                 return text, None
-            offsets = TextOffsets(tokenizer, []).next(ids)
+            offsets = TextOffsets(tokenizer, [], req.skip_special_tokens).next(ids)
             return text, echo_logprobs(ids, getattr(out, "prompt_logprobs", None) or [None] * len(ids),
                                        offsets, req.logprobs)
 
@@ -697,7 +760,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 if want_lp:
                     tracker = trackers.get(out.request_id)
                     if tracker is None:
-                        tracker = trackers[out.request_id] = StreamedLogProbs(tokenizer, out.prompt_token_ids)
+                        tracker = trackers[out.request_id] = StreamedLogProbs(tokenizer, out.prompt_token_ids,
+                                                                              req.skip_special_tokens)
                     lp = completion_logprobs(*tracker.next(out, delta_logprobs(out), delta))
                 first = out.request_id not in started
                 started.add(out.request_id)
@@ -714,6 +778,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                     return []
                 choice = CompletionChoice(index=choice_index(out.request_id), text=delta, logprobs=lp,
                                           finish_reason=out.finish_reason if out.finished else None,
+                                          stop_reason=out.stop_reason if out.finished else None,
                                           prompt_logprobs=prompt_lps)
                 return [CompletionResponse(id=response_id, created=created, model=served_model_name,
                                            choices=[choice])]
@@ -725,7 +790,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         def make_choice(index: int, out: Any, entries: list[dict]) -> CompletionChoice:
             lp = None
             if want_lp:
-                offsets = TextOffsets(tokenizer, out.prompt_token_ids).next([e["token_id"] for e in entries])
+                offsets = TextOffsets(tokenizer, out.prompt_token_ids, req.skip_special_tokens).next(
+                    [e["token_id"] for e in entries])
                 if isinstance(out.stop_reason, str):  # a stop string cut the text: tokens starting past it go
                     keep = kept_at_stop(offsets, len(out.text))
                     entries, offsets = entries[:keep], offsets[:keep]
@@ -737,17 +803,20 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                 if lp is not None:
                     lp = join_logprobs(prefix_lp, shift_offsets(lp, len(prefix)))
             return CompletionChoice(index=index, text=text, finish_reason=out.finish_reason, logprobs=lp,
-                                    prompt_logprobs=vllm_prompt_logprobs(out))
+                                    stop_reason=out.stop_reason, prompt_logprobs=vllm_prompt_logprobs(out))
 
         return await final_response(raw, group, CompletionResponse, response_id, created, req.n, make_choice,
                                     view)
 
-    def completion_prompts(prompt: Any) -> tuple[list[list[int]], list[int], list[str | None]]:
+    def completion_prompts(prompt: Any, add_special_tokens: bool = True, truncate: int | None = None,
+                           ) -> tuple[list[list[int]], list[int], list[str | None]]:
         """Normalise ``prompt`` to a list of engine prompts (token-id lists), their lengths and their text
         (None for a prompt sent as token ids).
 
         Strings are tokenized here (blocking: called in a worker thread) with the engine's own encoding
-        (``tokenizer.encode``, special tokens added), so the engine thread does not tokenize them again."""
+        (``tokenizer.encode``, special tokens added unless ``add_special_tokens`` is false), so the engine thread
+        does not tokenize them again. ``truncate`` (vLLM's ``truncate_prompt_tokens``): keep each prompt's last
+        ``truncate`` tokens (-1: max_model_len); a truncated text prompt's text is then unknown (None)."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and all(isinstance(x, int) for x in prompt):
@@ -762,9 +831,15 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                f"your prompt has {len(item)} characters, more than that many tokens can hold "
                                f"(at most {max_prompt_chars} characters). Please reduce the length of the input "
                                "prompt.", param="prompt", code="context_length_exceeded")
-        ids = [list(tokenizer.encode(item)) if isinstance(item, str) else list(item) for item in items]
+        ids = [list(tokenizer.encode(item, add_special_tokens=add_special_tokens)) if isinstance(item, str)
+               else list(item) for item in items]
+        texts = [item if isinstance(item, str) else None for item in items]
+        if truncate is not None:
+            keep = max_model_len if truncate == -1 else truncate
+            texts = [t if len(x) <= keep else None for t, x in zip(texts, ids, strict=True)]
+            ids = [x[-keep:] if keep else [] for x in ids]
         # ids outside the vocabulary: the engine's add_request rejects them
-        return ids, [len(x) for x in ids], [item if isinstance(item, str) else None for item in items]
+        return ids, [len(x) for x in ids], texts
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
@@ -792,7 +867,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         prompt_ids = await run_blocking(functools.partial(
             render_chat, tokenizer, req.messages, chat_template=req.chat_template or template,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs, tools=req.tools, max_chars=max_prompt_chars))
+            template_kwargs=req.chat_template_kwargs, tools=req.tools, max_chars=max_prompt_chars,
+            add_special_tokens=req.add_special_tokens))
+        if req.truncate_prompt_tokens is not None:  # vLLM's: keep the rendered prompt's last k tokens
+            keep = max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+            prompt_ids = prompt_ids[-keep:] if keep else []
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sent_max = requested is not None
         if not sent_max:  # the generation config's max_new_tokens (cut to the room left), else the room left
@@ -804,9 +883,10 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         params = [sampling_params(req, max_tokens, top_n, i,
                                   structured=forced.constraint if forced is not None else constraint)
                   for i in range(req.n)]
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        engine_id = f"chatcmpl-{uuid.uuid4().hex}"  # engine request ids stay unique whatever request_id says
+        response_id = f"chatcmpl-{req.request_id}" if req.request_id else engine_id
         created = int(time.time())
-        group = await submit(response_id, [prompt_ids], [params],
+        group = await submit(engine_id, [prompt_ids], [params],
                              constraint_field="tool_choice" if forced is not None else constraint_field,
                              forced=forced)
         # the text as tool calls: forced ones (any model, no parser needed) or those a --tool-call-parser finds;
@@ -833,14 +913,16 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                         chunks.append(ChatCompletionChunk(
                             id=response_id, created=created, model=served_model_name,
                             choices=[ChatStreamChoice(index=idx, delta=delta_msg, logprobs=lp if with_lp else None,
-                                                      finish_reason=reason)]))
+                                                      finish_reason=reason,
+                                                      stop_reason=out.stop_reason if reason else None)]))
                     return chunks
                 if delta or out.finished or (lp is not None and lp.content):
                     chunks.append(ChatCompletionChunk(
                         id=response_id, created=created, model=served_model_name,
                         choices=[ChatStreamChoice(index=idx, delta=DeltaMessage(content=delta or None),
                                                   logprobs=lp,
-                                                  finish_reason=out.finish_reason if out.finished else None)]))
+                                                  finish_reason=out.finish_reason if out.finished else None,
+                                                  stop_reason=out.stop_reason if out.finished else None)]))
                 return chunks
 
             usage = usage_chunk_builder(req, ChatCompletionChunk, response_id, created)
@@ -851,6 +933,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             message, reason = (ChatResponseMessage(content=out.text), out.finish_reason) if tool_out is None \
                 else tool_out.message(out)
             return ChatCompletionChoice(index=index, message=message, finish_reason=reason,
+                                        stop_reason=out.stop_reason,
                                         logprobs=chat_logprobs(entries, top_n) if top_n is not None else None)
 
         return await final_response(raw, group, ChatCompletionResponse, response_id, created, req.n, make_choice)

@@ -361,7 +361,8 @@ def warn_if_tools_unused(tokenizer: Any, chat_template: str | None, tools: list[
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None, tools: list[Any] | None = None,
-                max_steps: int = MAX_TEMPLATE_STEPS, max_chars: int = MAX_RENDERED_CHARS) -> list[int]:
+                max_steps: int = MAX_TEMPLATE_STEPS, max_chars: int = MAX_RENDERED_CHARS,
+                add_special_tokens: bool = False) -> list[int]:
     """Render chat ``messages`` (pydantic ChatMessage or dicts) to prompt token ids.
 
     ``chat_template``: a template replacing the tokenizer's own (None: the tokenizer's; when it has several
@@ -371,6 +372,8 @@ def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | Non
     + tokenizer): the server runs it in a worker thread. ``max_steps`` bounds the template's work (see the
     module doc); ``max_chars`` the rendered text (the server passes :func:`prompt_char_limit`, so a text that
     cannot fit the context is refused before it is tokenized; never above :data:`MAX_RENDERED_CHARS`).
+    ``add_special_tokens`` (vLLM's chat field, default false: the template writes its own BOS and markup):
+    true also adds the tokenizer's special tokens when the rendered text is tokenized.
 
     Raises:
         InvalidRequestError: no chat template is available, the template rejects the conversation
@@ -417,4 +420,4 @@ def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | Non
                                   f"{len(text)} characters, more than the model's context can hold (at most {limit} "
                                   "characters). Please reduce the length of the messages.", param="messages",
                                   code="context_length_exceeded")
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

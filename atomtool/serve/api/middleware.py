@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from atomtool.serve.api.errors import APIError, BodyTooLarge, content_codings, too_large, unsupported_coding
@@ -15,10 +16,24 @@ from atomtool.serve.api.metrics import ServerMetrics
 
 logger = logging.getLogger("atomtool.serve")
 
-KNOWN_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+KNOWN_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                   "/detokenize", "/version", "/ping")
 #: Request-body limit in bytes (``atomtool serve --max-request-bytes``): 16 MiB holds a prompt of two
 #: million tokens as text or ids, far beyond any context window; larger bodies get a 413.
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Cross-origin requests the server allows (vLLM's ``--allowed-origins``, ``--allowed-methods``,
+    ``--allowed-headers``, ``--allow-credentials``, with vLLM's defaults: any origin, method and header, no
+    credentials), enforced by Starlette's ``CORSMiddleware`` outside the API-key check, so a browser's preflight
+    ``OPTIONS`` needs no key (as in vLLM)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class Traffic:

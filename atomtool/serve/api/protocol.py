@@ -153,6 +153,21 @@ class _SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's request extras
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output
+    spaces_between_special_tokens: bool = True  # only slow (Python) tokenizers read it; ours are fast: no effect
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: max_model_len)
+    request_id: str | None = None  # the response id becomes cmpl-/chatcmpl-<request_id>
+    priority: int = 0  # priority scheduling is not enabled: only 0 (vLLM refuses others the same way)
+    use_beam_search: bool = False  # beam search is not supported: only false
+    length_penalty: float = 1.0  # beam search's; without it, no effect (as in vLLM)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_keeps_a_token(cls, k: int | None) -> int | None:
+        if k == 0:
+            raise ValueError("must be -1 (the model's context length) or at least 1 (tokens of the prompt to keep)")
+        return k
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -190,6 +205,8 @@ class CompletionRequest(_SamplingFields):
     # vLLM extra: top log-probs of every prompt token, returned as the choice's ``prompt_logprobs`` (0..20,
     # checked by SamplingParams: a 400 naming prompt_logprobs)
     prompt_logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without BOS / special tokens
+    response_format: dict[str, Any] | None = None  # as chat's (vLLM accepts it on completions too)
 
 
 class CompletionLogProbs(BaseModel):
@@ -221,6 +238,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it, else None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
     @model_serializer(mode="wrap")
@@ -380,6 +398,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: true adds the tokenizer's special tokens (BOS) to the rendered chat
     # The rest of openai's chat CompletionCreateParams. Bookkeeping, caching and routing hints are
     # accepted and ignored (as vLLM does); those that would change the output are refused by
     # unsupported_fields when set.
@@ -452,6 +471,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it, else None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -481,6 +501,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it, else None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -493,6 +514,40 @@ class ChatCompletionChunk(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------------- models
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize (vLLM's): a text ``prompt`` tokenized as /v1/completions does (``add_special_tokens``
+    default true), or chat ``messages`` rendered by the chat template as /v1/chat/completions does (the
+    template places its own special tokens: ``add_special_tokens`` may only be false). One of the two."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize (vLLM's): token ids back to text (special tokens kept, as vLLM decodes them)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -513,6 +568,10 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
     The engine has no suffix yet; refusing such fields is clearer than ignoring them (a client would silently
     get other behaviour).
     """
+    if req.priority != 0:
+        return "priority", "priority scheduling is not enabled on this server: priority must be 0"
+    if req.use_beam_search:
+        return "use_beam_search", "beam search is not supported by this server"
     if isinstance(req, CompletionRequest):
         if req.suffix:
             return "suffix", "suffix is not supported by this server"
@@ -540,7 +599,7 @@ def unsupported_fields(req: _SamplingFields) -> tuple[str, str] | None:
 
 
 #: the request fields that ask for structured outputs, with the StructuredOutputsParams field each one sets
-#: (``structured_outputs`` is the whole object; ``response_format`` is chat's, read by structured_outputs_of)
+#: (``structured_outputs`` is the whole object; ``response_format`` is read by structured_outputs_of)
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 
@@ -549,7 +608,7 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputsParams
     """The request's output constraint and the request field it came from, or ``(None, None)``.
 
     Sources: vLLM's ``structured_outputs`` object and its ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` / ``guided_grammar`` fields, and OpenAI's chat ``response_format``: ``{"type": "text"}``
+    ``guided_choice`` / ``guided_grammar`` fields, and OpenAI's ``response_format`` (chat; completions too, as vLLM): ``{"type": "text"}``
     (no constraint), ``{"type": "json_object"}`` (one JSON object) or ``{"type": "json_schema", "json_schema":
     {"name": ..., "schema": {...}, "strict": ...}}`` (the schema; ``name`` is required, as OpenAI and vLLM
     require it, though serving does not use it; ``strict`` changes nothing: the output always follows the schema).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import socket
@@ -58,6 +59,31 @@ def _check_flags(*, port: int, max_num_seqs: int, max_num_batched_tokens: int, g
                           "without authentication")
     if max_request_bytes is not None and max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be a positive number of bytes, got {max_request_bytes}")
+
+
+def cors_policy(allowed_origins: str | None = None, allowed_methods: str | None = None,
+                allowed_headers: str | None = None, allow_credentials: bool = False):
+    """The :class:`~atomtool.serve.api.middleware.CorsPolicy` of ``serve``'s CORS flags, each a JSON list of
+    strings as vLLM takes them (``--allowed-origins '["https://app.example"]'``); None: vLLM's default ``["*"]``.
+
+    Raises:
+        ConfigError: a flag that is not a JSON list of strings.
+    """
+    from atomtool.serve.api.middleware import CorsPolicy
+
+    def strings(flag: str, text: str | None) -> tuple[str, ...]:
+        if text is None:
+            return ("*",)
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]'; got {text!r} ({exc})") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]'; got {text!r}")
+        return tuple(value)
+
+    return CorsPolicy(strings("--allowed-origins", allowed_origins), strings("--allowed-methods", allowed_methods),
+                      strings("--allowed-headers", allowed_headers), allow_credentials)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -141,7 +167,9 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               tensor_parallel_size: int = 1, max_request_bytes: int | None = None,
               fp8_activations: str = "auto", trust_request_chat_template: bool = False,
               enable_prefix_caching: bool = True, generation_config: str = "auto",
-              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> int:
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              allowed_origins: str | None = None, allowed_methods: str | None = None,
+              allowed_headers: str | None = None, allow_credentials: bool = False) -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
@@ -160,7 +188,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     :data:`~atomtool.serve.api.tool_parsers.TOOL_PARSERS` format (vLLM's ``--tool-call-parser``); None: the
     text stays ``content``. ``enable_auto_tool_choice``: vLLM's flag, accepted so vLLM command lines work;
     it changes nothing here (``tool_choice`` ``"auto"`` is served either way) but, as in vLLM, needs
-    ``tool_call_parser``.
+    ``tool_call_parser``. ``allowed_origins`` / ``allowed_methods`` / ``allowed_headers`` (JSON lists of
+    strings, default ``["*"]``) and ``allow_credentials``: the CORS policy (:func:`cors_policy`, vLLM's flags).
 
     Raises:
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
@@ -177,6 +206,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     from atomtool.serve.api.chat import load_chat_template
 
     template = load_chat_template(chat_template)  # fail fast, before the model loads
+    cors = cors_policy(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     from atomtool.serve.generation_defaults import load_generation_defaults
 
     load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
@@ -212,7 +242,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     app = create_app(engine, name, api_key=api_key, chat_template=template, model_root=model,
                      max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES,
                      trust_request_chat_template=trust_request_chat_template,
-                     generation_defaults=generation_defaults, tool_call_parser=tool_call_parser)
+                     generation_defaults=generation_defaults, tool_call_parser=tool_call_parser, cors=cors)
     server = _uvicorn_server(app, sock, "info")
     bound_host, bound_port = sock.getsockname()[:2]
     if engine.max_model_len_note:

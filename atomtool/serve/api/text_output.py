@@ -164,8 +164,8 @@ codecs.register_error("atomtool_replace_spans", _replace_recording_span)
 
 class TextOffsets:
     """OpenAI's completions ``text_offset``: where in the request's text each generated token starts, by the
-    engine's own incremental detokenizer over the same prompt (special tokens, skipped in the text, take no
-    room).
+    engine's own incremental detokenizer over the same prompt (special tokens, skipped in the text unless
+    ``skip_special_tokens`` is false, take no room).
 
     A token whose bytes do not end a character yet is held back by the detokenizer, with any tokens after it,
     until the text grows; only then is it known where each of them starts, so their offsets are revised then:
@@ -175,8 +175,8 @@ class TextOffsets:
     character), and bytes that never form one (each a U+FFFD in the final text) start at their own U+FFFD.
     :attr:`offsets` holds every offset so far, revised in place."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids), skip_special_tokens=skip_special_tokens)
         self.offsets: list[int] = []
         self._group: list[int] = []  # indices (into offsets) of the tokens held back since the text last grew
         self._context: list[int] = []  # a few ids before the group: left context for decoding it
@@ -263,8 +263,8 @@ class StreamedLogProbs:
     character, a possible stop-string prefix) wait for it; at the end a stop-string cut keeps what the
     non-streamed response keeps (:func:`kept_at_stop`), so the streamed entries join to the same list."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        self.offsets = TextOffsets(tokenizer, prompt_token_ids)
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.offsets = TextOffsets(tokenizer, prompt_token_ids, skip_special_tokens)
         self.pending: list[tuple[dict, int]] = []  # (entry, its index in offsets.offsets) not streamed yet
         self.released = 0  # entries streamed so far
         self.text_len = 0  # characters streamed so far

@@ -208,6 +208,7 @@ class LLMEngine:
             seq.grammar = self.grammar_backend().matcher(params.structured_outputs, list(self.eos_token_ids))
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                               skip_special_tokens=params.skip_special_tokens,
                                                include_stop_str=params.include_stop_str_in_output)
         self.requests[request_id] = seq
         if seq.needs_prompt_logprobs:
