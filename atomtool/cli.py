@@ -314,9 +314,17 @@ def serve_cmd(
         help='CORS: allowed request headers, a JSON list. Default: \'["*"]\'.', show_default=False)] = None,
     allow_credentials: Annotated[bool, typer.Option(
         "--allow-credentials", help="CORS: allow cookies and HTTP auth on cross-origin requests.")] = False,
+    model_option: Annotated[str | None, typer.Option(
+        "--model", help="MODEL as an option (vLLM's older spelling); give it one way only.",
+        show_default=False)] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     import os
+
+    if model_option is not None:
+        if model is not None and model != model_option:
+            raise AtomtoolError(f"MODEL {model!r} and --model {model_option!r} disagree: give the model once")
+        model = model_option
 
     from atomtool.serve.api.server import run_serve
 

@@ -208,3 +208,14 @@ def test_vllm_fields_accepted_or_refused_as_vllm_does(demo_url):
                                               "response_format": {"type": "json_object"}})
     assert js.status_code == 200, js.text  # observed: 400 "Unrecognized request argument"
     assert js.json()["choices"][0]["text"].lstrip().startswith("{")
+
+
+def test_serve_takes_the_model_as_vllms_model_option_too(monkeypatch):
+    import atomtool.serve.api.server as server
+
+    seen = {}
+    monkeypatch.setattr(server, "run_serve", lambda model, **kw: seen.setdefault("model", model) and 0)
+    r = CliRunner().invoke(cli_app, ["serve", "--model", "some/model"])
+    assert seen["model"] == "some/model", r.output  # observed: "No such option: --model"
+    r = CliRunner().invoke(cli_app, ["serve", "a/model", "--model", "other/model"])
+    assert r.exit_code == 1 and "disagree" in r.output
