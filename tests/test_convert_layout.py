@@ -340,7 +340,7 @@ def test_refusals(ckpts, tmp_path, monkeypatch, case):
     out = tmp_path / "out"
     args: list[str] = []
     if case == "same":
-        out, msg = src, "is inside the source checkpoint"
+        out, msg = src, "is the source checkpoint"
     elif case == "inside":
         out, msg = src / "sub" / "layout", "is inside the source checkpoint"
     elif case == "nonempty":

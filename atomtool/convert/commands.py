@@ -270,8 +270,9 @@ def _vet(src: str, report: InspectReport, dtype: str, *, force: bool) -> tuple[C
         if why is not None:  # no config.json / no architectures in it: inspect's finding says so
             raise UnsupportedArchitectureError(why)
         family_for(report.architecture, strict=True)  # raises UnsupportedArchitectureError with the list
-    if not report.tensors:
-        raise ConversionError(f"{src}: no safetensors weights to convert")
+    if not report.tensors:  # why, when inspect knows: pickle weights, an index naming none of the shards
+        why = [f.message for f in report.findings if f.code in ("pickle-weights-ignored", "source-warning")]
+        raise ConversionError(f"{src}: no safetensors weights to convert" + "".join(f"; {w}" for w in why))
     forced = _check_servable(src, report, force=force)  # inspect's verdict: before planning
     plan = build_plan(report, dtype)  # the plan names the source tensors the engine needs and lacks
     missing = [n for n in plan.missing if not any(n in line for line in forced)]  # not said by inspect already

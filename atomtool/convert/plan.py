@@ -572,7 +572,8 @@ def missing_tensors(report: InspectReport) -> list[str]:
     kind hold the same modules (a layer's kind: dense or MoE, i.e. it has ``mlp.experts`` or not, and its
     DSA schedule role from ``report.dsa``), so a module one layer of a kind has and another lacks is missing
     from the latter (its tensors are named after the roles the other layer stores: ``weight``,
-    ``weight_scale_inv``, ...); layers at index >= ``num_hidden_layers`` (MTP) are not compared. At model
+    ``weight_scale_inv``, ...); layers at index >= ``num_hidden_layers`` (MTP) are not compared, nor the
+    indexer tensors a layer stores that its schedule role does not use (not ``full``). At model
     level the engine (Llama/Qwen and DeepSeek/GLM modules alike) needs ``embed_tokens.weight`` (with
     ``tie_word_embeddings`` a stored ``lm_head.weight`` stands in for it, as in transformers) and
     ``norm.weight`` next to ``layers``, and ``lm_head.weight`` unless ``tie_word_embeddings``. Which tensors
@@ -594,7 +595,10 @@ def missing_tensors(report: InspectReport) -> list[str]:
             continue
         rest = m.group("rest")
         prefix, mods = layers.setdefault(idx, (m.group("layer"), {}))
-        mods.setdefault(_module_of(rest), set()).add(rest.rsplit(".", 1)[-1])
+        module = _module_of(rest)
+        if roles is not None and idx < len(roles) and roles[idx] != "full" and "indexer" in module.split("."):
+            continue  # a layer that owns no indexer needs none: tensors stored anyway are unused (inspect warns)
+        mods.setdefault(module, set()).add(rest.rsplit(".", 1)[-1])
     kinds: dict[tuple, list[int]] = {}
     for idx, (_, mods) in layers.items():
         moe = any(_MOE_MODULE_RE.search(mod) for mod in mods)

@@ -11,7 +11,8 @@
   are ordinary safetensors (padded header, contiguous offsets, tensors ordered by alignment) readable by
   any safetensors tool.
 - Atomic: everything goes to a hidden sibling ``.OUT.tmp-XXXX`` and is renamed to ``OUT`` only when the
-  manifest, the last file, is written and every file is fsynced; an exception or Ctrl-C removes the
+  manifest, the last file, is written and every file is fsynced (an OUT that is a mount point is filled in
+  place instead, from ``OUT/.atomtool.tmp-XXXX``, the manifest moved in last: :func:`stages_inside`); an exception or Ctrl-C removes the
   temporary directory, and a hard kill leaves at most that hidden directory (never an ``OUT`` that looks
   valid). The temporary directory records its owner (PID, host, process start time) in
   ``.atomtool-owner.json`` until the rename, so the next conversion into the same OUT tells a crashed
@@ -120,6 +121,27 @@ def _source_files_inside(src: Path, out: Path) -> str | None:
     return None
 
 
+#: name prefix of the temporary directory a conversion stages inside OUT when OUT is a mount point
+IN_PLACE_PREFIX = ".atomtool.tmp-"
+
+
+def stages_inside(out: str | Path) -> bool:
+    """Whether a conversion into ``out`` stages its files inside OUT instead of in a sibling: OUT is an existing
+    directory on another filesystem than its parent (a mount point: a Docker volume, a freshly mounted disk),
+    which cannot be renamed over (EBUSY) and whose parent may lack the room. Such an OUT is filled in place:
+    every file moves in from the staging directory, the manifest last (OUT is a layout only once it is there)."""
+    out_abs = Path(out).resolve()
+    try:
+        return out_abs.is_dir() and os.stat(out_abs).st_dev != os.stat(out_abs.parent).st_dev
+    except OSError:
+        return False
+
+
+def _entries(out_r: Path) -> list[Path]:
+    """OUT's entries, less the staging directories of conversions filling it in place."""
+    return [p for p in out_r.iterdir() if not p.name.startswith(IN_PLACE_PREFIX)]
+
+
 def check_destination(src: str | Path | None, out: str | Path, *, overwrite: bool) -> None:
     """Refuse destinations that would touch SRC or lose data (``src`` None: a Hub repo id not downloaded
     yet, only OUT itself is checked).
@@ -132,7 +154,8 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
     out_r = Path(out).resolve()
     src_r = Path(src).resolve() if src is not None else None
     if src_r is not None and (out_r == src_r or src_r in out_r.parents):
-        raise ConversionError(f"OUT {out} is inside the source checkpoint {src}; choose a directory outside SRC "
+        where = "is the source checkpoint" if out_r == src_r else "is inside the source checkpoint"
+        raise ConversionError(f"OUT {out} {where} {src}; choose a directory outside SRC "
                               "(the source is never modified)")
     if out_r.exists() and not out_r.is_dir():
         raise ConversionError(f"OUT {out} exists and is not a directory")
@@ -140,12 +163,17 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
         cwd: Path | None = Path.cwd().resolve()
     except OSError:  # the working directory was deleted: nothing to protect
         cwd = None
-    if cwd is not None and (out_r == cwd or out_r in cwd.parents):  # the finished layout is renamed over OUT: the shell would be
+    in_place = stages_inside(out_r)
+    if in_place and overwrite and out_r.is_dir() and _entries(out_r):
+        raise ConversionError(f"OUT {out} is a mount point (another filesystem than its parent): convert fills it "
+                              "in place and cannot swap an old layout out atomically, so --overwrite is refused "
+                              "there; empty it first, or name a new directory inside it")
+    if not in_place and cwd is not None and (out_r == cwd or out_r in cwd.parents):  # the finished layout is renamed over OUT: the shell would be
         # left in the replaced, deleted directory (an empty listing where the layout was just "written")
         raise ConversionError(f"OUT {out} is the current directory{'' if out_r == cwd else ' or holds it'}; "
                               "convert replaces OUT with a directory renamed into place, so run it from "
                               "elsewhere or name a new directory")
-    if out_r.is_dir() and any(out_r.iterdir()):
+    if out_r.is_dir() and _entries(out_r):
         if not overwrite:
             raise ConversionError(f"OUT {out} is not empty; pass --overwrite to replace it")
         if src_r is not None and out_r in src_r.parents:
@@ -233,7 +261,8 @@ def leftover_tmp_dirs(out: str | Path) -> list[LeftoverTmp]:
     if not parent.is_dir():
         return []
     found = []
-    for d in sorted(parent.glob(f".{glob.escape(out_abs.name)}.tmp-*")):
+    inside = sorted(out_abs.glob(f"{IN_PLACE_PREFIX}*")) if out_abs.is_dir() else []  # mount points: stages_inside
+    for d in sorted(parent.glob(f".{glob.escape(out_abs.name)}.tmp-*")) + inside:
         if not d.is_dir() or d.is_symlink():
             continue
         pid = host = start = None
@@ -737,7 +766,8 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
     shards = plan_shards(plan, shard_size)
     out_abs = out.resolve()
     token = secrets.token_hex(4)
-    tmp = out_abs.parent / f".{out_abs.name}.tmp-{token}"
+    in_place = stages_inside(out_abs)
+    tmp = out_abs / f"{IN_PLACE_PREFIX}{token}" if in_place else out_abs.parent / f".{out_abs.name}.tmp-{token}"
     created = _make_tmp_dir(tmp)  # first: an unwritable OUT says so, not "0 B free"
     try:
         try:
@@ -777,7 +807,8 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         # From here on SIGINT/SIGTERM are deferred: once the rename is done the conversion has succeeded, and
         # an interrupt landing between the rename and the summary must not turn it into a failure (exit 130).
         with deferred_interrupts() as received:
-            sync_warning = _commit(tmp, out_abs, out, overwrite=overwrite, token=token)
+            sync_warning = (_commit_in_place(tmp, out_abs, out) if in_place
+                            else _commit(tmp, out_abs, out, overwrite=overwrite, token=token))
             committed = True
             result = WriteResult(out_abs, len(shards), len(plan.tensors), total, time.perf_counter() - start,
                                  manifest, sync_warning=sync_warning)
@@ -788,12 +819,24 @@ def write_layout(plan: ConversionPlan, src: str | Path, out: str | Path, *, shar
         shutil.rmtree(tmp, ignore_errors=True)  # after an exchange: the replaced old layout
         if committed:  # on_commit failed (e.g. a closed stdout): OUT is complete, say nothing else
             raise
+        if exc.filename and _is_within(Path(str(exc.filename)), src):  # a source file failed to read
+            raise ConversionError(f"cannot read {exc.filename} ({exc.strerror or exc}); nothing was written "
+                                  f"to {out}") from None
         raise ConversionError(f"writing {out} failed: {exc.strerror or exc}"
                               + (f" ({exc.filename})" if exc.filename else "") + "; nothing was written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or below it (both resolved; False when either cannot be)."""
+    try:
+        p, r = path.resolve(), root.resolve()
+    except OSError:
+        return False
+    return p == r or r in p.parents
 
 
 def _make_tmp_dir(tmp: Path) -> list[Path]:
@@ -959,6 +1002,39 @@ def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str)
         shutil.rmtree(old, ignore_errors=True)
         return warning
     return _sync_after_rename(out_abs, out)
+
+
+def _commit_in_place(tmp: Path, out_abs: Path, out: Path) -> str | None:
+    """Move the complete layout staged in ``tmp`` (inside OUT, see :func:`stages_inside`) into OUT: every entry
+    by rename(2) on OUT's own filesystem, the manifest last, so OUT holds a layout only once it is complete; a
+    rename failing midway moves the entries back (OUT as it was). Returns None or a warning when syncing OUT
+    afterwards failed.
+
+    Raises:
+        ConversionError: OUT gained other entries meanwhile (another process wrote into it).
+        OSError: a rename failed (OUT restored as far as possible).
+    """
+    if _entries(out_abs):
+        raise ConversionError(f"OUT {out} was written by another process while converting; it was left as is "
+                              "and nothing was written")
+    moved: list[str] = []
+    try:
+        for p in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST_NAME):  # the manifest last
+            os.rename(p, out_abs / p.name)
+            moved.append(p.name)
+    except BaseException:
+        for name in reversed(moved):
+            with contextlib.suppress(OSError):
+                os.rename(out_abs / name, tmp / name)
+        raise
+    with contextlib.suppress(OSError):
+        tmp.rmdir()
+    try:
+        _fsync_dir_or_raise(out_abs)
+    except OSError as exc:
+        return (f"{out} is complete and in place, but syncing it failed ({exc.strerror or exc}): after a power "
+                f"loss some files may be lost; run `atomtool verify {out}`")
+    return None
 
 
 def _sync_after_rename(out_abs: Path, out: Path) -> str | None:

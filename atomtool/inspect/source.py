@@ -164,6 +164,11 @@ def _open_dir(source: str, root: Path, *, is_remote: bool, revision: str | None 
     strict_weights: a cache snapshot without index/model.safetensors is an error (the weights may just
     not be cached) unless the caller established that the repo has none.
     """
+    try:  # an unreadable directory: one line, not a traceback from the first is_file (EACCES propagates there)
+        os.listdir(root)
+    except OSError as exc:
+        raise SourceError(f"{source}: cannot read the directory ({exc.strerror or exc}); its files are listed "
+                          "to find the weights, tokenizer and other files") from None
     config = _load_json_object(root / CONFIG_FILE, ConfigError) if (root / CONFIG_FILE).is_file() else None
     weight_map, index_meta = None, None
     index_path = root / INDEX_FILE
