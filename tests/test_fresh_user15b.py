@@ -160,3 +160,22 @@ def test_no_weights_to_convert_says_why(qwen, tmp_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
     code, text = _convert(sharded, tmp_path / "o2")
     assert code == 1 and "model.safetensors.index.json" in text, text
+
+
+# ---------------------------------------------------------------- FP8 weights with no quantization_config
+def test_quantized_weights_without_a_quantization_config_are_named(tmp_path):
+    from tests.checkpoints import write_fp8_block_checkpoint
+    from tests.inspect_cli import inspect_json
+
+    src = write_hf_checkpoint(tmp_path / "src", "deepseek_v32")
+    fp8 = write_fp8_block_checkpoint(src, tmp_path / "fp8", block=16)
+    declared, _ = inspect_json(fp8)
+    assert not [f for f in declared["findings"] if f["code"] == "quantized-without-config"]
+    cfg = json.loads((fp8 / "config.json").read_text())
+    del cfg["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    report, code = inspect_json(fp8)
+    found = [f for f in report["findings"] if f["code"] == "quantized-without-config"]
+    assert code == 0 and len(found) == 1, report["findings"]  # observed: "No findings"
+    assert found[0]["severity"] == "warning" and "fp8_block" in found[0]["message"]
+    assert "[16, 16]" in found[0]["message"] and "declare it in config.json" in found[0]["message"]

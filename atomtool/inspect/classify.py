@@ -570,6 +570,16 @@ def build_report(
     findings.extend(_unknown_quant_method(spec, qcfg if isinstance(qcfg, dict) else None))
     modules, other, qf = classify_modules(tensors, spec)
     findings.extend(qf)
+    undeclared = [m for m in modules if m.treated_as == "quantized" and m.scheme != "unknown"] if spec is None else []
+    if undeclared:  # transformers / vLLM read quantization from the config: without it they load the raw bytes
+        blocks = sorted({tuple(m.block_size) for m in undeclared if m.block_size})
+        findings.append(Finding(
+            "quantized-without-config", "warning", undeclared[0].name,
+            f"{len(undeclared)} module(s) are stored quantized ({', '.join(sorted({m.scheme for m in undeclared}))}, "
+            f"e.g. {undeclared[0].name}) but config.json declares no quantization_config: transformers and vLLM "
+            "would load them as plain weights (wrong outputs); atomtool reads their scales"
+            + (f", with the block {', '.join(str(list(b)) for b in blocks)} inferred from the scale shapes"
+               if blocks else "") + "; declare it in config.json"))
     findings.extend(fusion_findings({m.name: m for m in modules}, fam))
     model_dtype = mem.model_dtype_tag(flat, raw)
     keep = tuple(fam.fp32_keep) if fam is not None else ()
