@@ -219,3 +219,10 @@ def test_serve_takes_the_model_as_vllms_model_option_too(monkeypatch):
     assert seen["model"] == "some/model", r.output  # observed: "No such option: --model"
     r = CliRunner().invoke(cli_app, ["serve", "a/model", "--model", "other/model"])
     assert r.exit_code == 1 and "disagree" in r.output
+
+
+def test_a_405_names_the_allowed_methods(tok):
+    with ServerThread(_app(tok, tok.encode(" ugly", add_special_tokens=False))) as url:
+        r = httpx.delete(url + "/v1/models")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.headers["allow"] == "GET"  # observed: no Allow header

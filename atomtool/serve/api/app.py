@@ -304,9 +304,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         unparsed = unparsed_body(exc)
         if unparsed is not None:
             return unparsed.response()
-        return APIError(exc.status_code, str(exc.detail),
+        resp = APIError(exc.status_code, str(exc.detail),
                         type="invalid_request_error" if exc.status_code < 500 else "server_error",
                         code="request_too_large" if isinstance(exc, BodyTooLarge) else None).response()
+        resp.headers.update(exc.headers or {})  # e.g. a 405's Allow (RFC 9110 requires it)
+        return resp
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
