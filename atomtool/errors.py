@@ -42,7 +42,7 @@ class EngineError(AtomtoolError):
     """The serving engine cannot load or run a model (missing tensors, KV pool too small, ...)."""
 
 
-class InvalidRequestError(AtomtoolError):
+class InvalidRequestError(AtomtoolError, ValueError):
     """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ...
 
     ``param``: the request field at fault when there is one (the server's OpenAI-style error object names it);

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import os
 from collections.abc import Sequence as Seq
 
-from atomtool.errors import InvalidRequestError
+from atomtool.errors import ConfigError, InvalidRequestError
 from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.engine.outputs import RequestOutput
 from atomtool.serve.generation_defaults import load_generation_defaults
@@ -35,8 +36,40 @@ class LLM:
             generation_config.json; the engine's load errors (:meth:`LLMEngine.from_model`).
     """
 
-    def __init__(self, model: str, generation_config: str = "auto", **engine_kwargs) -> None:
+    def __init__(self, model: str, generation_config: str = "auto", *, seed: int | None = None,
+                 tensor_parallel_size: int = 1, trust_remote_code: bool = False, tokenizer: str | None = None,
+                 revision: str | None = None, quantization: str | None = None, **engine_kwargs) -> None:
+        if not isinstance(model, (str, os.PathLike)) or not str(model):
+            raise ConfigError(f"LLM: model must be a checkpoint or layout path, got {model!r}")
         load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
+        if tensor_parallel_size != 1:
+            raise ConfigError(f"tensor_parallel_size {tensor_parallel_size} is not supported yet: atomtool runs a "
+                              "model on one device (use 1)")
+        if tokenizer is not None and os.path.realpath(tokenizer) != os.path.realpath(model):
+            raise ConfigError(f"tokenizer {tokenizer!r}: the model's own tokenizer files are used; another "
+                              "tokenizer is not supported (leave tokenizer unset)")
+        if revision is not None:
+            raise ConfigError(f"revision {revision!r}: LLM loads a local checkpoint or layout directory; download "
+                              "that revision first (huggingface-cli download REPO --revision REV --local-dir DIR)")
+        if quantization is not None:
+            raise ConfigError(f"quantization {quantization!r}: the quantization is read from the checkpoint "
+                              "(inspect shows it); leave quantization unset")
+        # trust_remote_code: accepted, no effect (atomtool never runs a checkpoint's own Python code)
+        for name in _VLLM_NO_EFFECT:  # vLLM resource / logging knobs with no counterpart here
+            engine_kwargs.pop(name, None)
+        unknown = sorted(set(engine_kwargs) - _ENGINE_KWARGS)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; accepted: "
+                            f"{', '.join(sorted(_ENGINE_KWARGS | {'generation_config', 'seed'}))}")
+        if "dtype" in engine_kwargs:
+            engine_kwargs["dtype"] = _DTYPE_ALIASES.get(engine_kwargs["dtype"], engine_kwargs["dtype"])
+        if seed is not None:  # vLLM's engine seed: requests without their own seed are reproducible run to run
+            import random
+
+            import torch
+
+            random.seed(seed)
+            torch.manual_seed(seed)
         self.engine = LLMEngine.from_model(model, **engine_kwargs)
         self.generation_defaults = load_generation_defaults(self.engine.model_dir, generation_config)
         note = self.generation_defaults.describe()
@@ -53,72 +86,130 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's ``LLM.llm_engine``; also ``llm.engine``)."""
+        return self.engine
+
+    def generate(self, prompts: str | list[int] | dict | Seq[str | list[int] | dict],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False, lora_request: None = None) -> list[RequestOutput]:
         """Run every prompt to completion as one continuously batched workload.
 
-        prompts: one prompt or a list (text, or token ids: a list / tuple of integers, numpy's included, or a
-        1-d integer array / tensor). sampling_params: one for all, or one per prompt; None:
-        :meth:`get_default_sampling_params` (the model's generation config defaults).
+        prompts: one prompt or a list; a prompt is text, token ids (a list / tuple of integers, numpy's included,
+        or a 1-d integer array / tensor), or vLLM's dict forms ``{"prompt": text}`` (``TextPrompt``) and
+        ``{"prompt_token_ids": [...]}`` (``TokensPrompt``). sampling_params: one for all, or one per prompt;
+        None: :meth:`get_default_sampling_params` (the model's generation config defaults). ``n`` > 1 runs n
+        completions of the prompt (choice i with ``seed + i`` when a seed is given). use_tqdm: a progress bar
+        (tqdm, on stderr) over the finished prompts. lora_request: vLLM's; only None (no LoRA adapters).
         Returns the final :class:`RequestOutput` of each prompt, in input order (cumulative: the whole output,
         whatever ``output_kind`` the params ask for; the engine runs the requests as ``"final_only"``), with
-        ``prompt_logprobs`` when the params ask for them (``SamplingParams.prompt_logprobs``).
+        ``prompt_logprobs`` when the params ask for them (``SamplingParams.prompt_logprobs``); its ``outputs``
+        are vLLM's per-completion view (every one of the ``n``), its top-level text / token ids / log-probs
+        those of completion 0, and ``prompt`` the prompt's text when it was given as text.
 
         Raises:
             InvalidRequestError: a bad prompt or sampling parameter (nothing is run then); of several prompts, a
-                bad one is named by its index (``prompts[1]: the prompt has 39 tokens, ...``).
+                bad one is named by its index (``prompts[1]: the prompt has 39 tokens, ...``), a bad one of
+                several SamplingParams likewise (``sampling_params[1]: ...``).
         """
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request: LoRA adapters are not supported", param="lora_request")
         if _single_prompt(prompts):
             prompts = [prompts]
-        elif not hasattr(prompts, "__iter__"):
+        elif isinstance(prompts, bytes) or not hasattr(prompts, "__iter__"):
             raise InvalidRequestError(f"prompts: text, token ids, or a list of them; got {type(prompts).__name__}")
         prompts = list(prompts)
+        texts = [None] * len(prompts)
+        for i, p in enumerate(prompts):
+            prompts[i], texts[i] = _unwrapped(p, f"prompts[{i}]" if len(prompts) > 1 else "prompt")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise InvalidRequestError("sampling_params: a SamplingParams or a list of them (one per prompt); got "
+                                      f"{type(sampling_params).__name__}", param="sampling_params")
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        for p in params:
-            p.validate()
         # only the final outputs are returned, so the engine builds no per-step ones (vLLM's LLM does the same);
         # copies, so the caller's SamplingParams are left as given
         params = [dataclasses.replace(p, output_kind="final_only") for p in params]
-        ids = []
+        for i, p in enumerate(params):
+            try:
+                p.validate()
+            except InvalidRequestError as exc:
+                if len(params) == 1:
+                    raise
+                raise InvalidRequestError(f"sampling_params[{i}]: {exc}", param=exc.param) from None
+        groups: list[list[str]] = []  # per prompt, the engine request of each of its n choices
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                rid = f"gen-{self._next_id}"
-                self._next_id += 1
-                try:
-                    self.engine.add_request(rid, prompt, p)
-                except InvalidRequestError as exc:
-                    if exc.param != "prompt" or len(prompts) == 1:
-                        raise
-                    # of several prompts, say which one (too long, empty, ids outside the vocabulary)
-                    raise InvalidRequestError(f"prompts[{i}]: {exc}", param="prompt") from None
-                ids.append(rid)
+                groups.append([])
+                for c in range(p.n):
+                    rid = f"gen-{self._next_id}"
+                    self._next_id += 1
+                    seed = None if p.seed is None else ((p.seed + c + 2**63) % 2**64) - 2**63  # as the server's n
+                    one = dataclasses.replace(p, n=1, seed=seed) if p.n > 1 else p
+                    try:
+                        self.engine.add_request(rid, prompt, one)
+                    except InvalidRequestError as exc:
+                        if len(prompts) == 1:
+                            raise
+                        # of several prompts, say which one (too long, empty, ids outside the vocabulary, ...)
+                        where = "prompts" if exc.param == "prompt" else "sampling_params"
+                        raise InvalidRequestError(f"{where}[{i}]: {exc}", param=exc.param) from None
+                    groups[-1].append(rid)
         except Exception:
-            for rid in ids:
+            for rid in (r for g in groups for r in g):
                 self.engine.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(len(g) for g in groups), desc="Processed prompts", unit="req")
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:  # an error in a step or Ctrl-C: this call's requests leave the engine with it
-            for rid in ids:
+            for rid in (r for g in groups for r in g):
                 if rid not in final:
                     self.engine.abort(rid)
             raise
-        return [final[rid] for rid in ids]
+        finally:
+            if bar is not None:
+                bar.close()
+        decode = self._token_text
+        results = []
+        for group, text in zip(groups, texts, strict=True):
+            first = final[group[0]]
+            first.prompt = text
+            first.completions = [final[rid].as_completion(c, decode) for c, rid in enumerate(group)]
+            results.append(first)
+        return results
+
+    def _token_text(self, token_id: int) -> str | None:
+        tok = self.engine.tokenizer
+        return None if tok is None else tok.decode([token_id])
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, use_tqdm: bool = False,
+             lora_request: None = None) -> list[RequestOutput]:
         """Generate replies to chat conversations (vLLM's ``LLM.chat``): each conversation (a list of OpenAI-style
         message dicts; or a list of such lists) is checked by the server's request models (``ChatMessage``,
         ``ToolDefinition``: roles, content, tool calls) and rendered by the model's chat template as the
@@ -168,7 +259,37 @@ class LLM:
                 if single:
                     raise
                 raise InvalidRequestError(f"conversation {i}: {exc}", param=exc.param) from None
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+#: from_model's keyword arguments, the ones LLM passes on
+_ENGINE_KWARGS = frozenset({"dtype", "device", "fp8_activations", "max_model_len", "max_num_seqs",
+                            "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization", "block_size",
+                            "enforce_eager", "enable_prefix_caching", "backend"})
+#: vLLM constructor knobs (resources, logging, compilation) that change no result here: accepted, no effect
+_VLLM_NO_EFFECT = ("swap_space", "disable_log_stats", "max_seq_len_to_capture", "disable_custom_all_reduce",
+                   "cpu_offload_gb", "compilation_config", "load_format", "download_dir", "distributed_executor_backend")
+#: vLLM's dtype spellings
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _unwrapped(prompt: object, where: str) -> tuple[object, str | None]:
+    """(the engine prompt, its text when given as text) of one prompt, vLLM's dict forms unwrapped.
+
+    Raises:
+        InvalidRequestError: a dict without exactly one of ``prompt`` / ``prompt_token_ids``, or bytes.
+    """
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], prompt["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return prompt["prompt_token_ids"], None
+        raise InvalidRequestError(f"{where}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids' (token ids), "
+                                  f"one of them; got keys {sorted(map(str, keys))}", param="prompt")
+    if isinstance(prompt, (bytes, bytearray)):
+        raise InvalidRequestError(f"{where}: bytes are not a prompt; decode them to text first", param="prompt")
+    return prompt, prompt if isinstance(prompt, str) else None
 
 
 def _validated(field: str, items: Seq, model) -> list:
@@ -191,6 +312,6 @@ def _validated(field: str, items: Seq, model) -> list:
 def _single_prompt(prompts: object) -> bool:
     """True for one prompt (text, a list / tuple starting with an integer, a 1-d array or tensor), False for
     a list of prompts."""
-    if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
+    if isinstance(prompts, (str, dict, bytes, bytearray)) or getattr(prompts, "ndim", None) == 1:
         return True
     return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)

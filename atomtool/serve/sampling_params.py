@@ -98,10 +98,17 @@ class StructuredOutputsParams:
         return "grammar", self.grammar or ""
 
 
+#: most completions per prompt (``SamplingParams.n``), as the server's ``n``
+MAX_N = 128
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
+    max_tokens: the most tokens to generate (None: until the context is full, as in vLLM). n: completions per
+    prompt (:meth:`atomtool.serve.llm.LLM.generate` returns them as ``RequestOutput.outputs``; choice i samples
+    with ``seed + i`` when a seed is given, as the server does; the engine itself runs one per request).
     temperature 0 means greedy (so does a temperature below 1e-5, vLLM's rule: dividing the logits by it would
     overflow). top_k 0 or -1 disables top-k; top_p 1.0 disables nucleus sampling.
     seed: per-request generator seed (reproducible sampling). logprobs: number of top log-probs
@@ -154,7 +161,8 @@ class SamplingParams:
         InvalidRequestError: from :meth:`validate` for out-of-range or wrongly typed values.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -183,9 +191,12 @@ class SamplingParams:
         def bad(name: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=name)
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        self.max_tokens = int(self.max_tokens)
+        if self.max_tokens is not None:  # None: until the context is full (vLLM's meaning)
+            if not _is_int(self.max_tokens) or self.max_tokens < 1:
+                raise bad("max_tokens", f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+            self.max_tokens = int(self.max_tokens)
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not _is_number(self.temperature) or not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise bad("temperature", f"temperature must be >= 0 and finite, got {self.temperature!r}")
         self.temperature = float(self.temperature)
@@ -219,7 +230,8 @@ class SamplingParams:
                 raise bad("prompt_logprobs",
                           f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
             self.prompt_logprobs = int(self.prompt_logprobs)
-        if not _is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if (not _is_int(self.min_tokens) or self.min_tokens < 0
+                or (self.max_tokens is not None and self.min_tokens > self.max_tokens)):
             raise bad("min_tokens", f"min_tokens must be in [0, max_tokens] (max_tokens = {self.max_tokens}), got "
                       f"{self.min_tokens!r}")
         self.min_tokens = int(self.min_tokens)

@@ -185,6 +185,9 @@ class LLMEngine:
                 ids outside the vocabulary included).
         """
         params = (params or SamplingParams()).validate()
+        if params.n != 1:
+            raise InvalidRequestError(f"n={params.n}: the engine runs one completion per request; LLM.generate and "
+                                      "the server run n of them", param="n")
         params.check_vocab(self.vocab_size, self.eos_token_ids)  # logit_bias / allowed_token_ids ids in range
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -319,7 +322,7 @@ class LLMEngine:
             reason = "stop"
         elif hit is not None:
             reason, stop_reason = "stop", hit
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"  # OpenAI's (and vLLM's) reason for both; context_limit tells them apart
             if seq.num_tokens >= self.max_model_len:
                 seq.context_limit = self.max_model_len

@@ -1,8 +1,34 @@
-"""What the engine returns per request per step (vLLM-like ``RequestOutput``)."""
+"""What the engine returns per request per step (vLLM-like ``RequestOutput``), and vLLM's per-completion view of
+it (``CompletionOutput``, ``Logprob``) that :class:`atomtool.serve.llm.LLM` returns as ``RequestOutput.outputs``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability, its 1-based rank when known, and its text when known."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt, vLLM's ``CompletionOutput``: ``index`` (0..n-1), ``text``, ``token_ids``,
+    ``cumulative_logprob`` (the sum of the sampled tokens' log-probs; None unless log-probs were requested, as in
+    vLLM), ``logprobs`` (None unless requested; per generated token ``{token id: Logprob}`` holding the sampled
+    token and the top ones), ``finish_reason`` and ``stop_reason``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -58,6 +84,36 @@ class RequestOutput:
     delta: bool = False
     num_output_tokens: int = -1
     prompt_logprobs: list[dict | None] | None = None
+    #: vLLM's ``RequestOutput.prompt`` (the prompt text when given as text; filled by LLM.generate / LLM.chat)
+    prompt: str | None = None
+    #: every completion of the prompt (``SamplingParams.n`` of them; filled by LLM.generate), see :attr:`outputs`
+    completions: list[CompletionOutput] | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's ``RequestOutput.outputs``: the prompt's completions (:class:`CompletionOutput`), one unless
+        ``n`` > 1; for a single engine output, its own fields as one completion."""
+        return self.completions if self.completions is not None else [self.as_completion(0)]
+
+    def as_completion(self, index: int, decode=None) -> CompletionOutput:
+        """This output as vLLM's :class:`CompletionOutput` number ``index``; ``decode``: token id -> text, for
+        the log-probs' ``decoded_token`` (None: left None)."""
+        lps = None
+        cumulative = None
+        if self.logprobs is not None:
+            lps = []
+            for e in self.logprobs:
+                top = e.get("top") or {}
+                ranked = sorted(top.items(), key=lambda kv: (-kv[1], kv[0]))
+                entry = {int(t): Logprob(float(v), r + 1, decode(int(t)) if decode else None)
+                         for r, (t, v) in enumerate(ranked)}
+                tid = int(e["token_id"])
+                if tid not in entry:
+                    entry = {tid: Logprob(float(e["logprob"]), None, decode(tid) if decode else None), **entry}
+                lps.append(entry)
+            cumulative = float(sum(e["logprob"] for e in self.logprobs))
+        return CompletionOutput(index, self.text, list(self.token_ids), cumulative, lps, self.finish_reason,
+                                self.stop_reason)
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0 and not self.delta:
