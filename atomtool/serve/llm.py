@@ -39,7 +39,7 @@ class LLM:
     def __init__(self, model: str, generation_config: str = "auto", *, seed: int | None = None,
                  tensor_parallel_size: int = 1, trust_remote_code: bool = False, tokenizer: str | None = None,
                  revision: str | None = None, quantization: str | None = None, **engine_kwargs) -> None:
-        if not isinstance(model, (str, os.PathLike)) or not str(model):
+        if not isinstance(model, (str, os.PathLike)):  # (an empty path: the loader's own message)
             raise ConfigError(f"LLM: model must be a checkpoint or layout path, got {model!r}")
         load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
         if tensor_parallel_size != 1:
