@@ -179,3 +179,17 @@ def test_quantized_weights_without_a_quantization_config_are_named(tmp_path):
     assert code == 0 and len(found) == 1, report["findings"]  # observed: "No findings"
     assert found[0]["severity"] == "warning" and "fp8_block" in found[0]["message"]
     assert "[16, 16]" in found[0]["message"] and "declare it in config.json" in found[0]["message"]
+
+
+# ---------------------------------------------------------------- generation_config.json that is not an object
+@pytest.mark.parametrize("mode, code", [("auto", 1), ("none", 0)])
+def test_a_generation_config_that_is_not_an_object_is_named_or_ignored(tmp_path, mode, code):
+    ckpt = write_hf_checkpoint(tmp_path / "q", "qwen3")
+    (ckpt / "generation_config.json").write_text("[1]")
+    r = runner.invoke(app, ["generate", str(ckpt), "--prompt", "a", "--max-tokens", "1", "--device", "cpu",
+                            "--generation-config", mode])
+    out = cli_output(r)
+    assert "Traceback" not in out and "AttributeError" not in out, out  # observed: 'list' object has no 'get'
+    assert r.exit_code == code, out
+    if code:
+        assert "generation_config.json" in out

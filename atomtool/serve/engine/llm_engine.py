@@ -48,8 +48,12 @@ def eos_token_ids(model_dir: Path | None, config: dict[str, Any], tokenizer) -> 
     """EOS ids: generation_config.json's ``eos_token_id`` (int or list), config.json's, and the tokenizer's."""
     ids = _ids(config.get("eos_token_id"))
     if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        # a malformed file adds nothing here; --generation-config auto then refuses it naming the file
+        # (generation_defaults), --generation-config none ignores it
         try:
-            ids |= _ids(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
+            gen = json.loads((model_dir / "generation_config.json").read_text())
+            if isinstance(gen, dict):
+                ids |= _ids(gen.get("eos_token_id"))
         except (json.JSONDecodeError, TypeError, ValueError):
             pass
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
