@@ -193,3 +193,14 @@ def test_a_generation_config_that_is_not_an_object_is_named_or_ignored(tmp_path,
     assert r.exit_code == code, out
     if code:
         assert "generation_config.json" in out
+
+
+def test_generate_notes_only_the_generation_defaults_it_takes(tmp_path):
+    ckpt = write_hf_checkpoint(tmp_path / "q", "qwen3")
+    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 5}))
+    base = ["generate", str(ckpt), "--prompt", "a", "--device", "cpu"]
+    plain = cli_output(runner.invoke(app, base))
+    assert "temperature=0.6" in plain and "top_p=0.95" in plain and "max_tokens=5" in plain
+    flags = cli_output(runner.invoke(app, [*base, "--temperature", "0", "--max-tokens", "3"]))
+    assert "top_p=0.95" in flags  # still taken
+    assert "temperature=0.6" not in flags and "max_tokens=5" not in flags  # observed: named though overridden

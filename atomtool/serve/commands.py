@@ -133,7 +133,7 @@ def run_generate(model: str, prompts: list[str], *, max_tokens: int | None = Non
     llm = LLM(model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, fp8_activations=fp8_activations,
               generation_config=generation_config)
     params = llm.generation_defaults.sampling_params(explicit, GENERATE_DEFAULTS)
-    if note := llm.generation_defaults.describe():
+    if note := llm.generation_defaults.describe(overridden=[k for k, v in explicit.items() if v is not None]):
         print(f"note: {note}", file=sys.stderr)
     if llm.engine.max_model_len_note:  # stderr: stdout holds only the completions
         print(f"warning: {llm.engine.max_model_len_note}", file=sys.stderr)

@@ -14,6 +14,7 @@ the default temperature 0.6 (and a config with ``do_sample: false`` alone sets n
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,13 +65,15 @@ class GenerationDefaults:
         merged.update({k: v for k, v in explicit.items() if v is not None})
         return SamplingParams(**merged).validate()
 
-    def describe(self) -> str | None:
-        """One line for the startup log naming the defaults taken (None when there are none)."""
-        if not self.values and not self.unsupported:
+    def describe(self, overridden: Iterable[str] = ()) -> str | None:
+        """One line for the startup log naming the defaults taken (None when there are none); ``overridden``:
+        fields the caller set explicitly (a one-shot ``generate``'s flags), which take none of them."""
+        values = {k: v for k, v in self.values.items() if k not in set(overridden)}
+        if not values and not self.unsupported:
             return None
         parts = []
-        if self.values:
-            taken = ", ".join(f"{k}={v}" for k, v in self.values.items())
+        if values:
+            taken = ", ".join(f"{k}={v}" for k, v in values.items())
             parts.append(f"default sampling parameters from the model's generation config ({self.source}): {taken}"
                          " (requests that set them override them; --generation-config none ignores the file)")
         if self.unsupported:
