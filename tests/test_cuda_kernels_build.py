@@ -70,3 +70,31 @@ def test_the_device_guard_switches_only_to_another_device(monkeypatch):
     assert isinstance(device_guard(torch.device("cuda")), contextlib.nullcontext)
     guard = device_guard(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+
+def test_an_optional_kernel_is_built_once_per_device_and_a_failure_warns_once(monkeypatch):
+    import atomtool.serve.ops.cuda.driver as driver
+    from atomtool.serve.ops.cuda.build import CudaBuildError
+
+    builds = []
+
+    def compile_cubin(source, arch, defines):
+        builds.append((source, arch, defines))
+        if dict(defines).get("BAD"):
+            raise CudaBuildError("nvcc failed")
+        return b"cubin"
+
+    monkeypatch.setattr(driver, "compile_cubin", compile_cubin)
+    monkeypatch.setattr(driver, "load_kernel", lambda cubin, name: (cubin, name))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
+    k = driver.OptionalKernel("x.cu", "fn", "test", "ATOMTOOL_TEST_KERNEL")
+    dev = torch.device("cuda", 0)
+    assert k.ready(dev, (("A", 1),)) and k.ready(dev, (("A", 1),))
+    assert builds == [("x.cu", "sm_90", (("A", 1),))] and k.get(dev, (("A", 1),)) == (b"cubin", "fn")
+    with pytest.warns(RuntimeWarning, match="CUDA test kernel unavailable, using the Triton kernel: nvcc failed"):
+        assert not k.ready(dev, (("BAD", 1),))
+    assert not k.ready(dev, (("A", 2),)) and len(builds) == 2  # the device's failure is remembered: no rebuild
+    monkeypatch.setenv("ATOMTOOL_TEST_KERNEL", "0")
+    assert not k.ready(torch.device("cuda", 1), (("A", 1),))

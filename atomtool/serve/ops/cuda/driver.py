@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
+
+from atomtool.serve.ops.cuda.build import CudaBuildError, compile_cubin
 
 #: CUlaunchAttributeID values (cuda.h)
 _ATTR_CLUSTER_DIMENSION = 4
@@ -114,6 +118,49 @@ def device_guard(device: torch.device):
     context its module was loaded into, so the device must be current."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return contextlib.nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index)
+
+
+class OptionalKernel:
+    """A kernel of one of our ``.cu`` files that stands in for a Triton one where it can: built (nvcc) and loaded at
+    first use per (device, defines) for ``sm_XY`` of the device. :meth:`ready` says whether it serves on a
+    device: a CUDA (not ROCm) device of compute capability 8.0 or newer, ``env`` not ``0``, and the build and
+    load done; a failure warns once per device (naming ``what``) and the caller keeps its Triton kernel."""
+
+    def __init__(self, source: str, function: str, what: str, env: str) -> None:
+        self.source, self.function, self.what, self.env = source, function, what, env
+        self._kernels: dict[tuple[int, tuple], Kernel] = {}
+        self._failed: dict[int, str] = {}
+
+    def enabled(self, device: torch.device) -> bool:
+        """The checks before any CUDA call: a CUDA device (not ROCm) and ``env`` not ``0``."""
+        return (device.type == "cuda" and torch.version.hip is None
+                and os.environ.get(self.env, "1") not in ("", "0"))
+
+    def ready(self, device: torch.device, defines: tuple[tuple[str, int], ...]) -> bool:
+        """Whether the kernel serves on ``device`` with ``defines`` (building and loading it the first time)."""
+        if not self.enabled(device):
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if (index, defines) in self._kernels:
+            return True
+        if index in self._failed or torch.cuda.get_device_capability(index) < (8, 0):
+            return False
+        major, minor = torch.cuda.get_device_capability(index)
+        try:
+            cubin = compile_cubin(self.source, f"sm_{major}{minor}", defines)
+            with torch.cuda.device(index):
+                self._kernels[(index, defines)] = load_kernel(cubin, self.function)
+        except (CudaBuildError, CudaDriverError) as e:
+            self._failed[index] = str(e)
+            warnings.warn(f"CUDA {self.what} kernel unavailable, using the Triton kernel: {e}", RuntimeWarning,
+                          stacklevel=3)
+            return False
+        return True
+
+    def get(self, device: torch.device, defines: tuple[tuple[str, int], ...]) -> Kernel:
+        """The loaded kernel (:meth:`ready` must have said True for these). Raises KeyError otherwise."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return self._kernels[(index, defines)]
 
 
 def load_kernel(cubin: bytes, name: str) -> Kernel:

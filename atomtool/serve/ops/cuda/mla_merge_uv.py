@@ -10,31 +10,20 @@ row's bits stay batch-invariant. ``ATOMTOOL_CUDA_MLA_MERGE=0`` keeps the Triton 
 from __future__ import annotations
 
 import ctypes
-import os
-import warnings
-from functools import cache
 
 import torch
 
-from atomtool.serve.ops.cuda.build import CudaBuildError, compile_cubin
-from atomtool.serve.ops.cuda.driver import CudaDriverError, Kernel, device_guard, load_kernel
+from atomtool.serve.ops.cuda.driver import OptionalKernel, device_guard
 
 R = 512
 DV = 128
 ROWS = 16
 THREADS = 256
 SHARED_BYTES = (DV + ROWS) * (R + 8) * 2
-_FAILED: dict[int, str] = {}
-#: (device index, chunks) whose kernel is loaded: later calls skip the capability query
-_READY: set[tuple[int, int]] = set()
 
 
-@cache
-def _kernel(device_index: int, n_chunks: int) -> Kernel:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin("mla_merge_uv.cu", f"sm_{major}{minor}", (("N_CHUNKS", n_chunks),))
-    with torch.cuda.device(device_index):
-        return load_kernel(cubin, "mla_merge_uv")
+#: the kernel, per device and chunk count
+KERNEL = OptionalKernel("mla_merge_uv.cu", "mla_merge_uv", "MLA merge", "ATOMTOOL_CUDA_MLA_MERGE")
 
 
 def _aligned(t: torch.Tensor, elems: int) -> bool:
@@ -48,9 +37,8 @@ def serves(out_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | N
     with ``scale`` [H, 128, ceil(512 / block_k)] float32, ``block_k`` a multiple of 16, or bf16 without scale),
     16-byte aligned rows, at most 32 chunks, a CUDA device (sm_80+, not ROCm) and the kernel built (a failure
     warns once and keeps the Triton kernel), ``ATOMTOOL_CUDA_MLA_MERGE`` not ``0``."""
-    if (device.type != "cuda" or torch.version.hip is not None or out_dtype != torch.bfloat16
-            or os.environ.get("ATOMTOOL_CUDA_MLA_MERGE", "1") in ("", "0")
-            or weight.dim() != 3 or tuple(weight.shape[1:]) != (DV, R) or not 1 <= n_chunks <= 32):
+    if (not KERNEL.enabled(device) or out_dtype != torch.bfloat16 or weight.dim() != 3
+            or tuple(weight.shape[1:]) != (DV, R) or not 1 <= n_chunks <= 32):
         return False
     if scale is not None:
         if (weight.dtype != torch.float8_e4m3fn or block_k % 16 or scale.dtype != torch.float32
@@ -58,19 +46,7 @@ def serves(out_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | N
             return False
     elif weight.dtype != torch.bfloat16 or not _aligned(weight, 8):
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, n_chunks) in _READY:
-        return True
-    if index in _FAILED or torch.cuda.get_device_capability(index) < (8, 0):
-        return False
-    try:
-        _kernel(index, n_chunks)
-    except (CudaBuildError, CudaDriverError) as e:
-        _FAILED[index] = str(e)
-        warnings.warn(f"CUDA MLA merge kernel unavailable, using the Triton kernel: {e}", RuntimeWarning, stacklevel=2)
-        return False
-    _READY.add((index, n_chunks))
-    return True
+    return KERNEL.ready(device, (("N_CHUNKS", n_chunks),))
 
 
 def mla_merge_uv_cuda(ws_acc: torch.Tensor, ws_ml: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -82,8 +58,7 @@ def mla_merge_uv_cuda(ws_acc: torch.Tensor, ws_ml: torch.Tensor, weight: torch.T
     (sparse); span_min: the split's minimum chunk span; pdl: programmatic dependent launch.
     Raises CudaDriverError when the launch fails."""
     B, n_chunks, H, _ = ws_acc.shape
-    index = ws_acc.device.index if ws_acc.device.index is not None else torch.cuda.current_device()
-    kern = _kernel(index, n_chunks)
+    kern = KERNEL.get(ws_acc.device, (("N_CHUNKS", n_chunks),))
     sc = scale if scale is not None else ws_ml  # unread without a scale
     args = [ctypes.c_void_p(ws_acc.data_ptr()), ctypes.c_void_p(ws_ml.data_ptr()), ctypes.c_void_p(weight.data_ptr()),
             ctypes.c_void_p(sc.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(cu_seqlens_q.data_ptr()),

@@ -10,21 +10,14 @@ the build fails, the Triton kernel serves and a warning says why, once.
 from __future__ import annotations
 
 import ctypes
-import os
-import warnings
-from functools import cache
 
 import torch
 
-from atomtool.serve.ops.cuda.build import CudaBuildError, compile_cubin
-from atomtool.serve.ops.cuda.driver import CudaDriverError, Kernel, device_guard, load_kernel
+from atomtool.serve.ops.cuda.driver import OptionalKernel, device_guard
 
 THREADS = 1024
 #: widest key row served (THREADS x 8 keys in registers)
 MAX_WIDTH = 8192
-_FAILED: dict[int, str] = {}
-#: (device index, keys per thread) whose kernel is loaded: later calls skip the capability query
-_READY: set[tuple[int, int]] = set()
 
 
 def items_for(width: int) -> int:
@@ -35,35 +28,19 @@ def items_for(width: int) -> int:
     return items
 
 
-@cache
-def _kernel(device_index: int, items: int) -> Kernel:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin("topk.cu", f"sm_{major}{minor}", (("THREADS", THREADS), ("ITEMS", items)))
-    with torch.cuda.device(device_index):
-        return load_kernel(cubin, "topk_rows")
+#: the kernel, per device and keys per thread
+KERNEL = OptionalKernel("topk.cu", "topk_rows", "top-k", "ATOMTOOL_CUDA_TOPK")
+
+
+def _defines(width: int) -> tuple[tuple[str, int], ...]:
+    return (("THREADS", THREADS), ("ITEMS", items_for(width)))
 
 
 def available(device: torch.device, width: int) -> bool:
-    """Whether rows ``width`` keys wide on ``device`` go to the CUDA kernel: a CUDA (not ROCm) device of compute
-    capability 8.0 or newer, ``width <= MAX_WIDTH``, ``ATOMTOOL_CUDA_TOPK`` not ``0``, and the kernel built and
+    """Whether rows ``width`` keys wide on ``device`` go to the CUDA kernel: ``width <= MAX_WIDTH``, a CUDA (not
+    ROCm) device of compute capability 8.0 or newer, ``ATOMTOOL_CUDA_TOPK`` not ``0``, and the kernel built and
     loaded (the first call per device builds it; a failure warns once and keeps the Triton kernel)."""
-    if (device.type != "cuda" or torch.version.hip is not None or width > MAX_WIDTH
-            or os.environ.get("ATOMTOOL_CUDA_TOPK", "1") in ("", "0")):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, items_for(width))
-    if key in _READY:
-        return True
-    if index in _FAILED or torch.cuda.get_device_capability(index) < (8, 0):
-        return False
-    try:
-        _kernel(*key)
-    except (CudaBuildError, CudaDriverError) as e:
-        _FAILED[index] = str(e)
-        warnings.warn(f"CUDA top-k kernel unavailable, using the Triton kernel: {e}", RuntimeWarning, stacklevel=2)
-        return False
-    _READY.add(key)
-    return True
+    return width <= MAX_WIDTH and KERNEL.ready(device, _defines(width))
 
 
 def select_rows_cuda(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int, rng: torch.Tensor,
@@ -77,8 +54,7 @@ def select_rows_cuda(keys: torch.Tensor, out: torch.Tensor, row0: int, topk: int
     R, S = keys.shape
     if topk >= 1 << 16:
         raise ValueError(f"select_rows_cuda: topk {topk} must be below 65536")
-    index = keys.device.index if keys.device.index is not None else torch.cuda.current_device()
-    kern = _kernel(index, items_for(S))
+    kern = KERNEL.get(keys.device, _defines(S))
     args = [ctypes.c_void_p(keys.data_ptr()), ctypes.c_void_p(rng.data_ptr()), ctypes.c_void_p(out.data_ptr()),
             ctypes.c_void_p(lengths.data_ptr()), ctypes.c_void_p(cu_seqlens_q.data_ptr()),
             ctypes.c_void_p(seq_lens.data_ptr()), ctypes.c_int(seq_lens.shape[0]), ctypes.c_int(row0),
