@@ -12,7 +12,7 @@ from atomtool.errors import ConfigError, InvalidRequestError
 from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.engine.outputs import RequestOutput
 from atomtool.serve.generation_defaults import load_generation_defaults
-from atomtool.serve.sampling_params import SamplingParams
+from atomtool.serve.sampling_params import SamplingParams, choice_seed
 
 
 class LLM:
@@ -155,8 +155,7 @@ class LLM:
                 for c in range(p.n):
                     rid = f"gen-{self._next_id}"
                     self._next_id += 1
-                    seed = None if p.seed is None else ((p.seed + c + 2**63) % 2**64) - 2**63  # as the server's n
-                    one = dataclasses.replace(p, n=1, seed=seed) if p.n > 1 else p
+                    one = dataclasses.replace(p, n=1, seed=choice_seed(p.seed, c)) if p.n > 1 else p
                     try:
                         self.engine.add_request(rid, prompt, one)
                     except InvalidRequestError as exc:

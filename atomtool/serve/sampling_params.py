@@ -102,6 +102,13 @@ class StructuredOutputsParams:
 MAX_N = 128
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of completion ``choice`` of a request seeded ``seed`` (README: choice i samples with ``seed + i``),
+    wrapped into the int64 range the seed came from; None stays None. The server's ``n`` and ``LLM.generate``'s
+    ``SamplingParams.n`` both use it."""
+    return None if seed is None else ((seed + choice + 2**63) % 2**64) - 2**63
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.

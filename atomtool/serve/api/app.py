@@ -106,7 +106,7 @@ from atomtool.serve.api.text_output import (
 from atomtool.serve.api.tool_parsers import get_tool_parser
 from atomtool.serve.api.tool_parsers.openai_output import ToolCallOutput
 from atomtool.serve.generation_defaults import GenerationDefaults
-from atomtool.serve.sampling_params import SamplingParams, StructuredOutputsParams
+from atomtool.serve.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 
 logger = logging.getLogger("atomtool.serve")
 
@@ -379,8 +379,7 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's SamplingParams of one choice; ``structured``: the output constraint (the request's own,
         from ``check_request``, or a forced tool call's)."""
-        # choice i samples with seed + i (README), wrapped into the int64 range the client's seed came from
-        seed = ((req.seed + choice + 2**63) % 2**64) - 2**63 if req.seed is not None else None
+        seed = choice_seed(req.seed, choice)  # choice i samples with seed + i (README)
         explicit = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                     "top_k": req.top_k, "seed": seed, "logprobs": logprobs, "stop": req.stop_list(),
                     "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
@@ -645,12 +644,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send either 'prompt' (a text) or 'messages' (a chat), not both or neither",
                            param="prompt")
-        if req.prompt is not None:
-            if len(req.prompt) > max_prompt_chars:
-                raise APIError(400, f"prompt has {len(req.prompt)} characters, more than a context of "
-                               f"{max_model_len} tokens can hold", param="prompt", code="context_length_exceeded")
-            ids = await run_blocking(functools.partial(
-                tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens is not False))
+        if req.prompt is not None:  # as a completions request tokenizes it (its length check included)
+            ids = (await run_blocking(completion_prompts, req.prompt, req.add_special_tokens is not False))[0][0]
         else:
             if req.add_special_tokens:
                 raise APIError(400, "add_special_tokens must be false with messages: the chat template places "
@@ -810,6 +805,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return await final_response(raw, group, CompletionResponse, response_id, created, req.n, make_choice,
                                     view)
 
+    def truncated(ids: list[int], k: int) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``k`` tokens (-1: max_model_len; the request model
+        refuses 0)."""
+        return ids[-(max_model_len if k == -1 else k):]
+
     def completion_prompts(prompt: Any, add_special_tokens: bool = True, truncate: int | None = None,
                            ) -> tuple[list[list[int]], list[int], list[str | None]]:
         """Normalise ``prompt`` to a list of engine prompts (token-id lists), their lengths and their text
@@ -837,9 +837,9 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
                else list(item) for item in items]
         texts = [item if isinstance(item, str) else None for item in items]
         if truncate is not None:
-            keep = max_model_len if truncate == -1 else truncate
-            texts = [t if len(x) <= keep else None for t, x in zip(texts, ids, strict=True)]
-            ids = [x[-keep:] if keep else [] for x in ids]
+            cut = [truncated(x, truncate) for x in ids]
+            texts = [t if len(c) == len(x) else None for t, c, x in zip(texts, cut, ids, strict=True)]
+            ids = cut
         # ids outside the vocabulary: the engine's add_request rejects them
         return ids, [len(x) for x in ids], texts
 
@@ -871,9 +871,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs, tools=req.tools, max_chars=max_prompt_chars,
             add_special_tokens=req.add_special_tokens))
-        if req.truncate_prompt_tokens is not None:  # vLLM's: keep the rendered prompt's last k tokens
-            keep = max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
-            prompt_ids = prompt_ids[-keep:] if keep else []
+        if req.truncate_prompt_tokens is not None:
+            prompt_ids = truncated(prompt_ids, req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sent_max = requested is not None
         if not sent_max:  # the generation config's max_new_tokens (cut to the room left), else the room left

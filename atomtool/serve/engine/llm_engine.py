@@ -199,18 +199,19 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer; pass the prompt as token ids")
             ids = list(self.tokenizer.encode(prompt))
-            bad = [t for t in ids if not 0 <= t < self.vocab_size] if self.vocab_size > 0 else []
-            if bad:  # a tokenizer larger than the model's embedding (a mismatched tokenizer.json)
-                raise InvalidRequestError(
-                    f"the tokenizer turned the prompt into token ids outside the model's vocabulary [0, "
-                    f"{self.vocab_size}): {bad[:10]}; the tokenizer has {len(self.tokenizer)} tokens but config.json "
-                    f"says vocab_size {self.vocab_size}: is it the model's own tokenizer?", param="prompt")
         else:
             ids = prompt_token_ids(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
-                                          f"{bad[:10]}", param="prompt")
+        text = isinstance(prompt, str)
+        # a text prompt's ids are checked only against a known vocab_size (a config without one serves text)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size] if self.vocab_size > 0 or not text else []
+        if bad and text:  # a tokenizer larger than the model's embedding (a mismatched tokenizer.json)
+            raise InvalidRequestError(
+                f"the tokenizer turned the prompt into token ids outside the model's vocabulary [0, "
+                f"{self.vocab_size}): {bad[:10]}; the tokenizer has {len(self.tokenizer)} tokens but config.json "
+                f"says vocab_size {self.vocab_size}: is it the model's own tokenizer?", param="prompt")
+        if bad:
+            raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
+                                      f"{bad[:10]}", param="prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if len(ids) > self.max_model_len:
