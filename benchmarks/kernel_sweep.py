@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import importlib
 import itertools
+import os
 import time
 
 import torch
@@ -164,6 +165,15 @@ def sweep_mla(device, candidates, copy_bw: float, smoke: bool) -> list[dict]:
         rows.append(C.record("kernel_sweep", kernel="mla_decode", B=B, chunk=default[1], **vars(default[0]),
                              fused_uv=False, us=t * 1e6, GBps=nbytes / t / 1e9))
         print(f"  B={B} unfused default (merge + cuBLAS W_UV): {t * 1e6:.1f} us", flush=True)
+        for split in ("cuda", "triton"):  # the engine's path with the CUDA split-KV kernel (mla_split.cu) and without
+            os.environ["ATOMTOOL_CUDA_MLA_SPLIT"] = "1" if split == "cuda" else "0"
+            try:
+                t = C.seconds_per_call(lambda a=args: mla.mla_attention(*a, w_uv=w_uv), device)
+            finally:
+                os.environ.pop("ATOMTOOL_CUDA_MLA_SPLIT")
+            rows.append(C.record("kernel_sweep", kernel="mla_decode", B=B, chunk=default[1], **vars(default[0]),
+                                 fused_uv=True, split=split, us=t * 1e6, GBps=nbytes / t / 1e9))
+            print(f"  B={B} default, {split} split-KV kernel: {t * 1e6:.1f} us", flush=True)
         try:
             for cfg, chunk in candidates:
                 mla.MLA_DECODE_CONFIG, mla.SPLIT_CHUNK_SPARSE = cfg, chunk
@@ -193,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("kernel_sweep needs a CUDA device (or --smoke)")
     if args.smoke:
-        import os
-
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from atomtool.serve.ops.triton.linear import FP8_LINEAR_W8A8_CONFIG, Fp8LinearConfig
     from atomtool.serve.ops.triton.mla import MlaDecodeConfig

@@ -13,6 +13,11 @@ Prints, per block_n / stages candidate, the kernel time (CUDA events, median of 
 and the slowest program's time at each stage. CUDA only (inline PTX).
 
     python3 -m benchmarks.mla_split_stamps
+    python3 -m benchmarks.mla_split_stamps --cuda   # the CUDA kernel (mla_split.cu built with -DSTAMPS=1)
+
+``--cuda`` stamps the CUDA split kernel the engine uses on Hopper instead (thread 0 of each CTA: row set up,
+key offsets, then per 64-key block: data ready, scores, probabilities, values; end), with L2 flushed before each
+launch and without (the model's case: the query, indices and block table were just written).
 """
 
 from __future__ import annotations
@@ -104,9 +109,84 @@ def _stamped_split_kernel(qn_ptr, qp_ptr, lat_ptr, ws_acc_ptr, ws_ml_ptr, bt_ptr
     _put(ts, 23, tl.sum(m_i, 0))
 
 
+def _inputs(dev: torch.device, H: int, R: int, P: int, K: int, ctx: int, bs: int) -> tuple[torch.Tensor, ...]:
+    """One decode row: (q_nope_absorbed [1, H, R], q_pe [1, H, P], latent pool [*, bs, R + P], block table
+    [1, *], top-k [1, K]) with its ctx-token context's pages spread over a 40x larger pool."""
+    g = torch.Generator(device=dev).manual_seed(2)
+    pool = 40 * (ctx // bs + 1)
+    latent = torch.randn(pool, bs, R + P, device=dev, dtype=torch.bfloat16, generator=g)
+    bt = torch.randperm(pool, device=dev, generator=g)[: ctx // bs + 1].to(torch.int32).view(1, -1)
+    topk = torch.randperm(ctx, device=dev, generator=g)[:K].sort().values.to(torch.int32).view(1, -1)
+    qn = torch.randn(1, H, R, device=dev, dtype=torch.bfloat16, generator=g)
+    qp = torch.randn(1, H, P, device=dev, dtype=torch.bfloat16, generator=g)
+    return qn, qp, latent, bt, topk
+
+
+def _median_us(launch, iters: int, flush: torch.Tensor | None) -> float:
+    samples = []
+    for _ in range(iters + 1):
+        if flush is not None:
+            flush.zero_()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        launch()
+        e1.record()
+        torch.cuda.synchronize()
+        samples.append(e0.elapsed_time(e1) * 1e3)
+    return sorted(samples[1:])[len(samples) // 2 - 1]
+
+
+CUDA_SLOTS = 16
+CUDA_STAGES = [(1, "row"), (2, "offsets")] + [(3 + 4 * k + i, f"{nm}{k}") for k in range(2)
+                                              for i, nm in enumerate(("data", "scores", "probs", "values"))] + [
+    (11, "end")]
+
+
+def cuda_main(iters: int, ghz: float) -> int:
+    """The CUDA kernel's stamps (see the module docstring)."""
+    import ctypes
+
+    from atomtool.serve.ops.cuda import mla_split as cs
+    from atomtool.serve.ops.cuda.build import compile_cubin
+    from atomtool.serve.ops.cuda.driver import load_kernel
+
+    dev = torch.device("cuda")
+    H, R, P, K, ctx, bs = 128, 512, 64, 2048, 4096, 64
+    qn, qp, latent, bt, topk = _inputs(dev, H, R, P, K, ctx, bs)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    sl = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    n_chunks = K // 128
+    ws_acc = torch.empty(1, n_chunks, H, R, device=dev)
+    ws_ml = torch.empty(1, n_chunks, H, 2, device=dev)
+    heads = cs.heads_for(1, H, n_chunks, dev)
+    ts = torch.zeros(H // heads * n_chunks, CUDA_SLOTS, dtype=torch.int64, device=dev)
+    assert cs.serves(qn, qp, latent, bt, topk)
+    plain = cs.KERNEL.get(dev, cs.defines(heads))
+    major, minor = torch.cuda.get_device_capability(dev)
+    cubin = compile_cubin("mla_split.cu", f"sm_{major}{minor}", (("STAMPS", 1), *cs.defines(heads)))
+    stamped = load_kernel(cubin, "mla_split")
+    grid, kargs = cs.launch_args(qn, qp, latent, ws_acc, ws_ml, cu, sl, bt, topk, 0.1, 128, False, heads)
+    flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    for flushed in (True, False):
+        flush = flush_buf if flushed else None
+        t_plain = _median_us(lambda: plain.launch(grid, (cs.THREADS, 1, 1), cs.shared_bytes(heads), kargs), iters, flush)
+        t_stamped = _median_us(lambda: stamped.launch(grid, (cs.THREADS, 1, 1), cs.shared_bytes(heads),
+                                                      kargs + [ctypes.c_void_p(ts.data_ptr())]), iters, flush)
+        rel = (ts.cpu().double() - ts.cpu().double()[:, :1]) / ghz / 1e3
+        stages_us = {nm: round(float(rel[:, i].max()), 2) for i, nm in CUDA_STAGES}
+        l2 = "flushed" if flushed else "warm"
+        print(f"\nCUDA split kernel ({heads} heads per CTA), L2 {l2}: kernel {t_plain:.1f} us, with stamps "
+              f"{t_stamped:.1f} us; slowest CTA, us since its start:")
+        print("  " + ", ".join(f"{nm} {v}" for nm, v in stages_us.items()))
+        C.record("mla_split_stamps", kernel="cuda", l2_flushed=flushed, kernel_us=t_plain, stamped_us=t_stamped,
+                 **stages_us)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cuda", action="store_true", help="stamp the CUDA split kernel (mla_split.cu) instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("mla_split_stamps needs a CUDA device (inline PTX stamps)")
@@ -114,14 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ghz = float(subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
                                capture_output=True, text=True).stdout.split()[0]) / 1e3
     print("env", C.env_info(dev), f"SM clock {ghz} GHz (max; stamps are converted with it)")
-    g = torch.Generator(device=dev).manual_seed(2)
+    if args.cuda:
+        return cuda_main(args.iters, ghz)
     H, R, P, K, ctx, bs, span = 128, 512, 64, 2048, 4096, 64, 128
-    pool = 40 * (ctx // bs + 1)
-    latent = torch.randn(pool, bs, R + P, device=dev, dtype=torch.bfloat16, generator=g)
-    bt = torch.randperm(pool, device=dev, generator=g)[: ctx // bs + 1].to(torch.int32).view(1, -1)
-    topk = torch.randperm(ctx, device=dev, generator=g)[:K].sort().values.to(torch.int32).view(1, -1)
-    qn = torch.randn(1, H, R, device=dev, dtype=torch.bfloat16, generator=g)
-    qp = torch.randn(1, H, P, device=dev, dtype=torch.bfloat16, generator=g)
+    qn, qp, latent, bt, topk = _inputs(dev, H, R, P, K, ctx, bs)
     n_chunks, block_h = K // span, 64
     ws_acc = torch.empty(1, n_chunks, H, R, device=dev)
     ws_ml = torch.empty(1, n_chunks, H, 2, device=dev)
@@ -137,16 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     qp.stride(0), qp.stride(1), latent.stride(0), latent.stride(1), bt.stride(0), topk.stride(0),
                     BLOCK_H=block_h, BLOCK_N=bn, R_PAD=R, P_PAD=P, SPAN=span, STAMPS=stamps, num_warps=8,
                     num_stages=stages)
-            samples = []
-            for _ in range(args.iters + 1):
-                flush.zero_()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                launch()
-                e1.record()
-                torch.cuda.synchronize()
-                samples.append(e0.elapsed_time(e1) * 1e3)
-            times[stamps] = sorted(samples[1:])[len(samples) // 2 - 1]
+            times[stamps] = _median_us(launch, args.iters, flush)
         rel = (ts.cpu().double() - ts.cpu().double()[:, :1]) / ghz / 1e3  # us since each program's start
         names = [(1, "query")] + [(2 + k * 4 + i, f"{nm}{k}") for k in range(span // bn)
                                   for i, nm in enumerate(("indices", "block_table", "latent", "dots"))]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from atomtool.serve.ops.cuda import mla_merge_uv as cuda_merge
+from atomtool.serve.ops.cuda import mla_split as cuda_split
 from atomtool.serve.ops.cuda import topk as cuda_topk
-from atomtool.serve.ops.cuda.build import compile_cubin, nvcc_path
+from atomtool.serve.ops.cuda.build import SRC_DIR, compile_cubin, nvcc_path
 
 
 def test_items_per_thread_cover_the_row():
@@ -51,13 +52,58 @@ def test_the_merge_serves_only_bf16_mla_of_rank_512_and_dv_128_on_cuda(monkeypat
     assert not cuda_merge.serves(torch.bfloat16, fp8, scale, 128, 16, cuda)
 
 
+
+def test_the_split_serves_only_bf16_mla_of_rank_512_rope_64_and_64_head_blocks_on_cuda(monkeypatch):
+    def inputs(H=128, R=512, P=64, dtype=torch.bfloat16):
+        return (torch.zeros(1, H, R, dtype=dtype), torch.zeros(1, H, P, dtype=dtype),
+                torch.zeros(4, 64, R + P, dtype=dtype), torch.zeros(1, 4, dtype=torch.int32),
+                torch.zeros(1, 2048, dtype=torch.int32))
+
+    qn, qp, lat, bt, tk = inputs()
+    assert not cuda_split.serves(qn, qp, lat, bt, tk)  # a CPU tensor
+    monkeypatch.setattr(cuda_split.KERNEL, "enabled", lambda device: True)  # as on a CUDA device
+    monkeypatch.setattr(cuda_split.KERNEL, "ready", lambda device, defines: True)
+    assert cuda_split.serves(qn, qp, lat, bt, tk) and cuda_split.serves(qn, qp, lat, bt, None)
+    assert not cuda_split.serves(*inputs(dtype=torch.float32))  # float32 models: Triton
+    assert not cuda_split.serves(*inputs(R=256))  # kv_lora_rank 256
+    assert not cuda_split.serves(*inputs(P=32))  # another rope dim
+    assert not cuda_split.serves(*inputs(H=16))  # 16 heads (DeepSeek-V3 at TP 8)
+    assert cuda_split.serves(*inputs(H=32))
+    assert not cuda_split.serves(qn, qp, lat, bt, tk.long())  # int64 top-k
+    assert not cuda_split.serves(qn, qp, torch.zeros(4, 64, 580, dtype=torch.bfloat16)[..., :576], bt, tk)  # rows
+    # not 16-byte aligned
+    assert cuda_split.serves(qn, qp, torch.zeros(4, 64, 640, dtype=torch.bfloat16)[..., :576], bt, tk)
+    # the H100 / H200 per-block opt-in limit, both head blocks; the sizes the kernel's layout adds up to
+    assert cuda_split.shared_bytes(32) == 190592 and cuda_split.shared_bytes(64) == 232192 <= 232448
+
+
+def test_the_split_takes_32_heads_per_cta_while_one_wave_holds_the_grid(monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(cuda_split, "_SM_COUNTS", {0: 132})  # an H100 / H200
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # DeepSeek-V3.2 (128 heads, 16 chunks): batch 1 is 64 CTAs of 32 heads, batch 2 is 128, batch 3 would be 192
+    assert [cuda_split.heads_for(B, 128, 16, dev) for B in (1, 2, 3, 64)] == [32, 32, 64, 64]
+    assert [cuda_split.heads_for(B, 64, 16, dev) for B in (1, 4, 5)] == [32, 32, 64]  # GLM-5.2 / Kimi-K2: 64 heads
+    assert cuda_split.heads_for(64, 32, 16, dev) == 32  # 32 heads: never 64
+    monkeypatch.setattr(cuda_split, "HEADS", 64)  # forced (A/B runs), where H allows it
+    assert cuda_split.heads_for(1, 128, 16, dev) == 64 and cuda_split.heads_for(1, 96, 16, dev) == 32
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed: the build is checked on the GPU machine")
-@pytest.mark.parametrize("n_chunks", [16, 32])
-def test_the_merge_kernel_compiles_for_sm90(n_chunks, tmp_path, monkeypatch):
+@pytest.mark.parametrize("source,function,defines", [
+    ("mla_merge_uv.cu", "mla_merge_uv", (("N_CHUNKS", 16),)), ("mla_merge_uv.cu", "mla_merge_uv", (("N_CHUNKS", 32),)),
+    ("mla_split.cu", "mla_split", (("HEADS", 32),)), ("mla_split.cu", "mla_split", (("HEADS", 64),))])
+def test_the_mla_kernels_compile_for_sm90_without_spills(source, function, defines, tmp_path, monkeypatch):
+    import subprocess
+
     monkeypatch.setenv("ATOMTOOL_CUDA_CACHE", str(tmp_path))
     compile_cubin.cache_clear()
-    cubin = compile_cubin("mla_merge_uv.cu", "sm_90", (("N_CHUNKS", n_chunks),))
-    assert cubin[:4] == b"\x7fELF" and b"mla_merge_uv" in cubin
+    cubin = compile_cubin(source, "sm_90", defines)
+    assert cubin[:4] == b"\x7fELF" and function.encode() in cubin
+    r = subprocess.run([nvcc_path(), "-cubin", "-gencode=arch=compute_90,code=sm_90", "-O3", "-Xptxas", "-v",
+                        *[f"-D{k}={v}" for k, v in defines], "-o", str(tmp_path / "x.cubin"), str(SRC_DIR / source)],
+                       capture_output=True, text=True, check=True)
+    assert "0 bytes spill stores" in r.stderr, r.stderr
 
 
 def test_the_device_guard_switches_only_to_another_device(monkeypatch):

@@ -268,6 +268,49 @@ def test_mla_cuda_merge_matches_the_triton_merge_and_the_reference(tri, fp8, mon
             assert torch.equal(alone, cuda[b:b + 1])
 
 
+@pytest.mark.parametrize("H", [32, 128, 256])
+def test_mla_cuda_split_matches_the_triton_split_and_the_reference(tri, H, monkeypatch):
+    """The CUDA split-KV kernel (atomtool/serve/ops/cuda/mla_split.cu: bf16, kv_lora_rank 512, rope 64, heads a
+    multiple of its heads per CTA) serves the decode rows on this GPU; its partials, merged, match the Triton split's and the
+    reference within bf16 rounding: dense rows from 1 key to 20,000 (chunks of one to ten 64-key blocks, the
+    stage refill), sparse rows with padding and entries past the query's position, a strided latent cache, and
+    a peaked softmax (scale 1: each row's output is its best key's latent row, so a wrong key shows). A row's
+    bits are the same alone and in the batch."""
+    from atomtool.serve.ops.cuda import mla_split as cs
+    from atomtool.serve.ops.cuda.build import nvcc_path
+
+    if nvcc_path() is None:
+        pytest.skip("no nvcc: the CUDA split kernel cannot be built here")
+    q_lens, seq_lens = [1] * 6, [1, 5, 130, 2049, 5000, 20000]
+    qn, qp, lat, cu, sl, bt = _mla_inputs(torch.bfloat16, H, q_lens, seq_lens)
+    wide = torch.zeros(*lat.shape[:2], 640, device=DEV, dtype=torch.bfloat16)
+    wide[..., :576] = lat
+    topk = _topk_like(q_lens, seq_lens, 2048)
+    topk[3, 100:180] = -1  # padding inside the list
+    topk[4, 5:9] = 4999 + torch.arange(1, 5, device=DEV, dtype=torch.int32)  # past the query's position
+    assert cs.serves(qn, qp, lat, bt, topk) and cs.serves(qn, qp, wide[..., :576], bt, topk)
+    for latent, tk, scale in [(lat, None, 192 ** -0.5), (lat, topk, 192 ** -0.5), (wide[..., :576], topk, 192 ** -0.5),
+                              (lat, None, 1.0), (lat, topk, 1.0)]:
+        args = (qn, qp, latent, cu, sl, bt)
+        cuda = tri.mla_attention(*args, scale, tk)
+        _close(cuda, torch_ref_mla.mla_attention(*args, scale, tk), 1e-2, 1e-2)
+        monkeypatch.setenv("ATOMTOOL_CUDA_MLA_SPLIT", "0")
+        triton_out = tri.mla_attention(*args, scale, tk)
+        monkeypatch.delenv("ATOMTOOL_CUDA_MLA_SPLIT")
+        _close(cuda, triton_out, 1e-2, 1e-2)
+        for b in (1, 5):  # alone: 32 heads per CTA (one wave); the batch of 6: 64 when H allows
+            alone = tri.mla_attention(qn[b:b + 1], qp[b:b + 1], latent, _cu([1]), sl[b:b + 1], bt[b:b + 1], scale,
+                                      None if tk is None else tk[b:b + 1])
+            assert torch.equal(alone, cuda[b:b + 1])
+        if H % 64 == 0:  # both CTA sizes forced over the whole batch: the same bits
+            forced = []
+            for heads in (32, 64):
+                monkeypatch.setattr(cs, "HEADS", heads)
+                forced.append(tri.mla_attention(*args, scale, tk))
+            monkeypatch.setattr(cs, "HEADS", None)
+            assert torch.equal(forced[0], forced[1]) and torch.equal(forced[0], cuda)
+
+
 def _indexer_inputs(q_lens, seq_lens, integer, Hi=64, Di=128, bs=64, seed=6):
     g = torch.Generator().manual_seed(seed)
     nb, bt = _paged(seq_lens, bs, g)

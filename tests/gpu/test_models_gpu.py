@@ -283,3 +283,34 @@ def test_fp8_block_checkpoint_float32_greedy_equals_dequantized_transformers(fp8
     for p, o in zip(prompts, outs, strict=True):
         ref, _ = _hf_greedy(hf, p, N_NEW)
         assert o.token_ids == ref, (arch, len(p))
+
+
+def test_deepseek_v32_at_deepseek_mla_dims_cuda_decode_kernels(tmp_path, monkeypatch, gpu_report):
+    """bf16 DeepSeek-V3.2 with DeepSeek's MLA dims (kv_lora_rank 512, rope 64, nope / v 128) and 64 heads, where
+    the CUDA split-KV and merge kernels serve decode: greedy tokens equal the Triton kernels' with logits
+    within bf16 rounding, and a request's tokens alone equal those in a mixed batch while the split's CTA
+    size follows the batch (one wave of a 4-SM device: 32 heads alone, 64 in the batch)."""
+    from atomtool.serve.ops.cuda import mla_split as cs
+    from atomtool.serve.ops.cuda.build import nvcc_path
+
+    if nvcc_path() is None:
+        pytest.skip("no nvcc: the CUDA decode kernels cannot be built here")
+    path = write_hf_checkpoint(tmp_path, "deepseek_v32", seed=1, **DSA, kv_lora_rank=512, qk_rope_head_dim=64,
+                               qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=64, num_key_value_heads=64,
+                               index_head_dim=128)
+    model = load_model(path, dtype="bfloat16", device="cuda").model
+    monkeypatch.setattr(cs, "_SM_COUNTS", {torch.cuda.current_device(): 4})
+    assert cs.heads_for(1, 64, 1, torch.device("cuda")) == 32 and cs.heads_for(3, 64, 1, torch.device("cuda")) == 64
+    p = _prompt(13, 77)
+    cuda_t, cuda_l = CudaDriver(model, seed=1).generate({"r": p}, 6)
+    monkeypatch.setenv("ATOMTOOL_CUDA_MLA_SPLIT", "0")
+    monkeypatch.setenv("ATOMTOOL_CUDA_MLA_MERGE", "0")
+    tri_t, tri_l = CudaDriver(model, seed=1).generate({"r": p}, 6)
+    monkeypatch.delenv("ATOMTOOL_CUDA_MLA_SPLIT")
+    monkeypatch.delenv("ATOMTOOL_CUDA_MLA_MERGE")
+    assert cuda_t == tri_t
+    d = float((torch.stack(cuda_l["r"]) - torch.stack(tri_l["r"])).abs().max())
+    gpu_report["deepseek_mla_dims_cuda_vs_triton_max_logit_diff"] = d
+    assert d <= 0.05
+    mixed_t, _ = CudaDriver(model, seed=2).generate({"o1": _prompt(30, 78), "r": p, "o2": _prompt(4, 79)}, 6, chunk=7)
+    assert mixed_t["r"] == cuda_t["r"]

@@ -13,7 +13,8 @@ their sequence): that layout gives a batch-1 step H / BLOCK_H programs, each wal
 so decode rows use split-KV (Flash-Decoding, Dao et al. 2023): programs (sequence, block of heads, chunk)
 each reduce a chunk of the row's key list (``SPLIT_CHUNK_SPARSE`` top-k entries; dense: at most
 ``SPLIT_CHUNKS_DENSE`` chunks of >= ``SPLIT_SPAN_DENSE`` positions) to (max, sum, unnormalized output)
-partials, and a second kernel merges the row's chunks in chunk order: ``split_kv_merge_kernel`` (split_kv.py)
+partials (on CUDA devices, for bf16 models with kv_lora_rank 512, rope 64 and heads a multiple of 32, by the
+CUDA kernel of :mod:`atomtool.serve.ops.cuda.mla_split`), and a second kernel merges the row's chunks in chunk order: ``split_kv_merge_kernel`` (split_kv.py)
 for the latent output, or with ``w_uv`` :func:`_mla_merge_uv_kernel`, which also multiplies each merged head
 row by W_UV (multi-token rows: ``torch_ref_mla.mla_output_uv``; on CUDA devices, for bf16 models with
 kv_lora_rank 512 and v_head_dim 128, the CUDA kernel of :mod:`atomtool.serve.ops.cuda.mla_merge_uv` instead,
@@ -415,12 +416,33 @@ def _head_weight_args(w: torch.Tensor | HeadWeights, R: int) -> tuple:
     return w, w, 1, 0, 0, block_r, triton.cdiv(R, block_r), False
 
 
+def _cuda_ready(out: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    """The checks both CUDA decode kernels share: a CUDA tensor, not the Triton interpreter, int32 contiguous
+    sequence metadata."""
+    return (out.is_cuda and not interpreting()
+            and all(x.dtype == torch.int32 and x.is_contiguous() for x in (cu_seqlens_q, seq_lens)))
+
+
+def _cuda_split(q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables,
+                topk_indices, scale, span_min) -> bool:
+    """Split-KV partials of the decode rows by the CUDA kernel (:mod:`atomtool.serve.ops.cuda.mla_split`) when
+    it serves this model (dtypes and shapes, never the batch); False when the Triton kernel is to run."""
+    if not _cuda_ready(ws_acc, cu_seqlens_q, seq_lens):
+        return False
+    from atomtool.serve.ops.cuda import mla_split as cs
+
+    if not cs.serves(q_nope_absorbed, q_pe, latent_cache, block_tables, topk_indices):
+        return False
+    cs.mla_split_cuda(q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables,
+                      topk_indices, float(scale), span_min, pdl=bool(launch_pdl_args(ws_acc.device)))
+    return True
+
+
 def _cuda_merge(w_uv, out, n_chunks, sparse, K, span_min, ws_acc, ws_ml, cu_seqlens_q, seq_lens) -> bool:
     """Merge + W_UV of the decode rows by the CUDA kernel (:mod:`atomtool.serve.ops.cuda.mla_merge_uv`) when it
     serves this model (its dtype and shapes, never the batch: a row's bits stay batch-invariant); False when
     the Triton kernel is to run."""
-    if (not out.is_cuda or interpreting() or out.stride(-1) != 1
-            or any(x.dtype != torch.int32 or not x.is_contiguous() for x in (cu_seqlens_q, seq_lens))):
+    if not _cuda_ready(out, cu_seqlens_q, seq_lens) or out.stride(-1) != 1:
         return False
     from atomtool.serve.ops.cuda import mla_merge_uv as cm
 
@@ -532,15 +554,17 @@ def mla_attention(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cach
     else:
         cfg = MLA_DECODE_CONFIG
     block_h = min(pow2(H, 16), cfg.block_h)
-    _mla_split_kernel[(B, triton.cdiv(H, block_h), n_chunks)](
-        q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables, tk,
-        H, R, P, K, latent_cache.shape[1], float(scale), n_chunks,
-        q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
-        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), tk.stride(0),
-        SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=block_h, BLOCK_N=cfg.block_n, R_PAD=r_pad,
-        P_PAD=p_pad, DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_pdl_args(q_nope_absorbed.device),
-    )
+    if not _cuda_split(q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables,
+                       topk_indices, scale, span_min):
+        _mla_split_kernel[(B, triton.cdiv(H, block_h), n_chunks)](
+            q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q, seq_lens, block_tables, tk,
+            H, R, P, K, latent_cache.shape[1], float(scale), n_chunks,
+            q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
+            latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), tk.stride(0),
+            SPARSE=sparse, SPAN_MIN=span_min, BLOCK_H=block_h, BLOCK_N=cfg.block_n, R_PAD=r_pad,
+            P_PAD=p_pad, DOT_DTYPE=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch_pdl_args(q_nope_absorbed.device),
+        )
     if w_uv is None:
         grid, merge_h, merge_d = merge_grid(B, H, R)
         split_kv_merge_kernel[grid](
