@@ -137,6 +137,23 @@ def test_load_bench_smoke_runs_the_fp8_moe_model(tmp_path, monkeypatch):
     assert row["raw"]["load_s"] > 0 and row["layout"]["ready_s"] >= row["layout"]["load_s"]
 
 
+def test_load_bench_cache_both_reports_a_cold_and_a_warm_row(tmp_path, monkeypatch):
+    """``--cache both``: one result row per cache mode (warm: the files read untimed before each load)."""
+    import json
+
+    from benchmarks import load_bench
+
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path / "out"))
+    reads = []
+    real = load_bench._read_all
+    monkeypatch.setattr(load_bench, "_read_all", lambda path: (reads.append(path.name), real(path)))
+    assert load_bench.main(["--smoke", "--reps", "1", "--sources", "raw,layout", "--cache", "both",
+                            "--dir", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["cache"] for r in rows] == ["cold", "warm"] and all(r["speedup_load"] > 0 for r in rows)
+    assert reads == ["raw", "layout"]  # only before the warm loads
+
+
 def test_trace_report_charges_each_instant_to_the_kernel_that_ends_first(tmp_path):
     """benchmarks/trace_report on a hand-made trace: a PDL pair (B launched at 2 us, waiting until A ends at
     10), a side-stream kernel C inside B, an idle gap, then two layers opened by the marker kernel; exposed
