@@ -7,6 +7,7 @@ Each command parses flags and calls its stage's ``commands`` module; user errors
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from enum import Enum
 from typing import Annotated
@@ -99,21 +100,26 @@ _DEVICE_HELP = "Where to run: auto = CUDA/ROCm GPU when available, else CPU."
 
 
 def _user_errors(fn):
-    """Turn AtomtoolError into a one-line message and exit code, never a traceback."""
+    """Turn AtomtoolError into a one-line message and exit code, never a traceback. A command run with
+    ``--json`` also prints the failure on stdout as one JSON object, ``{"error": {"type", "message",
+    "exit_code"}}``, so a script reading stdout sees why there is no result."""
+
+    def fail(kwargs: dict, kind: str, message: str, code: int) -> typer.Exit:
+        print(f"error: {message}", file=sys.stderr)
+        if kwargs.get("json_out"):
+            print(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}), flush=True)
+        return typer.Exit(code)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except AtomtoolError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            raise typer.Exit(exc.exit_code) from None
+            raise fail(kwargs, type(exc).__name__, str(exc), exc.exit_code) from None
         except Terminated:
-            print("error: terminated (SIGTERM)", file=sys.stderr)
-            raise typer.Exit(Terminated.exit_code) from None
+            raise fail(kwargs, "Terminated", "terminated (SIGTERM)", Terminated.exit_code) from None
         except KeyboardInterrupt:
-            print("error: interrupted", file=sys.stderr)
-            raise typer.Exit(130) from None
+            raise fail(kwargs, "KeyboardInterrupt", "interrupted", 130) from None
 
     return wrapper
 
@@ -123,7 +129,8 @@ def _user_errors(fn):
 def inspect_cmd(
     source: Annotated[str, typer.Argument(metavar="SOURCE", help="Local checkpoint directory or Hugging Face Hub repo id.")],
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables (on failure: "
+                                                            '{"error": {type, message, exit_code}}).')] = False,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor.")] = False,
     gpu_memory: Annotated[float | None, typer.Option("--gpu-memory", help="GB of memory: report the longest context that fits.")] = None,
 ) -> None:
@@ -145,7 +152,9 @@ def convert_cmd(
         help="Replace an existing OUT that is an atomtool layout (holds atomtool.json); any other non-empty "
              "directory is refused, never deleted.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output: one JSON object on stdout (on "
+                                                            'a refusal or failure: {"error": {type, message, '
+                                                            "exit_code}}).")] = False,
     revision: Annotated[str | None, typer.Option(help="Hub revision when SRC is a repo id.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Convert even when the layout would not be servable (inspect reports errors, a scheme "
@@ -172,7 +181,8 @@ def verify_cmd(
     layout: Annotated[str, typer.Argument(metavar="LAYOUT", help="An atomtool layout directory.")],
     source: Annotated[str | None, typer.Option("--source", help="Check every part reproduces this source.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object (every "
-                                                            "problem listed) instead of text.")] = False,
+                                                            "problem listed) instead of text (when there is no "
+                                                            'report: {"error": {...}}).')] = False,
 ) -> None:
     """Re-read a layout and check it against its manifest (and, with --source, against the source)."""
     from atomtool.convert.commands import run_verify
@@ -220,7 +230,8 @@ def generate_cmd(
     device: Annotated[Device, typer.Option(help=_DEVICE_HELP)] = Device.auto,
     fp8_activations: Annotated[Fp8Activations, typer.Option(help=_FP8_ACT_HELP)] = Fp8Activations.auto,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of {prompt, text, token_ids, "
-                                                            "finish_reason} instead of text.")] = False,
+                                                            "finish_reason} instead of text (on failure: "
+                                                            '{"error": {...}}).')] = False,
     generation_config: Annotated[GenerationConfigMode, typer.Option(help=_GEN_CONFIG_HELP)] = (
         GenerationConfigMode.auto),
     json_schema: Annotated[str | None, typer.Option(

@@ -346,7 +346,7 @@ def test_refusals(ckpts, tmp_path, monkeypatch, case):
     elif case == "nonempty":
         out.mkdir()
         (out / "x.txt").write_text("keep me")
-        msg = "is not empty; pass --overwrite to replace it"
+        msg = "is not empty and not an atomtool layout (no atomtool.json); name a new or empty directory"
     elif case == "not_layout":
         out.mkdir()
         (out / "x.txt").write_text("keep me")

@@ -175,7 +175,10 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
                               "elsewhere or name a new directory")
     if out_r.is_dir() and _entries(out_r):
         if not overwrite:
-            raise ConversionError(f"OUT {out} is not empty; pass --overwrite to replace it")
+            if is_layout(out_r):
+                raise ConversionError(f"OUT {out} is not empty (an atomtool layout); pass --overwrite to replace it")
+            raise ConversionError(f"OUT {out} is not empty and not an atomtool layout (no {MANIFEST_NAME}); name a "
+                                  "new or empty directory (--overwrite replaces only an atomtool layout)")
         if src_r is not None and out_r in src_r.parents:
             raise ConversionError(f"refusing to --overwrite {out}: it contains the source checkpoint {src}")
         inside = _source_files_inside(src_r, out_r) if src_r is not None else None
