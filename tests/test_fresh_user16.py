@@ -72,3 +72,12 @@ def test_json_commands_print_their_failure_as_json(tmp_path, command, kind, mess
 def test_without_json_stdout_stays_empty_on_failure(tmp_path):
     r = runner.invoke(app, ["inspect", str(tmp_path / "nope")])
     assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("error: ")
+
+
+def test_progress_in_a_log_ends_at_100_percent(qwen, tmp_path):
+    """``convert --progress 2> log``: the log's last bar state is the finished one (it was the first, 0%, then
+    erased: the bar was cleared for the summary line as on a terminal)."""
+    r = runner.invoke(app, ["convert", str(qwen), str(tmp_path / "layout"), "--progress"])
+    assert r.exit_code == 0, r.output
+    states = [s for s in r.stderr.replace("\r", "\n").splitlines() if "convert shard" in s]
+    assert states and "100%" in states[-1], r.stderr

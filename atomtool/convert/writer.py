@@ -655,9 +655,10 @@ def _write_shards(plan: ConversionPlan, src: Path, tmp: Path, shards: list[Shard
     pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="atomtool-sha256")
     stop = threading.Event()
     # bytes written (shard headers and tensor data), the shard in the description and the tensor being
-    # written after the rate; on stderr, left on screen only until the summary line replaces it
+    # written after the rate; on a terminal, left on screen only until the summary line replaces it; in a log
+    # (stderr not a terminal, --progress asked for) its final 100% state stays, not the first 0% one
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert shard 1/{len(shards)}",
-              disable=not progress, leave=False, file=sys.stderr, dynamic_ncols=True,
+              disable=not progress, leave=not sys.stderr.isatty(), file=sys.stderr, dynamic_ncols=True,
               mininterval=PROGRESS_INTERVAL_S) as bar:
         abandon = True
         try:
