@@ -62,7 +62,7 @@ def test_the_split_serves_only_bf16_mla_of_rank_512_rope_64_and_64_head_blocks_o
     qn, qp, lat, bt, tk = inputs()
     assert not cuda_split.serves(qn, qp, lat, bt, tk)  # a CPU tensor
     monkeypatch.setattr(cuda_split.KERNEL, "enabled", lambda device: True)  # as on a CUDA device
-    monkeypatch.setattr(cuda_split.KERNEL, "ready", lambda device, defines: True)
+    monkeypatch.setattr(cuda_split.KERNEL, "ready", lambda device, defines, shared=0: True)
     assert cuda_split.serves(qn, qp, lat, bt, tk) and cuda_split.serves(qn, qp, lat, bt, None)
     assert not cuda_split.serves(*inputs(dtype=torch.float32))  # float32 models: Triton
     assert not cuda_split.serves(*inputs(R=256))  # kv_lora_rank 256
@@ -80,6 +80,7 @@ def test_the_split_serves_only_bf16_mla_of_rank_512_rope_64_and_64_head_blocks_o
 def test_the_split_takes_32_heads_per_cta_while_one_wave_holds_the_grid(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(cuda_split, "_SM_COUNTS", {0: 132})  # an H100 / H200
+    monkeypatch.setattr(cuda_split.KERNEL, "ready", lambda device, defines, shared=0: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     # DeepSeek-V3.2 (128 heads, 16 chunks): batch 1 is 64 CTAs of 32 heads, batch 2 is 128, batch 3 would be 192
     assert [cuda_split.heads_for(B, 128, 16, dev) for B in (1, 2, 3, 64)] == [32, 32, 64, 64]
@@ -87,6 +88,27 @@ def test_the_split_takes_32_heads_per_cta_while_one_wave_holds_the_grid(monkeypa
     assert cuda_split.heads_for(64, 32, 16, dev) == 32  # 32 heads: never 64
     monkeypatch.setattr(cuda_split, "HEADS", 64)  # forced (A/B runs), where H allows it
     assert cuda_split.heads_for(1, 128, 16, dev) == 64 and cuda_split.heads_for(1, 96, 16, dev) == 32
+    monkeypatch.setattr(cuda_split, "HEADS", None)
+    # a device whose blocks cannot hold the 64-heads kernel's shared memory keeps 32 heads at every batch
+    monkeypatch.setattr(cuda_split.KERNEL, "ready", lambda device, defines, shared=0: dict(defines)["HEADS"] == 32)
+    assert cuda_split.heads_for(64, 128, 16, dev) == 32
+
+
+def test_the_mla_kernels_are_not_served_where_their_shared_memory_does_not_fit(monkeypatch):
+    """An sm_89 GPU (101,376 bytes per block at most): the split (186 KB) and the merge (146 KB) kernels leave
+    the decode rows to Triton, asked before any build."""
+    import atomtool.serve.ops.cuda.driver as driver
+
+    monkeypatch.setattr(driver, "max_shared_optin", lambda index: 101376)
+    monkeypatch.setattr(driver, "compile_cubin", lambda *a: pytest.fail("built a kernel that cannot launch"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 9))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for kernel in (cuda_split.KERNEL, cuda_merge.KERNEL):
+        monkeypatch.setattr(kernel, "enabled", lambda device: True)
+    bf16 = torch.bfloat16
+    assert not cuda_split.serves(torch.zeros(1, 128, 512, dtype=bf16), torch.zeros(1, 128, 64, dtype=bf16),
+                                 torch.zeros(4, 64, 576, dtype=bf16), torch.zeros(1, 4, dtype=torch.int32), None)
+    assert not cuda_merge.serves(bf16, torch.zeros(4, 128, 512, dtype=bf16), None, 1, 16, torch.device("cuda", 0))
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed: the build is checked on the GPU machine")
@@ -132,6 +154,7 @@ def test_an_optional_kernel_is_built_once_per_device_and_a_failure_warns_once(mo
 
     monkeypatch.setattr(driver, "compile_cubin", compile_cubin)
     monkeypatch.setattr(driver, "load_kernel", lambda cubin, name: (cubin, name))
+    monkeypatch.setattr(driver, "max_shared_optin", lambda index: 101376)  # an sm_89 (L40S, RTX 4090)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
@@ -139,6 +162,12 @@ def test_an_optional_kernel_is_built_once_per_device_and_a_failure_warns_once(mo
     dev = torch.device("cuda", 0)
     assert k.ready(dev, (("A", 1),)) and k.ready(dev, (("A", 1),))
     assert builds == [("x.cu", "sm_90", (("A", 1),))] and k.get(dev, (("A", 1),)) == (b"cubin", "fn")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # more shared memory than the device's blocks may have: not served, quietly
+        assert not k.ready(dev, (("A", 3),), shared=190592) and len(builds) == 1
+    assert k.ready(dev, (("A", 1),), shared=190592)  # (already loaded for these defines: as before)
     with pytest.warns(RuntimeWarning, match="CUDA test kernel unavailable, using the Triton kernel: nvcc failed"):
         assert not k.ready(dev, (("BAD", 1),))
     assert not k.ready(dev, (("A", 2),)) and len(builds) == 2  # the device's failure is remembered: no rebuild

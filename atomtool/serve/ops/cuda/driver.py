@@ -27,6 +27,8 @@ _ATTR_CLUSTER_DIMENSION = 4
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 #: CUfunction_attribute values (cuda.h)
 _FUNC_MAX_DYNAMIC_SHARED = 8
+#: CUdevice_attribute values (cuda.h)
+_DEV_MAX_SHARED_PER_BLOCK_OPTIN = 97
 
 
 class CudaDriverError(RuntimeError):
@@ -112,6 +114,24 @@ class Kernel:
         _check(lib.cuLaunchKernelEx(ctypes.byref(cfg), self.function, params, None), f"cuLaunchKernelEx({self.name})")
 
 
+_SHARED_OPTIN: dict[int, int] = {}
+
+
+def max_shared_optin(index: int) -> int:
+    """Bytes of dynamic shared memory one block may opt into on CUDA device ``index`` (the driver's
+    CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232,448 on H100 / H200, 166,912 on A100, 101,376 on
+    sm_86 / sm_89 / sm_120), cached per device. Raises CudaDriverError."""
+    if index not in _SHARED_OPTIN:
+        lib = _cuda()
+        _check(lib.cuInit(0), "cuInit")
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        _check(lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index)), f"cuDeviceGet({index})")
+        _check(lib.cuDeviceGetAttribute(ctypes.byref(value), _DEV_MAX_SHARED_PER_BLOCK_OPTIN, dev),
+               "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")
+        _SHARED_OPTIN[index] = value.value
+    return _SHARED_OPTIN[index]
+
+
 def device_guard(device: torch.device):
     """A context making ``device`` current for a launch: ``torch.cuda.device(device)``, or nothing when it already
     is (the usual case: skips ~10 us of host time per launch outside CUDA graphs). A kernel launches in the
@@ -136,8 +156,11 @@ class OptionalKernel:
         return (device.type == "cuda" and torch.version.hip is None
                 and os.environ.get(self.env, "1") not in ("", "0"))
 
-    def ready(self, device: torch.device, defines: tuple[tuple[str, int], ...]) -> bool:
-        """Whether the kernel serves on ``device`` with ``defines`` (building and loading it the first time)."""
+    def ready(self, device: torch.device, defines: tuple[tuple[str, int], ...], shared: int = 0) -> bool:
+        """Whether the kernel serves on ``device`` with ``defines`` (building and loading it the first time);
+        ``shared``: the dynamic shared memory it launches with, which must fit the device's per-block opt-in
+        limit (:func:`max_shared_optin`; a kernel sized for Hopper does not fit an sm_86 / sm_89: no warning,
+        the Triton kernel serves there)."""
         if not self.enabled(device):
             return False
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -147,6 +170,8 @@ class OptionalKernel:
             return False
         major, minor = torch.cuda.get_device_capability(index)
         try:
+            if shared > max_shared_optin(index):
+                return False
             cubin = compile_cubin(self.source, f"sm_{major}{minor}", defines)
             with torch.cuda.device(index):
                 self._kernels[(index, defines)] = load_kernel(cubin, self.function)

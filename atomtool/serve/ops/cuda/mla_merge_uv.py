@@ -3,7 +3,8 @@
 Serves :func:`atomtool.serve.ops.triton.mla.mla_attention`'s decode rows in place of the Triton
 ``_mla_merge_uv_kernel`` when :func:`serves` says so: bf16 models with kv_lora_rank 512 and v_head_dim 128
 (DeepSeek-V3 / V3.2's MLA), W_UV FP8 (128-wide scale blocks or any multiple of 16) or bf16, on a CUDA device of
-compute capability 8.0 or newer with ``nvcc``. The choice depends on the model only, never on the batch, so a
+compute capability 8.0 or newer with ``nvcc`` whose blocks may opt into its 146 KB of shared memory (not
+sm_86 / sm_89 / sm_120). The choice depends on the model only, never on the batch, so a
 row's bits stay batch-invariant. ``ATOMTOOL_CUDA_MLA_MERGE=0`` keeps the Triton kernel (A/B measurements).
 """
 
@@ -46,7 +47,7 @@ def serves(out_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | N
             return False
     elif weight.dtype != torch.bfloat16 or not _aligned(weight, 8):
         return False
-    return KERNEL.ready(device, (("N_CHUNKS", n_chunks),))
+    return KERNEL.ready(device, (("N_CHUNKS", n_chunks),), SHARED_BYTES)
 
 
 def mla_merge_uv_cuda(ws_acc: torch.Tensor, ws_ml: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,

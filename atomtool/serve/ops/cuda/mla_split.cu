@@ -61,7 +61,8 @@ typedef unsigned int u32;
         if (tid == 0) {                                                                                    \
             long long clk;                                                                                 \
             asm volatile("mov.u64 %0, %%clock64; // %1" : "=l"(clk) : "f"(static_cast<float>(dep)));        \
-            stamps[(static_cast<long long>(blockIdx.z) * gridDim.x + blockIdx.x) * STAMP_SLOTS + (i)] = clk; \
+            stamps[((static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) *     \
+                   STAMP_SLOTS + (i)] = clk;                                                                   \
         }                                                                                                  \
     } while (0)
 #define STAMP_SLOTS 16

@@ -3,9 +3,11 @@
 Serves :func:`atomtool.serve.ops.triton.mla.mla_attention`'s decode rows in place of the Triton
 ``_mla_split_kernel`` when :func:`serves` says so: bf16 queries and latent cache with kv_lora_rank 512 and rope
 dim 64 (DeepSeek-V3 / V3.2's, Kimi-K2's and GLM-5's MLA), heads a multiple of 32, dense or DSA-sparse, on a CUDA device of
-compute capability 8.0 or newer with ``nvcc``. It writes the same (max, sum, unnormalized output) partials, so
-either merge reads them. The choice depends on the model only, never on the batch, so a row's bits stay
-batch-invariant. ``ATOMTOOL_CUDA_MLA_SPLIT=0`` keeps the Triton kernel (A/B measurements).
+compute capability 8.0 or newer with ``nvcc`` whose blocks may opt into the kernel's shared memory (186 KB at 32
+heads per CTA: Hopper and datacenter Blackwell, not A100 or sm_86 / sm_89 / sm_120). It writes the same (max,
+sum, unnormalized output) partials, so either merge reads them. Whether it serves depends on the model and the
+device only; the heads per CTA follow the batch (:func:`heads_for`) but give a row the same bits, so a row's
+result stays batch-invariant. ``ATOMTOOL_CUDA_MLA_SPLIT=0`` keeps the Triton kernel (A/B measurements).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def heads_for(B: int, H: int, n_chunks: int, device: torch.device) -> int:
     choice may follow the batch."""
     if HEADS is not None:
         return HEADS if H % HEADS == 0 else 32
-    if H % 64:
+    if H % 64 or B * (H // 32) * n_chunks <= _sm_count(device):
         return 32
-    return 32 if B * (H // 32) * n_chunks <= _sm_count(device) else 64
+    return 64 if KERNEL.ready(device, defines(64), shared_bytes(64)) else 32
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -68,8 +70,9 @@ def serves(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torc
            block_tables: torch.Tensor, topk_indices: torch.Tensor | None) -> bool:
     """Whether the CUDA kernel computes these decode rows' split-KV partials: q_nope_absorbed [T, H, 512] and
     q_pe [T, H, 64] bf16, latent_cache [N, bs, 576] bf16, all with 16-byte aligned rows, H a multiple of 32,
-    block_tables and topk_indices int32 with a contiguous last dim, a CUDA device (sm_80+, not ROCm), the
-    kernel built (a failure warns once and keeps the Triton kernel), ``ATOMTOOL_CUDA_MLA_SPLIT`` not ``0``."""
+    block_tables and topk_indices int32 with a contiguous last dim, a CUDA device (sm_80+, not ROCm) whose
+    per-block shared memory holds the 32-heads kernel's, the kernel built (a failure warns once and keeps the
+    Triton kernel), ``ATOMTOOL_CUDA_MLA_SPLIT`` not ``0``."""
     device = q_nope_absorbed.device
     if (not KERNEL.enabled(device) or q_nope_absorbed.shape[-1] != R or q_pe.shape[-1] != P
             or q_nope_absorbed.shape[1] % 32 or latent_cache.shape[-1] != R + P
@@ -77,7 +80,7 @@ def serves(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torc
             or any(t is not None and (t.dtype != torch.int32 or t.stride(-1) != 1)
                    for t in (block_tables, topk_indices))):
         return False
-    return all(KERNEL.ready(device, defines(heads)) for heads in (32, 64) if q_nope_absorbed.shape[1] % heads == 0)
+    return KERNEL.ready(device, defines(32), shared_bytes(32))
 
 
 def defines(heads: int) -> tuple[tuple[str, int], ...]:

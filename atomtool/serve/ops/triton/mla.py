@@ -427,7 +427,7 @@ def _cuda_split(q_nope_absorbed, q_pe, latent_cache, ws_acc, ws_ml, cu_seqlens_q
                 topk_indices, scale, span_min) -> bool:
     """Split-KV partials of the decode rows by the CUDA kernel (:mod:`atomtool.serve.ops.cuda.mla_split`) when
     it serves this model (dtypes and shapes, never the batch); False when the Triton kernel is to run."""
-    if not _cuda_ready(ws_acc, cu_seqlens_q, seq_lens):
+    if not _cuda_ready(ws_acc, cu_seqlens_q, seq_lens) or seq_lens.shape[0] > 65535:  # (the grid's y: sequences)
         return False
     from atomtool.serve.ops.cuda import mla_split as cs
 
