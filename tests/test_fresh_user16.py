@@ -5,7 +5,10 @@ Oracles:
   result, so a refusal or failure prints ``{"error": {"type", "message", "exit_code"}}`` there (the ``error:``
   line stays on stderr, the exit code is unchanged).
 - ``convert``'s own rule (``--overwrite`` replaces only an atomtool layout): an OUT that is not a layout must
-  not be answered with "pass --overwrite", which would only be refused next.
+  not be answered with "pass --overwrite", which would only be refused next; and a layout is never replaced
+  together with files a user put in it.
+- vLLM's OpenAI server: an empty ``model`` means the served model (``_is_model_supported``); a
+  ``truncate_prompt_tokens`` above max_model_len is a 400 ("greater than max_model_len").
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typer.testing import CliRunner
 
 from atomtool.cli import app
 from tests.checkpoints import write_hf_checkpoint
+
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
 runner = CliRunner()
 
@@ -81,3 +86,73 @@ def test_progress_in_a_log_ends_at_100_percent(qwen, tmp_path):
     assert r.exit_code == 0, r.output
     states = [s for s in r.stderr.replace("\r", "\n").splitlines() if "convert shard" in s]
     assert states and "100%" in states[-1], r.stderr
+
+
+def test_overwrite_refuses_a_layout_holding_files_a_user_added(qwen, tmp_path):
+    """``convert --overwrite`` replaced a layout together with notes and results a user had put in it, without a
+    word; it now refuses, naming them, and deletes nothing. A layout holding only its own files (shards,
+    manifest, index, config, carried tokenizer files) is still replaced."""
+    out = tmp_path / "L1"
+    assert runner.invoke(app, ["convert", str(qwen), str(out)]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(qwen), str(out), "--overwrite", "--dtype", "float32"]).exit_code == 0
+    (out / "MY_NOTES.md").write_text("important")
+    (out / "results").mkdir()
+    (out / "results" / "eval.json").write_text("{}")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    r = runner.invoke(app, ["convert", str(qwen), str(out), "--overwrite"])
+    assert r.exit_code == 1
+    assert r.stderr.strip() == (f"error: refusing to --overwrite {out}: it holds 2 entries the layout does not "
+                                "list (MY_NOTES.md, results/), which replacing it would delete; move them out first")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert (out / "MY_NOTES.md").read_text() == "important"
+    (out / "MY_NOTES.md").unlink()
+    (out / "results" / "eval.json").unlink()
+    (out / "results").rmdir()
+    assert runner.invoke(app, ["convert", str(qwen), str(out), "--overwrite"]).exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def scripted_url():
+    from transformers import AutoTokenizer
+
+    from atomtool.serve.api.app import create_app
+    from atomtool.serve.api.server import ServerThread
+    from atomtool.serve.demo import demo_model_path
+    from tests.test_server_support import ScriptedEngine
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path()))
+    ids = tok.encode(" ugly", add_special_tokens=False)
+    with ServerThread(create_app(ScriptedEngine(tok, ids, max_model_len=128), "m", chat_template=TEMPLATE)) as url:
+        yield url
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+])
+def test_an_empty_model_name_means_the_served_model(scripted_url, path, body):
+    import httpx
+
+    r = httpx.post(scripted_url + path, json={"model": "", **body}, timeout=30)
+    assert r.status_code == 200, r.text  # observed: 404 model_not_found
+    assert r.json()["model"] == "m"
+    other = httpx.post(scripted_url + path, json={"model": "gpt-4", **body}, timeout=30)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x y z"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+])
+def test_truncate_prompt_tokens_above_max_model_len_is_a_400(scripted_url, path, body):
+    import httpx
+
+    r = httpx.post(scripted_url + path, json={"model": "m", "max_tokens": 1, "truncate_prompt_tokens": 2000, **body},
+                   timeout=30)
+    assert r.status_code == 400, r.text  # observed: 200
+    err = r.json()["error"]
+    assert err["param"] == "truncate_prompt_tokens"
+    assert err["message"].startswith("truncate_prompt_tokens value (2000) is greater than max_model_len (128)")
+    ok = httpx.post(scripted_url + path, json={"model": "m", "max_tokens": 1, "truncate_prompt_tokens": 128, **body},
+                    timeout=30)
+    assert ok.status_code == 200, ok.text

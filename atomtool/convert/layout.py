@@ -117,6 +117,17 @@ def read_manifest(layout_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def layout_files(manifest: dict[str, Any]) -> set[str]:
+    """The files (paths relative to the layout, ``/``-separated) a layout written by convert consists of: the
+    manifest, config.json, the shard index, every tensor's shard and every carried file."""
+    files = {MANIFEST_NAME, CONFIG_NAME, INDEX_NAME}
+    files.update(t["file"] for t in manifest.get("tensors", {}).values()
+                 if isinstance(t, dict) and isinstance(t.get("file"), str))
+    files.update(c["path"] for c in manifest.get("carried_files", [])
+                 if isinstance(c, dict) and isinstance(c.get("path"), str))
+    return files
+
+
 def is_layout(path: str | Path) -> bool:
     """True when ``path`` is a directory holding a valid-looking atomtool layout manifest."""
     try:

@@ -68,6 +68,8 @@ from atomtool.convert.layout import (
     config_bytes,
     config_sha256,
     is_layout,
+    layout_files,
+    read_manifest,
     spec_to_entry,
 )
 from atomtool.convert.materialize import SourceReader, _bytes, byte_segments, materialize
@@ -188,6 +190,32 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
         if not is_layout(out_r):
             raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
                                   f"(no {MANIFEST_NAME}); remove it yourself if it should go")
+        foreign = foreign_entries(out_r)
+        if foreign:  # --overwrite replaces a layout, never what a user put beside it
+            shown = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+            raise ConversionError(f"refusing to --overwrite {out}: it holds {len(foreign)} "
+                                  f"entr{'y' if len(foreign) == 1 else 'ies'} the layout does not list ({shown}), "
+                                  "which replacing it would delete; move them out first")
+
+
+def foreign_entries(out_r: Path) -> list[str]:
+    """Entries of layout ``out_r`` that are not the layout's own files (:func:`layout_files`) nor directories
+    holding only those: what a user added. Names relative to ``out_r``, directories with a trailing ``/``."""
+    owned = layout_files(read_manifest(out_r))
+    owned_dirs = {p.as_posix() for f in owned for p in Path(f).parents if p != Path(".")}
+
+    def walk(entries: list[Path]):
+        for p in sorted(entries):
+            rel = p.relative_to(out_r).as_posix()
+            if p.is_dir() and not p.is_symlink():
+                if rel in owned_dirs:
+                    yield from walk(list(p.iterdir()))
+                else:
+                    yield rel + "/"
+            elif rel not in owned:
+                yield rel
+
+    return list(walk(_entries(out_r)))
 
 
 #: file inside a temporary ``.OUT.tmp-XXXX`` naming the convert that owns it (removed before the final rename)

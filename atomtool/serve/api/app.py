@@ -325,7 +325,8 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     # --------------------------------------------------------------------------------- shared
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        """404 for a model other than the served one; none or an empty name means the served one (vLLM)."""
+        if name and name != served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def check_request(req: Any) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -807,7 +808,11 @@ def create_app(engine: Any, served_model_name: str, api_key: str | None = None,
 
     def truncated(ids: list[int], k: int) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last ``k`` tokens (-1: max_model_len; the request model
-        refuses 0)."""
+        refuses 0). A ``k`` above max_model_len is a 400 naming both (vLLM's rule: such a prompt could not run)."""
+        if k > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                                f"({max_model_len}); please request a smaller truncation size",
+                           param="truncate_prompt_tokens")
         return ids[-(max_model_len if k == -1 else k):]
 
     def completion_prompts(prompt: Any, add_special_tokens: bool = True, truncate: int | None = None,
