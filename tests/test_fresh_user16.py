@@ -156,3 +156,20 @@ def test_truncate_prompt_tokens_above_max_model_len_is_a_400(scripted_url, path,
     ok = httpx.post(scripted_url + path, json={"model": "m", "max_tokens": 1, "truncate_prompt_tokens": 128, **body},
                     timeout=30)
     assert ok.status_code == 200, ok.text
+
+
+def test_gpu_memory_table_shows_the_weight_bytes_its_context_is_computed_from(tmp_path):
+    """``inspect --gpu-memory``: the longest context came from the weights as served (float32 stored, BF16 on the
+    GPU) while the table showed only the stored size, so the figures did not add up; the GPU bytes are shown
+    beside it and in the JSON, and the context is exactly what they leave."""
+    import torch
+
+    path = write_hf_checkpoint(tmp_path / "q32", "qwen3", dtype=torch.float32)
+    r = runner.invoke(app, ["inspect", str(path), "--gpu-memory", "0.01", "--json"])
+    m = json.loads(r.stdout)["memory"]
+    assert m["gpu_weights_bytes"] * 2 == m["weights_bytes"]  # every stored float32 weight served in BF16
+    assert m["max_context_tokens"] == (10_000_000 - m["gpu_weights_bytes"]) // m["kv_bytes_per_token"]
+    table = runner.invoke(app, ["inspect", str(path), "--gpu-memory", "0.01"], terminal_width=200).stdout
+    from atomtool.inspect.report import human_bytes
+
+    assert f"(on the GPU: {human_bytes(m['gpu_weights_bytes'])}, as serve holds them)" in table

@@ -657,6 +657,7 @@ def build_report(
 
                 loaded = weights_bytes - sum(saved(name, t) for name, t in tensors.items())
                 loaded -= config_mtp_bytes  # a config-only estimate counts the MTP layers' weights too
+                memory["gpu_weights_bytes"] = loaded  # what the context below is computed from
                 memory["weights_exceed_gpu_memory"] = loaded >= int(gpu_memory_gb * 1e9)
                 memory["max_context_tokens"] = mem.max_context_tokens(
                     gpu_memory_gb, loaded, memory["kv_bytes_per_token"],

@@ -330,7 +330,11 @@ def render(report: InspectReport, console: Console | None = None, *, show_tensor
         t = Table(show_header=False)
         t.add_column(style="bold")
         t.add_column()
-        t.add_row("weights", human_bytes(m.get("weights_bytes")))
+        weights = human_bytes(m.get("weights_bytes"))
+        gpu_w = m.get("gpu_weights_bytes")
+        if gpu_w is not None and gpu_w != m.get("weights_bytes"):  # the context below is computed from these
+            weights += f" (on the GPU: {human_bytes(gpu_w)}, as serve holds them)"
+        t.add_row("weights", weights)
         t.add_row("KV cache / token", f"{human_bytes(m['kv_bytes_per_token'])} = {kv_detail(m)}")
         if m.get("swa_layers"):
             t.add_row("sliding-window KV",
