@@ -42,6 +42,12 @@ class EngineError(AtomtoolError):
     """The serving engine cannot load or run a model (missing tensors, KV pool too small, ...)."""
 
 
+class InvalidArgumentError(ConfigError, EngineError, ValueError):
+    """An engine or ``LLM()`` argument out of range or unsupported (dtype, max_model_len, max_num_seqs,
+    gpu_memory_utilization, tensor_parallel_size, ...). Also a ValueError, which is what vLLM's ``LLM()`` raises
+    for these, and a ConfigError / EngineError, what callers of ours caught before."""
+
+
 class InvalidRequestError(AtomtoolError, ValueError):
     """A request is invalid: bad sampling parameters, prompt longer than max_model_len, ...
 

@@ -173,3 +173,23 @@ def test_gpu_memory_table_shows_the_weight_bytes_its_context_is_computed_from(tm
     from atomtool.inspect.report import human_bytes
 
     assert f"(on the GPU: {human_bytes(m['gpu_weights_bytes'])}, as serve holds them)" in table
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"dtype": "int8"}, "unknown dtype 'int8'"),
+    ({"max_model_len": 0}, "max_model_len must be a positive integer"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported yet"),
+    ({"generation_config": "maybe"}, "--generation-config must be one of"),
+])
+def test_llm_argument_errors_are_value_errors(kwargs, words):
+    """vLLM's ``LLM()`` raises ValueError for out-of-range arguments; ours raised EngineError / ConfigError,
+    which ``except ValueError`` did not catch. Now InvalidArgumentError: a ValueError and still the old types."""
+    from atomtool.errors import ConfigError, EngineError, InvalidArgumentError
+    from atomtool.serve.demo import demo_model_path
+    from atomtool.serve.llm import LLM
+
+    with pytest.raises(ValueError, match=words) as info:
+        LLM(str(demo_model_path()), device="cpu", **kwargs)
+    assert isinstance(info.value, InvalidArgumentError)
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, EngineError)

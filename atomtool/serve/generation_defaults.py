@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atomtool.errors import ConfigError, InvalidRequestError
+from atomtool.errors import ConfigError, InvalidArgumentError, InvalidRequestError
 from atomtool.serve.sampling_params import SamplingParams
 
 GENERATION_CONFIG_MODES = ("auto", "none")
@@ -93,7 +93,7 @@ def load_generation_defaults(model_dir: str | Path | None, mode: str = "auto") -
             message names the file and field and suggests ``--generation-config none``).
     """
     if mode not in GENERATION_CONFIG_MODES:
-        raise ConfigError(f"--generation-config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {mode!r}")
+        raise InvalidArgumentError(f"--generation-config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {mode!r}")
     if mode == "none" or model_dir is None:
         return GenerationDefaults()
     path = Path(model_dir) / "generation_config.json"

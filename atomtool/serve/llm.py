@@ -8,7 +8,7 @@ import numbers
 import os
 from collections.abc import Sequence as Seq
 
-from atomtool.errors import ConfigError, InvalidRequestError
+from atomtool.errors import InvalidArgumentError, InvalidRequestError
 from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.engine.outputs import RequestOutput
 from atomtool.serve.generation_defaults import load_generation_defaults
@@ -32,27 +32,30 @@ class LLM:
     (:mod:`atomtool.serve.generation_defaults`); its ``describe()`` is logged at INFO.
 
     Raises:
-        ConfigError: a ``generation_config`` other than auto / none (before loading), or a malformed
-            generation_config.json; the engine's load errors (:meth:`LLMEngine.from_model`).
+        InvalidArgumentError (a ValueError, as vLLM raises, and a ConfigError / EngineError): an argument out of
+            range or unsupported (``generation_config`` other than auto / none, ``dtype``, ``max_model_len``,
+            ``tensor_parallel_size`` other than 1, ...), before or while loading.
+        ConfigError: a malformed generation_config.json; the engine's load errors (:meth:`LLMEngine.from_model`).
+        TypeError: an unknown keyword argument.
     """
 
     def __init__(self, model: str, generation_config: str = "auto", *, seed: int | None = None,
                  tensor_parallel_size: int = 1, trust_remote_code: bool = False, tokenizer: str | None = None,
                  revision: str | None = None, quantization: str | None = None, **engine_kwargs) -> None:
         if not isinstance(model, (str, os.PathLike)):  # (an empty path: the loader's own message)
-            raise ConfigError(f"LLM: model must be a checkpoint or layout path, got {model!r}")
+            raise InvalidArgumentError(f"LLM: model must be a checkpoint or layout path, got {model!r}")
         load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
         if tensor_parallel_size != 1:
-            raise ConfigError(f"tensor_parallel_size {tensor_parallel_size} is not supported yet: atomtool runs a "
+            raise InvalidArgumentError(f"tensor_parallel_size {tensor_parallel_size} is not supported yet: atomtool runs a "
                               "model on one device (use 1)")
         if tokenizer is not None and os.path.realpath(tokenizer) != os.path.realpath(model):
-            raise ConfigError(f"tokenizer {tokenizer!r}: the model's own tokenizer files are used; another "
+            raise InvalidArgumentError(f"tokenizer {tokenizer!r}: the model's own tokenizer files are used; another "
                               "tokenizer is not supported (leave tokenizer unset)")
         if revision is not None:
-            raise ConfigError(f"revision {revision!r}: LLM loads a local checkpoint or layout directory; download "
+            raise InvalidArgumentError(f"revision {revision!r}: LLM loads a local checkpoint or layout directory; download "
                               "that revision first (huggingface-cli download REPO --revision REV --local-dir DIR)")
         if quantization is not None:
-            raise ConfigError(f"quantization {quantization!r}: the quantization is read from the checkpoint "
+            raise InvalidArgumentError(f"quantization {quantization!r}: the quantization is read from the checkpoint "
                               "(inspect shows it); leave quantization unset")
         # trust_remote_code: accepted, no effect (atomtool never runs a checkpoint's own Python code)
         for name in _VLLM_NO_EFFECT:  # vLLM resource / logging knobs with no counterpart here

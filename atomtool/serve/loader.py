@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from atomtool.errors import ConfigError, EngineError, LayoutError, SourceError, one_line
+from atomtool.errors import ConfigError, EngineError, InvalidArgumentError, LayoutError, SourceError, one_line
 from atomtool.serve.model_config import check_size_fields, complete_config
 from atomtool.serve.models.base import CausalLM
 from atomtool.serve.models.registry import get_model_class, resolve_architecture
@@ -59,7 +59,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: dict[str, Any], device: torc
         tag = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
         return torch.float16 if tag == "float16" else torch.bfloat16
     if dtype not in _DTYPES:
-        raise EngineError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from atomtool.errors import EngineError, InvalidRequestError
+from atomtool.errors import EngineError, InvalidArgumentError, InvalidRequestError
 from atomtool.serve.engine.block_manager import BlockManager
 from atomtool.serve.engine.detokenizer import IncrementalDetokenizer
 from atomtool.serve.engine.kv_cache import (
@@ -76,13 +76,13 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
-                raise EngineError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                           or max_model_len < 1):
             # 0 would build an engine refusing every prompt, a negative value a bogus "KV budget" error
-            raise EngineError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+            raise InvalidArgumentError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if not 0 < gpu_memory_utilization <= 1:
-            raise EngineError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+            raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -102,7 +102,7 @@ class LLMEngine:
             capped_by = getattr(model, "context_limit_reason", None) or "the model's context limit"
         if max_model_len is not None and max_model_len > limit:
             why = f" ({capped_by})" if capped_by else ""
-            raise EngineError(f"max_model_len {max_model_len} exceeds what the model supports ({limit} tokens{why})")
+            raise InvalidArgumentError(f"max_model_len {max_model_len} exceeds what the model supports ({limit} tokens{why})")
         want_len = max_model_len or limit
         planes = model.kv_plane_specs()
         reserve = activation_reserve_bytes(config, getattr(model, "dtype", torch.bfloat16), max_num_batched_tokens,
