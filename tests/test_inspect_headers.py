@@ -437,7 +437,11 @@ def test_cli_inspect_hostile_header(tmp_path, case):
     for extra in ([], ["--json"]):
         result = CliRunner().invoke(app, ["inspect", str(tmp_path), *extra])
         assert result.exit_code == 1, result.output
-        assert result.stdout == ""
+        if extra:  # --json: the failure as one JSON object on stdout too (round 16)
+            err = json.loads(result.stdout)["error"]
+            assert err["type"] == "HeaderError" and result.stderr == f"error: {err['message']}\n"
+        else:
+            assert result.stdout == ""
         assert result.stderr.startswith(f"error: {shard}: ") and result.stderr.count("\n") == 1, result.stderr
         assert needle in result.stderr and "Traceback" not in result.stderr
 
