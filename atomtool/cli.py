@@ -44,6 +44,15 @@ def _main(
     """Inspect, convert and serve LLM checkpoints (MLA + DSA + MoE, dense Llama/Qwen)."""
 
 
+class UvicornLogLevel(str, Enum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
+
 class DType(str, Enum):
     auto = "auto"
     bfloat16 = "bfloat16"
@@ -328,6 +337,33 @@ def serve_cmd(
     model_option: Annotated[str | None, typer.Option(
         "--model", help="MODEL as an option (vLLM's older spelling); give it one way only.",
         show_default=False)] = None,
+    revision: Annotated[str | None, typer.Option(
+        help="Hub revision (branch, tag or commit) when MODEL is a repo id.", show_default=False)] = None,
+    seed: Annotated[int | None, typer.Option(
+        help="Seed Python's and torch's generators at startup (vLLM's --seed): requests without their own "
+             "seed then sample the same from one run to the next.", show_default=False)] = None,
+    uvicorn_log_level: Annotated[UvicornLogLevel, typer.Option(
+        help="Log level of the HTTP server (uvicorn).")] = UvicornLogLevel.info,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Accepted for vLLM command lines; no effect: atomtool never runs a "
+                                    "checkpoint's own Python code.")] = False,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="vLLM's flag: only the model itself (its own tokenizer files are used).", show_default=False)] = None,
+    enable_chunked_prefill: Annotated[bool | None, typer.Option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill",
+        help="Accepted for vLLM command lines: chunked prefill is always on here (--max-num-batched-tokens "
+             "sets the chunk); turning it off is refused.", show_default=False)] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="vLLM's flag: only 'auto' (the KV cache is kept in the model's dtype).")] = "auto",
+    swap_space: Annotated[float | None, typer.Option(
+        help="Accepted for vLLM command lines; no effect: preempted sequences are recomputed, never swapped "
+             "to CPU memory.", show_default=False)] = None,
+    disable_log_requests: Annotated[bool, typer.Option(
+        "--disable-log-requests", help="Accepted for vLLM command lines; no effect: requests' contents are "
+                                       "never logged.")] = False,
+    disable_log_stats: Annotated[bool, typer.Option(
+        "--disable-log-stats", help="Accepted for vLLM command lines; no effect: statistics are served on "
+                                    "/metrics, not logged.")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     import os
@@ -336,6 +372,31 @@ def serve_cmd(
         if model is not None and model != model_option:
             raise AtomtoolError(f"MODEL {model!r} and --model {model_option!r} disagree: give the model once")
         model = model_option
+    if enable_chunked_prefill is False:
+        raise AtomtoolError("--no-enable-chunked-prefill: chunked prefill is always on in atomtool (a long prompt "
+                            "is prefilled --max-num-batched-tokens at a time); drop the flag")
+    if kv_cache_dtype != "auto":
+        raise AtomtoolError(f"--kv-cache-dtype {kv_cache_dtype}: only auto is supported (the KV cache is kept in "
+                            "the model's dtype)")
+    if tokenizer is not None and (model is None or os.path.realpath(tokenizer) != os.path.realpath(model)):
+        raise AtomtoolError(f"--tokenizer {tokenizer}: the model's own tokenizer files are used; another "
+                            "tokenizer is not supported (drop the flag)")
+    if revision is not None:
+        from atomtool.inspect.source import looks_like_path
+
+        if model is None or os.path.exists(model) or looks_like_path(model):
+            raise AtomtoolError(f"--revision applies to a Hub repo id; MODEL {model!r} is a local path")
+        from atomtool.convert.commands import resolve_source
+
+        served_model_name = served_model_name or model  # the repo id, not the snapshot's directory
+        model = str(resolve_source(model, revision)[0])
+    if seed is not None:
+        import random
+
+        import torch
+
+        random.seed(seed)
+        torch.manual_seed(seed)
 
     from atomtool.serve.api.server import run_serve
 
@@ -352,7 +413,8 @@ def serve_cmd(
         enable_prefix_caching=enable_prefix_caching, generation_config=generation_config.value,
         tool_call_parser=tool_call_parser.value if tool_call_parser is not None else None,
         enable_auto_tool_choice=enable_auto_tool_choice, allowed_origins=allowed_origins,
-        allowed_methods=allowed_methods, allowed_headers=allowed_headers, allow_credentials=allow_credentials))
+        allowed_methods=allowed_methods, allowed_headers=allowed_headers, allow_credentials=allow_credentials,
+        uvicorn_log_level=uvicorn_log_level.value))
 
 
 @app.command("demo", short_help="Inspect, convert, serve and query the built-in demo model.")

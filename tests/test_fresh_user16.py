@@ -193,3 +193,64 @@ def test_llm_argument_errors_are_value_errors(kwargs, words):
         LLM(str(demo_model_path()), device="cpu", **kwargs)
     assert isinstance(info.value, InvalidArgumentError)
     assert isinstance(info.value, ConfigError) and isinstance(info.value, EngineError)
+
+
+def _serve_args(monkeypatch, *argv):
+    """``atomtool serve ARGV`` with run_serve replaced: (exit code, output, run_serve's model and kwargs)."""
+    import atomtool.serve.api.server as server
+
+    seen: dict = {}
+    monkeypatch.setattr(server, "run_serve", lambda model, **kw: seen.update(model=model, **kw) or 0)
+    r = runner.invoke(app, ["serve", *argv])
+    return r.exit_code, r.output, seen
+
+
+def test_serve_accepts_vllms_common_flags(monkeypatch, tmp_path):
+    """``vllm serve`` command lines with --trust-remote-code, --seed, --enable-chunked-prefill,
+    --kv-cache-dtype auto, --swap-space, --disable-log-requests, --disable-log-stats, --uvicorn-log-level and
+    --tokenizer (the model itself) were refused ("No such option"); they run now (no effect where atomtool
+    already behaves that way), and the values atomtool cannot honour are refused by name."""
+    import torch
+
+    model = str(tmp_path)
+    code, out, seen = _serve_args(monkeypatch, model, "--trust-remote-code", "--seed", "7", "--enable-chunked-prefill",
+                                  "--kv-cache-dtype", "auto", "--swap-space", "4", "--disable-log-requests",
+                                  "--disable-log-stats", "--uvicorn-log-level", "warning", "--tokenizer", model)
+    assert code == 0, out
+    assert seen["model"] == model and seen["uvicorn_log_level"] == "warning"
+    first = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(first, torch.rand(3))  # --seed seeded torch's generator
+    for argv, words in [(["--no-enable-chunked-prefill"], "chunked prefill is always on"),
+                        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto is supported"),
+                        (["--tokenizer", "other/tok"], "--tokenizer other/tok: the model's own tokenizer files"),
+                        (["--revision", "main"], "--revision applies to a Hub repo id")]:
+        code, out, seen = _serve_args(monkeypatch, model, *argv)
+        assert code == 1 and words in out and not seen, out
+
+
+def test_serve_revision_resolves_the_repo_at_that_revision(monkeypatch, tmp_path):
+    import atomtool.convert.commands as commands
+
+    calls = []
+    monkeypatch.setattr(commands, "resolve_source", lambda src, revision=None: calls.append((src, revision))
+                        or (tmp_path, {}))
+    code, out, seen = _serve_args(monkeypatch, "org/model", "--revision", "v2")
+    assert code == 0, out
+    assert calls == [("org/model", "v2")] and seen["model"] == str(tmp_path)
+    assert seen["served_model_name"] == "org/model"  # the repo id, not the snapshot directory
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_chunked_prefill": True}, {"kv_cache_dtype": "auto"},
+                                    {"tokenizer_mode": "auto"}, {"max_logprobs": 20}])
+def test_llm_accepts_vllms_knobs_at_the_value_atomtool_runs(kwargs):
+    from atomtool.serve.demo import demo_model_path
+    from atomtool.serve.llm import LLM
+
+    llm = LLM(str(demo_model_path()), device="cpu", **kwargs)  # observed: TypeError
+    assert llm.engine is not None
+    name, value = next(iter(kwargs.items()))
+    other = {"enable_chunked_prefill": False, "kv_cache_dtype": "fp8", "tokenizer_mode": "slow",
+             "max_logprobs": 50}[name]
+    with pytest.raises(ValueError, match=f"{name}: only {value!r} is supported"):
+        LLM(str(demo_model_path()), device="cpu", **{name: other})

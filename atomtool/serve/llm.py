@@ -60,10 +60,16 @@ class LLM:
         # trust_remote_code: accepted, no effect (atomtool never runs a checkpoint's own Python code)
         for name in _VLLM_NO_EFFECT:  # vLLM resource / logging knobs with no counterpart here
             engine_kwargs.pop(name, None)
+        for name, only in _VLLM_ONLY_VALUE.items():  # vLLM knobs whose only value here is what we always do
+            if name in engine_kwargs and engine_kwargs.pop(name) != only:
+                raise InvalidArgumentError(f"{name}: only {only!r} is supported ({_VLLM_ONLY_WHY[name]})")
         unknown = sorted(set(engine_kwargs) - _ENGINE_KWARGS)
         if unknown:
+            accepted = _ENGINE_KWARGS | {"generation_config", "seed", "tensor_parallel_size", "trust_remote_code",
+                                         "tokenizer", "revision", "quantization"}
             raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; accepted: "
-                            f"{', '.join(sorted(_ENGINE_KWARGS | {'generation_config', 'seed'}))}")
+                            f"{', '.join(sorted(accepted))}; and, with no effect here, "
+                            f"{', '.join(sorted([*_VLLM_NO_EFFECT, *_VLLM_ONLY_VALUE]))}")
         if "dtype" in engine_kwargs:
             engine_kwargs["dtype"] = _DTYPE_ALIASES.get(engine_kwargs["dtype"], engine_kwargs["dtype"])
         if seed is not None:  # vLLM's engine seed: requests without their own seed are reproducible run to run
@@ -271,6 +277,13 @@ _ENGINE_KWARGS = frozenset({"dtype", "device", "fp8_activations", "max_model_len
 #: vLLM constructor knobs (resources, logging, compilation) that change no result here: accepted, no effect
 _VLLM_NO_EFFECT = ("swap_space", "disable_log_stats", "max_seq_len_to_capture", "disable_custom_all_reduce",
                    "cpu_offload_gb", "compilation_config", "load_format", "download_dir", "distributed_executor_backend")
+#: vLLM constructor knobs with one value here (what atomtool always does): that value accepted, others refused
+_VLLM_ONLY_VALUE = {"enable_chunked_prefill": True, "kv_cache_dtype": "auto", "tokenizer_mode": "auto",
+                    "max_logprobs": 20}
+_VLLM_ONLY_WHY = {"enable_chunked_prefill": "chunked prefill is always on, max_num_batched_tokens sets the chunk",
+                  "kv_cache_dtype": "the KV cache is kept in the model's dtype",
+                  "tokenizer_mode": "the model's fast tokenizer is used",
+                  "max_logprobs": "requests may ask for up to 20 log-probs"}
 #: vLLM's dtype spellings
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -169,7 +169,8 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
               enable_prefix_caching: bool = True, generation_config: str = "auto",
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
               allowed_origins: str | None = None, allowed_methods: str | None = None,
-              allowed_headers: str | None = None, allow_credentials: bool = False) -> int:
+              allowed_headers: str | None = None, allow_credentials: bool = False,
+              uvicorn_log_level: str = "info") -> int:
     """Serve ``model`` (a layout or raw HF checkpoint; None: the built-in demo model) until SIGTERM/SIGINT.
 
     Flags mirror ``vllm serve``. The served model name defaults to ``model`` as given (vLLM does the
@@ -190,6 +191,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     it changes nothing here (``tool_choice`` ``"auto"`` is served either way) but, as in vLLM, needs
     ``tool_call_parser``. ``allowed_origins`` / ``allowed_methods`` / ``allowed_headers`` (JSON lists of
     strings, default ``["*"]``) and ``allow_credentials``: the CORS policy (:func:`cors_policy`, vLLM's flags).
+    ``uvicorn_log_level``: the HTTP server's log level (vLLM's ``--uvicorn-log-level``).
 
     Raises:
         AtomtoolError: bad flags (``--tensor-parallel-size`` > 1, out-of-range values), a chat template
@@ -243,7 +245,7 @@ def run_serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
                      max_body_bytes=max_request_bytes or DEFAULT_MAX_BODY_BYTES,
                      trust_request_chat_template=trust_request_chat_template,
                      generation_defaults=generation_defaults, tool_call_parser=tool_call_parser, cors=cors)
-    server = _uvicorn_server(app, sock, "info")
+    server = _uvicorn_server(app, sock, uvicorn_log_level)
     bound_host, bound_port = sock.getsockname()[:2]
     if engine.max_model_len_note:
         print(f"atomtool serve: warning: {engine.max_model_len_note}", file=sys.stderr, flush=True)
