@@ -254,3 +254,18 @@ def test_llm_accepts_vllms_knobs_at_the_value_atomtool_runs(kwargs):
              "max_logprobs": 50}[name]
     with pytest.raises(ValueError, match=f"{name}: only {value!r} is supported"):
         LLM(str(demo_model_path()), device="cpu", **{name: other})
+
+
+def test_llm_chat_outputs_carry_the_rendered_prompt():
+    """vLLM's ``LLM.chat`` returns the conversation as the chat template rendered it in ``RequestOutput.prompt``
+    (ours was None)."""
+    from atomtool.serve.demo import demo_model_path
+    from atomtool.serve.llm import LLM
+    from atomtool.serve.sampling_params import SamplingParams
+
+    llm = LLM(str(demo_model_path()), device="cpu")
+    messages = [{"role": "user", "content": "Beautiful is"}]
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0))
+    rendered = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == rendered
+    assert llm.get_tokenizer().encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids

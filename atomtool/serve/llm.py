@@ -267,7 +267,11 @@ class LLM:
                 if single:
                     raise
                 raise InvalidRequestError(f"conversation {i}: {exc}", param=exc.param) from None
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for out, ids in zip(outputs, prompts, strict=True):  # vLLM's chat outputs carry the rendered prompt
+            if out.prompt is None:
+                out.prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return outputs
 
 
 #: from_model's keyword arguments, the ones LLM passes on
