@@ -269,3 +269,16 @@ def test_llm_chat_outputs_carry_the_rendered_prompt():
     rendered = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out.prompt == rendered
     assert llm.get_tokenizer().encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
+
+
+def test_config_only_inspect_says_a_quantization_outside_config_json_is_not_seen(tmp_path):
+    """NVIDIA's DeepSeek-V3.2-NVFP4 config.json alone (its quantization lives in hf_quant_config.json) read as
+    a plain BF16 model with no caveat; the config-only note now says what it cannot see."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).resolve().parent / "data/realworld/configs/nvidia__DeepSeek-V3.2-NVFP4.json",
+                tmp_path / "config.json")
+    r = runner.invoke(app, ["inspect", str(tmp_path), "--json"])
+    (note,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config-only"]
+    assert "a quantization declared elsewhere, e.g. NVIDIA ModelOpt's hf_quant_config.json" in note["message"]

@@ -630,7 +630,10 @@ def build_report(
             towers = [k for k in ("vision_config", "audio_config") if isinstance(raw.get(k), dict)]
             findings.append(Finding("config-only", "info", None,
                                     f"{source}: no safetensors weights; schedule and sizes come from config.json"
-                                    + ("" if spec is None else " (quantized: weight bytes unknown)")
+                                    + (" (no quantization_config: sizes assume the config's dtype; a quantization "
+                                       "declared elsewhere, e.g. NVIDIA ModelOpt's hf_quant_config.json, or only "
+                                       "in the tensors, is not seen without the weights)" if spec is None
+                                       else " (quantized: weight bytes unknown)")
                                     + (f"; the estimate counts the language model only ({' and '.join(towers)}"
                                        " present: that tower is not counted)" if towers else "")))
     memory: dict[str, Any] = {"weights_bytes": weights_bytes, "kv_bytes_per_token": None}
