@@ -282,3 +282,15 @@ def test_config_only_inspect_says_a_quantization_outside_config_json_is_not_seen
     r = runner.invoke(app, ["inspect", str(tmp_path), "--json"])
     (note,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config-only"]
     assert "a quantization declared elsewhere, e.g. NVIDIA ModelOpt's hf_quant_config.json" in note["message"]
+
+
+def test_convert_json_lists_the_leftover_cleanup_among_its_warnings(qwen, tmp_path, monkeypatch):
+    """``convert --json`` after an interrupted run: the stale temporary directory's removal was said on stderr
+    only; the JSON's warnings carry it too."""
+    import atomtool.convert.commands as commands
+
+    line = "removed the stale temporary directory .out.tmp-x of an interrupted conversion: 1.00 MiB reclaimed"
+    monkeypatch.setattr(commands, "clean_leftover_tmp_dirs", lambda out, remove=True: [line])
+    r = runner.invoke(app, ["convert", str(qwen), str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["warnings"][0] == line and f"warning: {line}" in r.stderr

@@ -313,7 +313,8 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
     hub_id = not local_src.is_dir() and not local_src.exists() and not looks_like_path(src)
     # refuse before any work; a Hub repo id cannot contain OUT, so only OUT itself is checked for it
     check_destination(None if hub_id else local_src, out, overwrite=overwrite)
-    _warn(clean_leftover_tmp_dirs(out, remove=not dry_run))
+    leftovers = clean_leftover_tmp_dirs(out, remove=not dry_run)
+    _warn(leftovers)
     if hub_id and not dry_run and not force:
         # vet the repo from its remote headers before downloading it (a 700 GB download must not precede a
         # refusal); if the remote read fails (offline, cache only), the download path below says why
@@ -358,8 +359,8 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
             print(json.dumps({"out": str(result.out), "tensors": result.tensors, "shards": result.shards,
                               "bytes": result.bytes, "seconds": round(result.seconds, 3),
                               "gb_per_s": round(rate / 1e9, 3), "bytes_per_s": round(rate),
-                              "warnings": forced + plan.warnings + ([result.sync_warning] if result.sync_warning
-                                                                     else []), "notes": plan.notes,
+                              "warnings": leftovers + forced + plan.warnings + (
+                                  [result.sync_warning] if result.sync_warning else []), "notes": plan.notes,
                               "carried_files": [e["path"] for e in result.manifest["carried_files"]],
                               "not_carried": result.manifest["not_carried"]}, indent=1), flush=True)
         else:
