@@ -294,3 +294,13 @@ def test_convert_json_lists_the_leftover_cleanup_among_its_warnings(qwen, tmp_pa
     r = runner.invoke(app, ["convert", str(qwen), str(tmp_path / "out"), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["warnings"][0] == line and f"warning: {line}" in r.stderr
+
+
+def test_an_infinite_quantization_bits_value_is_a_config_error(tmp_path):
+    """Found by CI's property test: ``quantization_config: {"bits": Infinity}`` (Python's json reads it) crashed
+    inspect with OverflowError; it is a malformed quantization_config like any other bad value."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", '
+                                          '"quantization_config": {"quant_method": "gptq", "bits": Infinity}}')
+    r = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "quantization_config: malformed (OverflowError" in r.stderr

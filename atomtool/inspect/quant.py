@@ -164,7 +164,7 @@ def parse_quant_config(qcfg: dict[str, Any] | None, hf_quant_config: dict[str, A
     """
     try:
         return _parse_quant_config(qcfg, hf_quant_config)
-    except (TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError) as exc:  # (int(inf))
         src = "hf_quant_config.json" if hf_quant_config else "config.json: quantization_config"
         raise ConfigError(f"{src}: malformed ({type(exc).__name__}: {exc})") from None
 
