@@ -400,9 +400,9 @@ def test_tools_a_template_ignores_are_logged_once(caplog):
         prompt_text(engine, tok, chat(url, messages=CONVO, tools=TOOLS, chat_template=TOOL_TEMPLATE))
     warnings = [r.getMessage() for r in caplog.records if r.name == "atomtool.serve" and "tools" in r.getMessage()]
     assert warnings == ["a request sent tools, but the chat template does not reference `tools`, so the tool "
-                        "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
-                        "template with --chat-template, or send one as the request's chat_template (accepted "
-                        "with --trust-request-chat-template)"]
+                        "definitions are not part of the prompt (the model never sees them); give a tool-aware "
+                        "template (serve: --chat-template, or the request's chat_template with "
+                        "--trust-request-chat-template; LLM.chat: chat_template=)"]
 
 
 @pytest.mark.parametrize("template, reads", [

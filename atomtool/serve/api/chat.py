@@ -353,9 +353,9 @@ def warn_if_tools_unused(tokenizer: Any, chat_template: str | None, tools: list[
     _TOOL_CHECKS[digest] = reads = template_reads_tools(source)
     if not reads:
         logger.warning("a request sent tools, but the chat template does not reference `tools`, so the tool "
-                       "definitions are not part of the prompt (the model never sees them); serve a tool-aware "
-                       "template with --chat-template, or send one as the request's chat_template (accepted with "
-                       "--trust-request-chat-template)")
+                       "definitions are not part of the prompt (the model never sees them); give a tool-aware "
+                       "template (serve: --chat-template, or the request's chat_template with "
+                       "--trust-request-chat-template; LLM.chat: chat_template=)")
 
 
 def render_chat(tokenizer: Any, messages: list[Any], *, chat_template: str | None,
