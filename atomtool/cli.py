@@ -378,13 +378,22 @@ def serve_cmd(
     if kv_cache_dtype != "auto":
         raise AtomtoolError(f"--kv-cache-dtype {kv_cache_dtype}: only auto is supported (the KV cache is kept in "
                             "the model's dtype)")
-    if tokenizer is not None and (model is None or os.path.realpath(tokenizer) != os.path.realpath(model)):
-        raise AtomtoolError(f"--tokenizer {tokenizer}: the model's own tokenizer files are used; another "
-                            "tokenizer is not supported (drop the flag)")
+    if seed is not None and not -(1 << 63) <= seed < 1 << 64:
+        raise AtomtoolError(f"--seed must be an integer in the int64 / uint64 range, got {seed}")
+    if tokenizer is not None:
+        from atomtool.serve.demo import demo_model_path
+
+        served = model if model is not None else str(demo_model_path())
+        if os.path.realpath(tokenizer) != os.path.realpath(served):
+            raise AtomtoolError(f"--tokenizer {tokenizer}: the model's own tokenizer files are used; another "
+                                "tokenizer is not supported (drop the flag)")
     if revision is not None:
         from atomtool.inspect.source import looks_like_path
 
-        if model is None or os.path.exists(model) or looks_like_path(model):
+        if model is None:
+            raise AtomtoolError("--revision applies to a Hub repo id given as MODEL; none was given (the demo "
+                                "model has no revisions)")
+        if os.path.exists(model) or looks_like_path(model):
             raise AtomtoolError(f"--revision applies to a Hub repo id; MODEL {model!r} is a local path")
         from atomtool.convert.commands import resolve_source
 

@@ -304,3 +304,72 @@ def test_an_infinite_quantization_bits_value_is_a_config_error(tmp_path):
     r = runner.invoke(app, ["inspect", str(tmp_path)])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "quantization_config: malformed (OverflowError" in r.stderr
+
+
+def test_overwrite_names_user_entries_with_the_staging_prefix_instead_of_deleting_them(qwen, tmp_path):
+    """Round 16e: entries named ``.atomtool.tmp-*`` in a layout (not a mount point, so never convert's own
+    staging) were reported as a live conversion's, "left alone", then deleted with the old layout."""
+    out = tmp_path / "L"
+    assert runner.invoke(app, ["convert", str(qwen), str(out)]).exit_code == 0
+    (out / ".atomtool.tmp-keep").mkdir()
+    (out / ".atomtool.tmp-keep" / "f").write_text("precious")
+    r = runner.invoke(app, ["convert", str(qwen), str(out), "--overwrite"])
+    assert r.exit_code == 1 and "(.atomtool.tmp-keep/)" in r.stderr, r.output
+    assert (out / ".atomtool.tmp-keep" / "f").read_text() == "precious"
+
+
+def test_overwrite_checks_again_for_files_added_while_converting(qwen, tmp_path, monkeypatch):
+    """Round 16e: a file written into OUT while the conversion ran (hours, on a real checkpoint) was deleted by
+    the final swap; the swap now checks OUT again and refuses, the new layout discarded, OUT untouched."""
+    import atomtool.convert.writer as writer
+
+    out = tmp_path / "L"
+    assert runner.invoke(app, ["convert", str(qwen), str(out)]).exit_code == 0
+    real = writer._write_shards
+
+    def write_while_a_user_adds_notes(*args, **kwargs):
+        (out / "MY_NOTES.md").write_text("written meanwhile")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "_write_shards", write_while_a_user_adds_notes)
+    r = runner.invoke(app, ["convert", str(qwen), str(out), "--overwrite", "--json"])
+    assert r.exit_code == 1
+    assert "it holds 1 entry the layout does not list (MY_NOTES.md)" in json.loads(r.stdout)["error"]["message"]
+    assert (out / "MY_NOTES.md").read_text() == "written meanwhile"
+    assert not list(tmp_path.glob(".L.*"))  # the new layout's temporary directory is gone
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"carried_files": 5}, "'carried_files' is not a list"),
+    ({"not_carried": {"a": 1}}, "'not_carried' is not a list"),
+])
+def test_a_hand_edited_manifest_is_a_layout_error_not_a_traceback(qwen, tmp_path, edit, words):
+    out = tmp_path / "L"
+    assert runner.invoke(app, ["convert", str(qwen), str(out)]).exit_code == 0
+    manifest = json.loads((out / "atomtool.json").read_text())
+    (out / "atomtool.json").write_text(json.dumps({**manifest, **edit}))
+    for argv in (["verify", str(out), "--json"], ["convert", str(qwen), str(out), "--overwrite", "--json"]):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 1 and r.exception is None or isinstance(r.exception, SystemExit), r.output
+        assert words in json.loads(r.stdout)["error"]["message"], r.stdout
+
+
+def test_round_16e_argument_edges(monkeypatch, tmp_path):
+    """An out-of-range --seed / seed= is named (was torch's "Overflow when unpacking long long" traceback); an
+    unknown device is a ValueError naming the choices (was torch's RuntimeError); vLLM's default None for
+    enable_chunked_prefill is accepted; --revision without MODEL and --tokenizer naming the demo model that
+    serve runs without MODEL get the right answer."""
+    from atomtool.serve.demo import demo_model_path
+    from atomtool.serve.llm import LLM
+
+    code, out, seen = _serve_args(monkeypatch, "--seed", "99999999999999999999999")
+    assert code == 1 and "--seed must be an integer in the int64 / uint64 range" in out and not seen
+    with pytest.raises(ValueError, match="seed must be an integer in the int64 / uint64 range"):
+        LLM(str(demo_model_path()), device="cpu", seed=2 ** 70)
+    with pytest.raises(ValueError, match="unknown device 'banana'; choose auto, cpu or cuda"):
+        LLM(str(demo_model_path()), device="banana")
+    assert LLM(str(demo_model_path()), device="cpu", enable_chunked_prefill=None).engine is not None
+    code, out, seen = _serve_args(monkeypatch, "--revision", "main")
+    assert code == 1 and "none was given" in out and not seen
+    code, out, seen = _serve_args(monkeypatch, "--tokenizer", str(demo_model_path()))
+    assert code == 0 and seen["model"] is None, out

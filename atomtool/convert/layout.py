@@ -98,7 +98,8 @@ def read_manifest(layout_dir: str | Path) -> dict[str, Any]:
     """Read and validate ``atomtool.json`` of a layout directory.
 
     Raises:
-        LayoutError: missing file, not JSON, wrong ``format``, unsupported ``version``, no ``tensors``.
+        LayoutError: missing file, not JSON, wrong ``format``, unsupported ``version``, no ``tensors``,
+            ``carried_files`` / ``not_carried`` present but not lists.
     """
     path = Path(layout_dir) / MANIFEST_NAME
     if not path.is_file():
@@ -114,6 +115,9 @@ def read_manifest(layout_dir: str | Path) -> dict[str, Any]:
         raise LayoutError(f"{path}: layout version {json.dumps(version)} is not supported (expected {VERSION})")
     if not isinstance(manifest.get("tensors"), dict):
         raise LayoutError(f"{path}: 'tensors' missing or not an object")
+    for key in ("carried_files", "not_carried"):
+        if not isinstance(manifest.get(key, []), list):
+            raise LayoutError(f"{path}: {key!r} is not a list")
     return manifest
 
 

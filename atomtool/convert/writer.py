@@ -74,7 +74,7 @@ from atomtool.convert.layout import (
 )
 from atomtool.convert.materialize import SourceReader, _bytes, byte_segments, materialize
 from atomtool.convert.plan_types import ConversionPlan, OutputTensor
-from atomtool.errors import ConversionError
+from atomtool.errors import ConversionError, LayoutError
 from atomtool.inspect.report import human_bytes
 from atomtool.inspect.safetensors_header import DTYPE_BITS
 from atomtool.inspect.source import check_path_argument
@@ -187,21 +187,35 @@ def check_destination(src: str | Path | None, out: str | Path, *, overwrite: boo
         if inside is not None:  # a SRC file symlinked into OUT would vanish with the old OUT
             raise ConversionError(f"refusing to --overwrite {out}: the source file {inside} resolves into it "
                                   "(the source is never modified)")
-        if not is_layout(out_r):
-            raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
-                                  f"(no {MANIFEST_NAME}); remove it yourself if it should go")
+        check_replaceable(out_r, out)
+
+
+def check_replaceable(out_r: Path, out: str | Path) -> None:
+    """Refuse to --overwrite ``out_r`` unless it is an atomtool layout holding only the layout's own files
+    (checked up front and again just before the swap: a file added while converting is not deleted either).
+
+    Raises:
+        ConversionError: not a layout (no or an unreadable manifest), or entries the layout does not list.
+    """
+    if not (out_r / MANIFEST_NAME).is_file():
+        raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
+                              f"(no {MANIFEST_NAME}); remove it yourself if it should go")
+    try:
         foreign = foreign_entries(out_r)
-        if foreign:  # --overwrite replaces a layout, never what a user put beside it
-            shown = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
-            raise ConversionError(f"refusing to --overwrite {out}: it holds {len(foreign)} "
-                                  f"entr{'y' if len(foreign) == 1 else 'ies'} the layout does not list ({shown}), "
-                                  "which replacing it would delete; move them out first")
+    except LayoutError as exc:
+        raise ConversionError(f"refusing to --overwrite {out}: its {MANIFEST_NAME} cannot be read as a layout "
+                              f"manifest ({exc}); remove it yourself if it should go") from None
+    if foreign:  # --overwrite replaces a layout, never what a user put beside it
+        shown = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        raise ConversionError(f"refusing to --overwrite {out}: it holds {len(foreign)} "
+                              f"entr{'y' if len(foreign) == 1 else 'ies'} the layout does not list ({shown}), "
+                              "which replacing it would delete; move them out first")
 
 
 def foreign_entries(out_r: Path) -> list[str]:
     """Entries of layout ``out_r`` that are not the layout's own files (:func:`layout_files`) nor directories
     holding only those: what a user added. Names relative to ``out_r``, directories with a trailing ``/``."""
-    owned = layout_files(read_manifest(out_r))
+    owned = layout_files(read_manifest(out_r))  # (LayoutError: not a readable manifest)
     owned_dirs = {p.as_posix() for f in owned for p in Path(f).parents if p != Path(".")}
 
     def walk(entries: list[Path]):
@@ -215,7 +229,9 @@ def foreign_entries(out_r: Path) -> list[str]:
             elif rel not in owned:
                 yield rel
 
-    return list(walk(_entries(out_r)))
+    # every entry, the in-place staging prefix included: an OUT --overwrite replaces is never filled in place
+    # (a mount point's overwrite is refused), so such a name is a user's
+    return list(walk(list(out_r.iterdir())))
 
 
 #: file inside a temporary ``.OUT.tmp-XXXX`` naming the convert that owns it (removed before the final rename)
@@ -1009,9 +1025,8 @@ def _commit(tmp: Path, out_abs: Path, out: Path, *, overwrite: bool, token: str)
                                       "pass --overwrite to replace it") from None
             raise
         return _sync_after_rename(out_abs, out)
-    if out_abs.is_dir() and any(out_abs.iterdir()) and not is_layout(out_abs):
-        raise ConversionError(f"refusing to --overwrite {out}: it is not an atomtool layout "
-                              f"(no {MANIFEST_NAME}); remove it yourself if it should go")
+    if out_abs.is_dir() and any(out_abs.iterdir()):
+        check_replaceable(out_abs, out)  # again: something may have been added while converting
     if not out_abs.exists():
         os.rename(tmp, out_abs)
     elif _renameat2(tmp, out_abs, RENAME_EXCHANGE):  # tmp now holds the old layout

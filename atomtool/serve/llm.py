@@ -61,7 +61,7 @@ class LLM:
         for name in _VLLM_NO_EFFECT:  # vLLM resource / logging knobs with no counterpart here
             engine_kwargs.pop(name, None)
         for name, only in _VLLM_ONLY_VALUE.items():  # vLLM knobs whose only value here is what we always do
-            if name in engine_kwargs and engine_kwargs.pop(name) != only:
+            if name in engine_kwargs and engine_kwargs.pop(name) not in (only, None):  # (None: vLLM's default)
                 raise InvalidArgumentError(f"{name}: only {only!r} is supported ({_VLLM_ONLY_WHY[name]})")
         unknown = sorted(set(engine_kwargs) - _ENGINE_KWARGS)
         if unknown:
@@ -72,6 +72,9 @@ class LLM:
                             f"{', '.join(sorted([*_VLLM_NO_EFFECT, *_VLLM_ONLY_VALUE]))}")
         if "dtype" in engine_kwargs:
             engine_kwargs["dtype"] = _DTYPE_ALIASES.get(engine_kwargs["dtype"], engine_kwargs["dtype"])
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not -(1 << 63) <= seed < 1 << 64):
+            raise InvalidArgumentError(f"seed must be an integer in the int64 / uint64 range, got {seed!r}")
         if seed is not None:  # vLLM's engine seed: requests without their own seed are reproducible run to run
             import random
 

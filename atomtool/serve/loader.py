@@ -40,10 +40,14 @@ class LoadedModel:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``auto`` -> cuda when available, else cpu. Raises EngineError for cuda without a GPU."""
+    """``auto`` -> cuda when available, else cpu. Raises EngineError for cuda without a GPU,
+    InvalidArgumentError (a ValueError) for a string torch does not read as a device."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgumentError(f"unknown device {device!r}; choose auto, cpu or cuda (cuda:N)") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("device 'cuda' was requested but no CUDA/ROCm GPU is available")
     return dev
