@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from atomtool.errors import AtomtoolError, Terminated
+from atomtool.errors import AtomtoolError, Terminated, sigterm_as_interrupt
 
 app = typer.Typer(
     name="atomtool",
@@ -255,14 +255,15 @@ def generate_cmd(
     """Generate completions for one batch of prompts with the engine (offline, no server)."""
     from atomtool.serve.commands import run_generate, structured_outputs_option
 
-    raise typer.Exit(run_generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                  seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
-                                  device=device.value, json_out=json_out,
-                                  fp8_activations=fp8_activations.value,
-                                  generation_config=generation_config.value,
-                                  structured_outputs=structured_outputs_option(json_schema, regex, choice)))
+    with sigterm_as_interrupt():  # SIGTERM (timeout, a scheduler): exit 143 with the error line / JSON
+        raise typer.Exit(run_generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                      seed=seed, ignore_eos=ignore_eos, dtype=dtype.value,
+                                      device=device.value, json_out=json_out,
+                                      fp8_activations=fp8_activations.value,
+                                      generation_config=generation_config.value,
+                                      structured_outputs=structured_outputs_option(json_schema, regex, choice)))
 
 
 @app.command("serve", short_help="Serve a model over an OpenAI-compatible HTTP API.")

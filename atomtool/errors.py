@@ -7,6 +7,9 @@ layer or parameter at fault. Modelled on huggingface_hub's typed errors.
 
 from __future__ import annotations
 
+import signal
+from contextlib import contextmanager
+
 
 class AtomtoolError(Exception):
     """Base class for every user-facing error. ``exit_code`` is what the CLI exits with."""
@@ -88,3 +91,23 @@ def clip(text: object, width: int = 200) -> str:
     import textwrap
 
     return textwrap.shorten(one_line(text), width, placeholder=" ...")
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """Turn SIGTERM into :class:`Terminated` (a KeyboardInterrupt) inside the block, so cleanup runs and the CLI
+    exits 143 with its error line (main thread only; elsewhere a no-op). A handler replaced inside the block
+    (e.g. SIG_IGN once convert's layout is complete) is kept."""
+    def handler(signum, frame):  # noqa: ARG001
+        raise Terminated
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:  # keep SIG_IGN set once the layout is complete
+            signal.signal(signal.SIGTERM, old)

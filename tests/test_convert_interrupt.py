@@ -83,10 +83,10 @@ def test_killed_mid_write_leaves_no_layout(src, tmp_path, sig):
 def test_sigterm_becomes_keyboard_interrupt_during_convert():
     """SIGTERM takes the Ctrl-C path (temporary directory removed) while a conversion runs, and the previous
     handler is restored afterwards."""
-    from atomtool.convert.commands import _sigterm_as_interrupt
+    from atomtool.errors import sigterm_as_interrupt
 
     old = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt), _sigterm_as_interrupt():
+    with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) is old

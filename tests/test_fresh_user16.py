@@ -373,3 +373,25 @@ def test_round_16e_argument_edges(monkeypatch, tmp_path):
     assert code == 1 and "none was given" in out and not seen
     code, out, seen = _serve_args(monkeypatch, "--tokenizer", str(demo_model_path()))
     assert code == 0 and seen["model"] is None, out
+
+
+def test_generate_json_killed_by_sigterm_says_so(tmp_path):
+    """Round 16e: ``timeout 15 atomtool generate ... --json`` (SIGTERM) printed nothing and exited -15; like
+    convert, it now exits 143 with the ``error:`` line and the JSON error object."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from atomtool.serve.demo import demo_model_path
+
+    proc = subprocess.Popen([sys.executable, "-m", "atomtool", "generate", str(demo_model_path()), "--prompt", "hi",
+                             "--max-tokens", "100000", "--ignore-eos", "--json", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6)  # inside the command by then (load or generation: ~20-35 s in all on CPU)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out, err)
+    assert json.loads(out)["error"] == {"type": "Terminated", "message": "terminated (SIGTERM)", "exit_code": 143}
+    assert "error: terminated (SIGTERM)" in err

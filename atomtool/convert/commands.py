@@ -14,10 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +43,8 @@ from atomtool.errors import (
     AtomtoolError,
     ConversionError,
     SourceError,
-    Terminated,
     UnsupportedArchitectureError,
+    sigterm_as_interrupt,
 )
 from atomtool.inspect.families import family_for, supported_architectures
 from atomtool.inspect.source import check_path_argument, hub_download_error, looks_like_path, quiet_hub_logs
@@ -150,25 +148,6 @@ def source_fingerprint(report: InspectReport, root: Path) -> str:
         t = report.tensors[name]
         h.update(json.dumps([name, t.dtype, list(t.shape), t.file, list(t.data_offsets)]).encode())
     return h.hexdigest()
-
-
-@contextmanager
-def _sigterm_as_interrupt():
-    """Turn SIGTERM into :class:`~atomtool.errors.Terminated` (a KeyboardInterrupt) so the writer's cleanup
-    runs and the CLI exits 143 (main thread only)."""
-    def handler(signum, frame):  # noqa: ARG001
-        raise Terminated
-
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGTERM) is handler:  # keep SIG_IGN set once the layout is complete
-            signal.signal(signal.SIGTERM, old)
 
 
 def _fmt_parts(spec: OutputTensor) -> str:
@@ -375,7 +354,7 @@ def run_convert(src: str, out: str, *, dtype: str = "auto", shard_size: str = "5
 
     if progress is None:
         progress = not json_out and sys.stderr.isatty()
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         result = write_layout(plan, root, out, shard_size=size, overwrite=overwrite, source=source_meta,
                               progress=progress, on_commit=summary)
     if result.interrupted:
