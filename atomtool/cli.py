@@ -444,10 +444,26 @@ _IN_PROCESS_MAIN = False
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. With ``--json`` on the command line, a usage error (unknown option, bad or
+    missing value: exit 2) is also printed as the JSON error object on stdout, as every other failure is."""
     global _IN_PROCESS_MAIN
     _IN_PROCESS_MAIN = True
-    app()
+    if "--json" not in sys.argv[1:]:
+        app()
+        return
+    # click's UsageError as this typer has it (typer >= 0.2x vendors click): BadParameter's base class
+    usage_error = typer.BadParameter.__mro__[1]
+    try:
+        code = app(standalone_mode=False)
+    except usage_error as exc:
+        exc.show()
+        print(json.dumps({"error": {"type": "UsageError", "message": exc.format_message(),
+                                    "exit_code": exc.exit_code}}), flush=True)
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        print("error: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -395,3 +395,21 @@ def test_generate_json_killed_by_sigterm_says_so(tmp_path):
     assert proc.returncode == 143, (out, err)
     assert json.loads(out)["error"] == {"type": "Terminated", "message": "terminated (SIGTERM)", "exit_code": 143}
     assert "error: terminated (SIGTERM)" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["inspect", "x", "--json", "--gpu-memory", "abc"], "Invalid value for '--gpu-memory'"),
+    (["inspect", "--json"], "Missing argument 'SOURCE'."),
+    (["inspect", "x", "--json", "--bogus"], "No such option: --bogus"),
+])
+def test_usage_errors_with_json_print_the_json_error_too(argv, message):
+    """Round 16e: click's usage errors (exit 2) ignored --json (empty stdout) while every other failure printed
+    the JSON error object; now the same object, type UsageError, exit code 2, click's lines on stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "atomtool", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc
+    err = json.loads(proc.stdout)["error"]
+    assert err["type"] == "UsageError" and err["exit_code"] == 2 and err["message"].startswith(message)
+    assert "Error: " + err["message"] in proc.stderr
