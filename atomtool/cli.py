@@ -356,6 +356,10 @@ def serve_cmd(
              "sets the chunk); turning it off is refused.", show_default=False)] = None,
     kv_cache_dtype: Annotated[str, typer.Option(
         help="vLLM's flag: only 'auto' (the KV cache is kept in the model's dtype).")] = "auto",
+    tokenizer_mode: Annotated[str, typer.Option(
+        help="vLLM's flag: only 'auto' (the model's fast tokenizer).")] = "auto",
+    max_logprobs: Annotated[int, typer.Option(
+        help="vLLM's flag: only 20, the most log-probs a request may ask for here.")] = 20,
     swap_space: Annotated[float | None, typer.Option(
         help="Accepted for vLLM command lines; no effect: preempted sequences are recomputed, never swapped "
              "to CPU memory.", show_default=False)] = None,
@@ -376,6 +380,14 @@ def serve_cmd(
     if enable_chunked_prefill is False:
         raise AtomtoolError("--no-enable-chunked-prefill: chunked prefill is always on in atomtool (a long prompt "
                             "is prefilled --max-num-batched-tokens at a time); drop the flag")
+    if tokenizer_mode != "auto":
+        raise AtomtoolError(f"--tokenizer-mode {tokenizer_mode}: only auto is supported (the model's fast "
+                            "tokenizer is used)")
+    if max_logprobs != 20:
+        raise AtomtoolError(f"--max-logprobs {max_logprobs}: only 20 is supported (requests may ask for up to 20 "
+                            "log-probs)")
+    if swap_space is not None and swap_space < 0:
+        raise AtomtoolError(f"--swap-space must be >= 0 GiB, got {swap_space:g}")
     if kv_cache_dtype != "auto":
         raise AtomtoolError(f"--kv-cache-dtype {kv_cache_dtype}: only auto is supported (the KV cache is kept in "
                             "the model's dtype)")

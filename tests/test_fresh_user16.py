@@ -215,7 +215,8 @@ def test_serve_accepts_vllms_common_flags(monkeypatch, tmp_path):
     model = str(tmp_path)
     code, out, seen = _serve_args(monkeypatch, model, "--trust-remote-code", "--seed", "7", "--enable-chunked-prefill",
                                   "--kv-cache-dtype", "auto", "--swap-space", "4", "--disable-log-requests",
-                                  "--disable-log-stats", "--uvicorn-log-level", "warning", "--tokenizer", model)
+                                  "--disable-log-stats", "--uvicorn-log-level", "warning", "--tokenizer", model,
+                                  "--tokenizer-mode", "auto", "--max-logprobs", "20")
     assert code == 0, out
     assert seen["model"] == model and seen["uvicorn_log_level"] == "warning"
     first = torch.rand(3)
@@ -224,7 +225,10 @@ def test_serve_accepts_vllms_common_flags(monkeypatch, tmp_path):
     for argv, words in [(["--no-enable-chunked-prefill"], "chunked prefill is always on"),
                         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto is supported"),
                         (["--tokenizer", "other/tok"], "--tokenizer other/tok: the model's own tokenizer files"),
-                        (["--revision", "main"], "--revision applies to a Hub repo id")]:
+                        (["--revision", "main"], "--revision applies to a Hub repo id"),
+                        (["--tokenizer-mode", "slow"], "--tokenizer-mode slow: only auto is supported"),
+                        (["--max-logprobs", "50"], "--max-logprobs 50: only 20 is supported"),
+                        (["--swap-space", "-4"], "--swap-space must be >= 0 GiB, got -4")]:
         code, out, seen = _serve_args(monkeypatch, model, *argv)
         assert code == 1 and words in out and not seen, out
 
