@@ -391,8 +391,10 @@ def serve_cmd(
     if kv_cache_dtype != "auto":
         raise AtomtoolError(f"--kv-cache-dtype {kv_cache_dtype}: only auto is supported (the KV cache is kept in "
                             "the model's dtype)")
-    if seed is not None and not -(1 << 63) <= seed < 1 << 64:
-        raise AtomtoolError(f"--seed must be an integer in the int64 / uint64 range, got {seed}")
+    if seed is not None:
+        from atomtool.serve.sampling_params import seed_generators
+
+        seed_generators(seed, "--seed")
     if tokenizer is not None:
         from atomtool.serve.demo import demo_model_path
 
@@ -412,14 +414,6 @@ def serve_cmd(
 
         served_model_name = served_model_name or model  # the repo id, not the snapshot's directory
         model = str(resolve_source(model, revision)[0])
-    if seed is not None:
-        import random
-
-        import torch
-
-        random.seed(seed)
-        torch.manual_seed(seed)
-
     from atomtool.serve.api.server import run_serve
 
     if api_key is None and os.environ.get("ATOMTOOL_API_KEY") is not None:

@@ -12,7 +12,7 @@ from atomtool.errors import InvalidArgumentError, InvalidRequestError
 from atomtool.serve.engine.llm_engine import LLMEngine
 from atomtool.serve.engine.outputs import RequestOutput
 from atomtool.serve.generation_defaults import load_generation_defaults
-from atomtool.serve.sampling_params import SamplingParams, choice_seed
+from atomtool.serve.sampling_params import SamplingParams, choice_seed, seed_generators
 
 
 class LLM:
@@ -46,17 +46,18 @@ class LLM:
             raise InvalidArgumentError(f"LLM: model must be a checkpoint or layout path, got {model!r}")
         load_generation_defaults(None, generation_config)  # an unknown mode fails before the model loads
         if tensor_parallel_size != 1:
-            raise InvalidArgumentError(f"tensor_parallel_size {tensor_parallel_size} is not supported yet: atomtool runs a "
-                              "model on one device (use 1)")
+            raise InvalidArgumentError(f"tensor_parallel_size {tensor_parallel_size} is not supported yet: atomtool "
+                                       "runs a model on one device (use 1)")
         if tokenizer is not None and os.path.realpath(tokenizer) != os.path.realpath(model):
-            raise InvalidArgumentError(f"tokenizer {tokenizer!r}: the model's own tokenizer files are used; another "
-                              "tokenizer is not supported (leave tokenizer unset)")
+            raise InvalidArgumentError(f"tokenizer {tokenizer!r}: the model's own tokenizer files are used; "
+                                       "another tokenizer is not supported (leave tokenizer unset)")
         if revision is not None:
-            raise InvalidArgumentError(f"revision {revision!r}: LLM loads a local checkpoint or layout directory; download "
-                              "that revision first (huggingface-cli download REPO --revision REV --local-dir DIR)")
+            raise InvalidArgumentError(f"revision {revision!r}: LLM loads a local checkpoint or layout directory; "
+                                       "download that revision first (huggingface-cli download REPO --revision REV "
+                                       "--local-dir DIR)")
         if quantization is not None:
-            raise InvalidArgumentError(f"quantization {quantization!r}: the quantization is read from the checkpoint "
-                              "(inspect shows it); leave quantization unset")
+            raise InvalidArgumentError(f"quantization {quantization!r}: the quantization is read from the "
+                                       "checkpoint (inspect shows it); leave quantization unset")
         # trust_remote_code: accepted, no effect (atomtool never runs a checkpoint's own Python code)
         for name in _VLLM_NO_EFFECT:  # vLLM resource / logging knobs with no counterpart here
             engine_kwargs.pop(name, None)
@@ -72,16 +73,8 @@ class LLM:
                             f"{', '.join(sorted([*_VLLM_NO_EFFECT, *_VLLM_ONLY_VALUE]))}")
         if "dtype" in engine_kwargs:
             engine_kwargs["dtype"] = _DTYPE_ALIASES.get(engine_kwargs["dtype"], engine_kwargs["dtype"])
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not -(1 << 63) <= seed < 1 << 64):
-            raise InvalidArgumentError(f"seed must be an integer in the int64 / uint64 range, got {seed!r}")
         if seed is not None:  # vLLM's engine seed: requests without their own seed are reproducible run to run
-            import random
-
-            import torch
-
-            random.seed(seed)
-            torch.manual_seed(seed)
+            seed_generators(seed)
         self.engine = LLMEngine.from_model(model, **engine_kwargs)
         self.generation_defaults = load_generation_defaults(self.engine.model_dir, generation_config)
         note = self.generation_defaults.describe()

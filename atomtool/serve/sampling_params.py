@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
-from atomtool.errors import InvalidRequestError
+from atomtool.errors import InvalidArgumentError, InvalidRequestError
 
 
 @dataclass
@@ -100,6 +100,20 @@ class StructuredOutputsParams:
 
 #: most completions per prompt (``SamplingParams.n``), as the server's ``n``
 MAX_N = 128
+
+
+def seed_generators(seed: int, name: str = "seed") -> None:
+    """vLLM's engine seed (``LLM(seed=)``, ``serve --seed``): seed Python's and torch's global generators, so
+    requests without their own seed sample the same from one run to the next. Raises InvalidArgumentError
+    (named ``name``) for a value torch cannot take: not an integer in the int64 / uint64 range."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64:
+        raise InvalidArgumentError(f"{name} must be an integer in the int64 / uint64 range, got {seed!r}")
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

@@ -19,7 +19,8 @@
 //   * the bf16 probabilities go to shared memory; warp w then accumulates all BH heads x latent features
 //     64w .. 64w + 63 (the latent is also the value), so the value rows are read once per block.
 // At batch 1 a CTA's time is mostly its bytes through one SM (query, key rows, partials; docs/PERFORMANCE.md
-// session 15), hence 32 heads per CTA by default: twice the CTAs, each with half the query and partials.
+// session 15), hence 32 heads per CTA while the grid fits one wave of SMs (twice the CTAs, each with half the query
+// and partials), 64 beyond it; the wrapper picks per launch (mla_split.heads_for), and both give a row the same bits.
 // Longer (dense) chunks loop over 64-key blocks, two stages, the next block's gather in flight during the dots.
 // A program's result depends only on its own row: the same at every batch size.
 //
