@@ -108,6 +108,11 @@ _DTYPE_HELP = ("Activation / float-weight dtype. auto: float32 on CPU; on GPU th
 _DEVICE_HELP = "Where to run: auto = CUDA/ROCm GPU when available, else CPU."
 
 
+def _print_json_error(kind: str, message: str, code: int) -> None:
+    """The ``--json`` failure object on stdout: ``{"error": {"type", "message", "exit_code"}}``."""
+    print(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}), flush=True)
+
+
 def _user_errors(fn):
     """Turn AtomtoolError into a one-line message and exit code, never a traceback. A command run with
     ``--json`` also prints the failure on stdout as one JSON object, ``{"error": {"type", "message",
@@ -116,7 +121,7 @@ def _user_errors(fn):
     def fail(kwargs: dict, kind: str, message: str, code: int) -> typer.Exit:
         print(f"error: {message}", file=sys.stderr)
         if kwargs.get("json_out"):
-            print(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}), flush=True)
+            _print_json_error(kind, message, code)
         return typer.Exit(code)
 
     @functools.wraps(fn)
@@ -463,8 +468,7 @@ def main() -> None:
         code = app(standalone_mode=False)
     except usage_error as exc:
         exc.show()
-        print(json.dumps({"error": {"type": "UsageError", "message": exc.format_message(),
-                                    "exit_code": exc.exit_code}}), flush=True)
+        _print_json_error("UsageError", exc.format_message(), exc.exit_code)
         raise SystemExit(exc.exit_code) from None
     except typer.Abort:
         print("error: interrupted", file=sys.stderr)

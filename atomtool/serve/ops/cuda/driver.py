@@ -132,6 +132,13 @@ def max_shared_optin(index: int) -> int:
     return _SHARED_OPTIN[index]
 
 
+def rows_aligned(t: torch.Tensor) -> bool:
+    """16-byte vector loads at every row start of ``t``: a contiguous last dim, the base address and every
+    leading stride a multiple of 16 bytes (the check our kernels' ``uint4`` / ``cp.async`` 16-byte loads need)."""
+    elems = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1
+
+
 def device_guard(device: torch.device):
     """A context making ``device`` current for a launch: ``torch.cuda.device(device)``, or nothing when it already
     is (the usual case: skips ~10 us of host time per launch outside CUDA graphs). A kernel launches in the

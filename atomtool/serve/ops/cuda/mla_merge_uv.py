@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from atomtool.serve.ops.cuda.driver import OptionalKernel, device_guard
+from atomtool.serve.ops.cuda.driver import OptionalKernel, device_guard, rows_aligned
 
 R = 512
 DV = 128
@@ -25,11 +25,6 @@ SHARED_BYTES = (DV + ROWS) * (R + 8) * 2
 
 #: the kernel, per device and chunk count
 KERNEL = OptionalKernel("mla_merge_uv.cu", "mla_merge_uv", "MLA merge", "ATOMTOOL_CUDA_MLA_MERGE")
-
-
-def _aligned(t: torch.Tensor, elems: int) -> bool:
-    """16-byte loads of ``elems`` elements at every row start: base and the two leading strides aligned."""
-    return t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1
 
 
 def serves(out_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | None, block_k: int, n_chunks: int,
@@ -43,9 +38,9 @@ def serves(out_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | N
         return False
     if scale is not None:
         if (weight.dtype != torch.float8_e4m3fn or block_k % 16 or scale.dtype != torch.float32
-                or scale.stride(-1) != 1 or not _aligned(weight, 16)):
+                or scale.stride(-1) != 1 or not rows_aligned(weight)):
             return False
-    elif weight.dtype != torch.bfloat16 or not _aligned(weight, 8):
+    elif weight.dtype != torch.bfloat16 or not rows_aligned(weight):
         return False
     return KERNEL.ready(device, (("N_CHUNKS", n_chunks),), SHARED_BYTES)
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from atomtool.serve.ops.cuda.driver import OptionalKernel, device_guard
+from atomtool.serve.ops.cuda.driver import OptionalKernel, device_guard, rows_aligned
 
 R = 512
 P = 64
@@ -57,13 +57,9 @@ def shared_bytes(heads: int) -> int:
     key_groups = 8 // (heads // 16)
     return (heads + 2 * KEYS) * (R + P) * 2 + heads * (KEYS + 8) * 2 + (key_groups + 1) * heads * 4 + 2 * KEYS * 8
 
+
 #: the kernel, per device
 KERNEL = OptionalKernel("mla_split.cu", "mla_split", "MLA split-KV", "ATOMTOOL_CUDA_MLA_SPLIT")
-
-
-def _rows_aligned(t: torch.Tensor) -> bool:
-    """16-byte loads at every row start of a bf16 tensor: base and leading strides multiples of 8 elements."""
-    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1
 
 
 def serves(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
@@ -76,7 +72,7 @@ def serves(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent_cache: torc
     device = q_nope_absorbed.device
     if (not KERNEL.enabled(device) or q_nope_absorbed.shape[-1] != R or q_pe.shape[-1] != P
             or q_nope_absorbed.shape[1] % 32 or latent_cache.shape[-1] != R + P
-            or any(t.dtype != torch.bfloat16 or not _rows_aligned(t) for t in (q_nope_absorbed, q_pe, latent_cache))
+            or any(t.dtype != torch.bfloat16 or not rows_aligned(t) for t in (q_nope_absorbed, q_pe, latent_cache))
             or any(t is not None and (t.dtype != torch.int32 or t.stride(-1) != 1)
                    for t in (block_tables, topk_indices))):
         return False
